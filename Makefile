@@ -1,0 +1,47 @@
+# inflight — `make demo` and `make test` work on a fresh clone with only python3 and make.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve clean
+
+venv: $(STAMP)
+
+# Build .venv and install what is missing. torch is pinned to the CPU wheel on this machine's disk;
+# the GPU image installs a CUDA build instead (server/Dockerfile).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check inflight tests scripts benchmarks
+	$(VENV)/bin/ruff format --check inflight tests scripts benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q
+
+# What CI runs.
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/inflight demo
+
+bench: bench-offline bench-serve
+
+bench-offline: $(STAMP)
+	$(VENV)/bin/inflight bench offline --out bench-results
+
+bench-serve: $(STAMP)
+	$(VENV)/bin/inflight bench serve --out bench-results
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,37 @@
+"""`inflight` command line. Each area registers its own subcommands; heavy imports happen in `run`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from inflight import __version__
+from inflight.engine import commands as engine_commands
+from inflight.operator import commands as operator_commands
+from inflight.server import commands as server_commands
+from inflight.sim import commands as sim_commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inflight",
+        description="Continuous batching over a paged KV cache, an OpenAI-compatible server, "
+        "and a Kubernetes operator that sizes it.",
+    )
+    parser.add_argument("--version", action="version", version=f"inflight {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    bench = commands.add_parser("bench", help="benchmarks (offline engine, served HTTP)")
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    for area in (engine_commands, server_commands, sim_commands, operator_commands):
+        area.register(commands, bench_commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

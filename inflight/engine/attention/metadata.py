@@ -1,0 +1,46 @@
+"""The contract between the engine's runner, the model and the paged-attention kernels.
+
+A step's batch is "flattened": the new tokens of every scheduled sequence are concatenated into one
+1-D token tensor of length T; sequence i owns rows query_start_loc[i]:query_start_loc[i+1].
+A sequence's new tokens are the last `query_len` tokens of its context of length `seq_len`
+(so prefill, chunked prefill, prefix-cache hits and decode are one case: query_len == 1 is decode).
+Query token j of sequence i sits at position seq_len - query_len + j and attends causally to keys
+0..that position, read through the sequence's block table.
+
+KV cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+Token t of a sequence lives in block block_table[t // block_size] at offset t % block_size;
+its "slot" is block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [T] int64: the slot each new token's K/V is written to.
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int32: cumulative query lengths (starts at 0).
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: context length of each sequence after this step (cached + new tokens).
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32, padded with 0 (never read past seq_len).
+    block_tables: torch.Tensor
+    # Host-side copies, so the torch path needs no device sync.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    # Mistral-style sliding window (keys older than `sliding_window` positions are masked); None = off.
+    sliding_window: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
