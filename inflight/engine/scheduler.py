@@ -1,0 +1,388 @@
+"""Which sequences run each step, and how many new tokens each computes (no torch).
+
+One interface, two policies:
+
+- `ContinuousScheduler`: every step, the running sequences first (one decode token each, or the next
+  chunk of an unfinished prefill), then waiting requests are admitted into free slots while the token
+  budget lasts (prefill, chunked when it exceeds the budget). A finished sequence's slot is refilled on
+  the very next step.
+- `StaticScheduler`: admits up to `max_num_seqs` requests only when nothing is running; the batch runs
+  until its longest member finishes (members that finish early leave their slot idle).
+
+Out of KV blocks, both preempt the most recently admitted running sequence: its blocks are freed, it goes
+back to the front of the waiting queue and is recomputed (prompt + tokens so far) when readmitted.
+A request that can never fit (longer than max_model_len, or needing more blocks than the whole pool) is
+failed with finish_reason "error" and a message, never retried forever.
+
+Driving it (what LLMEngine does; the simulator does the same with fake tokens):
+
+    out = scheduler.schedule()                 # SchedulerOutput: scheduled (seq, num_new_tokens), ...
+    ... compute out.scheduled; sample a token for each seq in out.sampling (n tokens if it forks) ...
+    scheduler.update(out, {seq.seq_id: [token, ...]})   # appends tokens, finishes, frees, forks
+    scheduler.finish(seq_id, "stop", stop_reason)       # optional: engine-side stops (stop strings)
+
+Each step's decisions are reported as a `StepRecord` to `on_step` (when set) at the end of `update`.
+Deterministic: the same sequence of add/schedule/update calls gives the same decisions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from inflight.engine.kv_cache import KVCacheManager, KVCacheStats
+from inflight.engine.sequence import Sequence, SequenceStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_queue`; retry later (the server answers 503)."""
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    # Tokens already in the KV cache before this step (the new tokens start at this position).
+    num_computed_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True if this step computes the sequence's last token, so a next token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledSequence]
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    # Requests failed this step (never fit); already FINISHED with finish_reason "error".
+    failed: list[Sequence] = field(default_factory=list)
+    # KV block copies (src, dst) to perform before running the step (copy-on-write after forks).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def sampling(self) -> list[ScheduledSequence]:
+        return [s for s in self.scheduled if s.samples]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step decided, by sequence id; the simulator's trace is compared against the engine's."""
+
+    step: int
+    scheduled: tuple[tuple[str, int], ...]
+    admitted: tuple[str, ...]
+    preempted: tuple[str, ...]
+    finished: tuple[str, ...]
+    failed: tuple[str, ...]
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    num_steps: int
+    kv: KVCacheStats
+
+
+class Scheduler:
+    """Shared machinery; subclasses decide when waiting requests may be admitted."""
+
+    policy: Literal["continuous", "static"]
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        max_queue: int | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must all be >= 1")
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_queue = max_queue
+        self.on_step = on_step
+        self.waiting: deque[Sequence] = deque()
+        # In admission order: the last one is the first to be preempted.
+        self.running: list[Sequence] = []
+        self._failed: list[Sequence] = []
+        self.num_preemptions_total = 0
+        self.num_steps = 0
+
+    # ---- requests in and out
+
+    def capacity_error(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
+        """Why a request of this size can never run here, or None if it can."""
+        if num_prompt_tokens < 1:
+            return "the prompt is empty; send at least one token"
+        if num_prompt_tokens >= self.max_model_len:
+            return (
+                f"the prompt has {num_prompt_tokens} tokens but this engine's max_model_len is "
+                f"{self.max_model_len} (prompt + at least one generated token must fit); shorten the prompt"
+            )
+        total = num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
+        if total > self.max_model_len:
+            return (
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len {self.max_model_len}; lower max_tokens or shorten the prompt"
+            )
+        pool_tokens = self.kv_cache.num_blocks * self.kv_cache.block_size
+        if total > pool_tokens:
+            return (
+                f"prompt + max_tokens = {total} tokens needs {self.kv_cache.blocks_for(total)} KV blocks but "
+                f"the whole pool has {self.kv_cache.num_blocks} ({pool_tokens} tokens); "
+                "lower max_tokens or give the engine more KV blocks"
+            )
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (its index-0 sequence). Raises QueueFullError at max_queue.
+
+        A request that can never fit is not queued: it is failed ("error") and reported by the next
+        `schedule()` in `SchedulerOutput.failed`.
+        """
+        if self.max_queue is not None and len(self.waiting) >= self.max_queue:
+            raise QueueFullError(
+                f"{len(self.waiting)} requests are already waiting (max_queue={self.max_queue}); retry later"
+            )
+        seq.max_model_len = self.max_model_len
+        seq.max_tokens = (
+            seq.params.max_tokens
+            if seq.params.max_tokens is not None
+            else self.max_model_len - seq.num_prompt_tokens
+        )
+        error = self.capacity_error(seq.num_prompt_tokens, seq.params.max_tokens)
+        if error is None and seq.slots_needed > self.max_num_seqs:
+            error = f"n={seq.params.n} needs {seq.params.n} slots but the engine has {self.max_num_seqs}"
+        if error is not None:
+            seq.finish("error", error=error)
+            self._failed.append(seq)
+            return
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Stop every sequence of the request, free its blocks; returns the sequences it stopped."""
+        stopped = [s for s in [*self.waiting, *self.running] if s.request_id == request_id]
+        for seq in stopped:
+            self._remove(seq)
+            seq.finish("abort")
+        return stopped
+
+    def finish(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> Sequence | None:
+        """Finish a running or waiting sequence from outside (e.g. a stop string matched); free its blocks."""
+        for seq in [*self.running, *self.waiting]:
+            if seq.seq_id == seq_id:
+                self._remove(seq)
+                seq.finish(reason, stop_reason=stop_reason)
+                return seq
+        return None
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv_cache.free(seq.seq_id)
+
+    # ---- figures
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._failed)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def _slots_used(self) -> int:
+        return sum(s.slots_needed for s in self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preemptions_total=self.num_preemptions_total,
+            num_steps=self.num_steps,
+            kv=self.kv_cache.stats(),
+        )
+
+    # ---- one step
+
+    def _may_admit(self) -> bool:
+        raise NotImplementedError
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step=self.num_steps, scheduled=[], failed=self._failed)
+        self._failed = []
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running sequences, oldest first: next prefill chunk or one decode token each.
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv_cache.allocate(seq.seq_id, seq.num_computed_tokens, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
+                scheduled_ids.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+
+        # 2. Admit waiting requests into free slots (none after a preemption: blocks are short).
+        if not out.preempted and self._may_admit():
+            while self.waiting:
+                seq = self.waiting[0]
+                if self._slots_used() + seq.slots_needed > self.max_num_seqs:
+                    break
+                if budget <= 0 and self.policy == "continuous":
+                    break
+                if not self.kv_cache.holds(seq.seq_id):
+                    self._match_prefix(seq)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self.kv_cache.allocate(seq.seq_id, seq.num_computed_tokens, max(num_new, 0)):
+                    self.kv_cache.free(seq.seq_id)
+                    seq.num_computed_tokens = 0
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.admitted.append(seq.seq_id)
+                if num_new > 0:
+                    out.scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
+                    budget -= num_new
+
+        out.block_copies = self.kv_cache.pending_copies
+        self.kv_cache.pending_copies = []
+        self.num_steps += 1
+        return out
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        # Requests that want prompt logprobs compute every prompt position, so they skip the cache.
+        tokens = seq.token_ids if seq.params.prompt_logprobs is None else []
+        seq.num_computed_tokens = self.kv_cache.match_prefix(seq.seq_id, tokens)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv_cache.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq.seq_id)
+
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, Iterable[int]]) -> list[Sequence]:
+        """Record that `out` ran: advance computed tokens, append sampled tokens, fork, finish and free.
+
+        `sampled[seq_id]` holds the sampled token(s) of each sequence in `out.sampling`: one, or n for a
+        sequence that forks (its first token, then one for each new sibling). Returns the sequences that
+        came into being by forking this step (the engine adds them to their request); finished ones are
+        those whose `is_finished` is now true.
+        """
+        forked: list[Sequence] = []
+        finished: list[str] = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # aborted between schedule and update
+                continue
+            seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            self.kv_cache.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if not item.samples:
+                continue
+            tokens = list(sampled[seq.seq_id])
+            group = [seq]
+            if seq.num_forks_pending:
+                for index in range(1, seq.num_forks_pending + 1):
+                    child = seq.fork(index)
+                    self.kv_cache.fork(seq.seq_id, child.seq_id)
+                    group.append(child)
+                    forked.append(child)
+                seq.num_forks_pending = 0
+                self.running[self.running.index(seq) + 1 : self.running.index(seq) + 1] = group[1:]
+            if len(tokens) != len(group):
+                raise ValueError(f"{seq.seq_id}: expected {len(group)} sampled tokens, got {len(tokens)}")
+            for member, token in zip(group, tokens, strict=True):
+                member.append_token(token)
+                if member.is_finished:
+                    self._remove(member)
+                    finished.append(member.seq_id)
+        if self.on_step is not None:
+            self.on_step(
+                StepRecord(
+                    step=out.step,
+                    scheduled=tuple((s.seq.seq_id, s.num_new_tokens) for s in out.scheduled),
+                    admitted=tuple(out.admitted),
+                    preempted=tuple(out.preempted),
+                    finished=tuple(finished),
+                    failed=tuple(s.seq_id for s in out.failed),
+                )
+            )
+        return forked
+
+
+class ContinuousScheduler(Scheduler):
+    """Admit waiting requests whenever slots, budget and blocks allow (in-flight batching)."""
+
+    policy = "continuous"
+
+    def _may_admit(self) -> bool:
+        return True
+
+
+class StaticScheduler(Scheduler):
+    """Admit a batch of up to max_num_seqs requests only when nothing runs; it runs until all finish."""
+
+    policy = "static"
+
+    def _may_admit(self) -> bool:
+        return not self.running
+
+
+def create_scheduler(
+    policy: Literal["continuous", "static"],
+    kv_cache: KVCacheManager,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    max_queue: int | None = None,
+) -> Scheduler:
+    cls: type[Scheduler] = ContinuousScheduler if policy == "continuous" else StaticScheduler
+    return cls(
+        kv_cache,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        max_queue=max_queue,
+    )

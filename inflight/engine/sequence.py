@@ -1,0 +1,218 @@
+"""Requests as the scheduler sees them: sampling parameters and per-sequence state (no torch).
+
+A request asks for `n` completions of one prompt. It starts as one `Sequence` (index 0) that carries the
+prompt; when its prompt has been computed the scheduler forks it into `n` sequences that share the
+prompt's KV blocks (ref counts), and each samples its own continuation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+MAX_LOGPROBS = 20
+
+FinishReason = str  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (vLLM's names and meanings).
+
+    temperature 0 is greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    max_tokens None means "until the context (max_model_len) is full". `seed` makes the request's
+    tokens reproducible whatever else shares the batch. `logprobs` / `prompt_logprobs` ask for that
+    many top alternatives per token (plus the chosen token). Invalid values raise ValueError naming the
+    field, what it got and what is allowed.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k < 0:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks: list[tuple[bool, str]] = [
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be >= 1 (or None for 'up to the context length'), got {self.max_tokens}",
+            ),
+            (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (all(s for s in self.stop or []), "stop strings must be non-empty"),
+            (all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be >= 0"),
+        ]
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            checks.append(
+                (
+                    value is None or 0 <= value <= MAX_LOGPROBS,
+                    f"{name} must be between 0 and {MAX_LOGPROBS} (or None), got {value}",
+                )
+            )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability under the model, its rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob for the top-k candidates and the token actually chosen.
+PositionLogprobs = dict[int, Logprob]
+
+
+class SequenceStatus(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation stream: prompt + output tokens, how many of them are in the KV cache, and why it ended.
+
+    `seq_id` is the request id for index 0 and "<request id>#<index>" for forked siblings (n > 1).
+    `max_tokens` is the effective cap the scheduler resolved from the params and max_model_len.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    index: int = 0
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    max_tokens: int = 0
+    max_model_len: int = 0
+    num_forks_pending: int = 0
+    num_preemptions: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    cumulative_logprob: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        if self.index == 0:
+            self.num_forks_pending = self.params.n - 1
+
+    @property
+    def seq_id(self) -> str:
+        return self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while tokens the model has not seen remain besides the newest sampled one."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def slots_needed(self) -> int:
+        """Slots this sequence holds: itself plus the siblings it will fork into."""
+        return 1 + self.num_forks_pending
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token and finish the sequence if a stop condition holds."""
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+            self.finish("stop")
+        elif token_id in (self.params.stop_token_ids or ()):
+            self.finish("stop", stop_reason=token_id)
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish("length")
+
+    def finish(
+        self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None
+    ) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling with the same prompt, sharing nothing mutable with this one."""
+        return Sequence(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            eos_token_ids=self.eos_token_ids,
+            index=index,
+            arrival_time=self.arrival_time,
+            output_token_ids=list(self.output_token_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            status=self.status,
+            max_tokens=self.max_tokens,
+            max_model_len=self.max_model_len,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs,
+            cumulative_logprob=self.cumulative_logprob,
+        )
