@@ -1,0 +1,145 @@
+"""charts/inflight rendered by the real helm: lint, Kubernetes 1.32 schemas, restricted pods, values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+VARIANTS = {
+    "defaults": (),
+    "no-leader-election": ("--set", "replicaCount=1", "--set", "leaderElection.enabled=false"),
+    "existing-service-account": ("--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"),
+    "pinned-digests": (
+        "--set",
+        "image.digest=sha256:" + "a" * 64,
+        "--set",
+        "serverImage.digest=sha256:" + "b" * 64,
+        "--set",
+        "imagePullSecrets={regcred}",
+    ),
+    "scheduling": (
+        "--set",
+        "nodeSelector.pool=system",
+        "--set",
+        "tolerations[0].key=dedicated,tolerations[0].operator=Exists",
+        "--set",
+        "priorityClassName=system-cluster-critical",
+        "--set",
+        "podAnnotations.team=ml",
+        "--set",
+        "securityContext.runAsUser=null,securityContext.runAsGroup=null",
+    ),
+}
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def operator_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    deployments = by_kind(objects, "Deployment")
+    assert len(deployments) == 1
+    return deployments[0]
+
+
+def test_helm_lint_strict(helm: Any) -> None:
+    result = helm.run("lint", "--strict", str(helm.chart), "--kube-version", helm.kube_version)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_object_passes_the_kubernetes_schema(helm: Any, variant: str) -> None:
+    objects = helm.render("--include-crds", *VARIANTS[variant])
+    assert objects
+    for obj in objects:
+        name = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+        try:
+            kubernetes_validate.validate(obj, helm.kube_version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{variant}: {name} at {list(error.path)}: {error.message}")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_namespaced_objects_go_to_the_release_namespace(helm: Any, variant: str) -> None:
+    for obj in helm.render(*VARIANTS[variant]):
+        if obj["kind"] in ("ServiceAccount", "Deployment", "Role", "RoleBinding"):
+            assert obj["metadata"]["namespace"] == helm.namespace, obj["metadata"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_pods_are_restricted(helm: Any, variant: str) -> None:
+    pod = operator_deployment(helm.render(*VARIANTS[variant]))["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+    for container in pod["containers"] + pod.get("initContainers", []):
+        context = container["securityContext"]
+        assert context["runAsNonRoot"] is True
+        assert context["readOnlyRootFilesystem"] is True
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"] == {"drop": ["ALL"]}
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert context.get("privileged") is not True
+        assert context.get("runAsUser", 1) != 0
+        assert container["resources"]["requests"]["memory"]
+        assert container["resources"]["limits"]["memory"]
+        assert container["livenessProbe"] and container["readinessProbe"]
+    assert pod["securityContext"].get("runAsUser", 1) != 0
+
+
+def test_default_operator_deployment(helm: Any) -> None:
+    deployment = operator_deployment(helm.render())
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/inflight-dev/inflight-operator:0.1.0"
+    assert "--server-image=ghcr.io/inflight-dev/inflight-server:0.1.0" in container["args"]
+    assert "--leader-election" in container["args"]
+    assert pod["serviceAccountName"] == "inflight"
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_leader_election_can_be_turned_off(helm: Any) -> None:
+    deployment = operator_deployment(helm.render(*VARIANTS["no-leader-election"]))
+    assert deployment["spec"]["replicas"] == 1
+    assert "--leader-election" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_digests_win_over_tags(helm: Any) -> None:
+    (container,) = operator_deployment(helm.render(*VARIANTS["pinned-digests"]))["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert container["image"] == "ghcr.io/inflight-dev/inflight-operator@sha256:" + "a" * 64
+    assert f"--server-image=ghcr.io/inflight-dev/inflight-server@sha256:{'b' * 64}" in container["args"]
+
+
+def test_existing_service_account_is_used_not_created(helm: Any) -> None:
+    objects = helm.render(*VARIANTS["existing-service-account"])
+    assert by_kind(objects, "ServiceAccount") == []
+    assert operator_deployment(objects)["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        (("--set", "replicaCount=-1"), "/replicaCount"),
+        (("--set", "logLevel=trace"), "/logLevel"),
+        (("--set", "image.pullPolicy=Sometimes"), "/image/pullPolicy"),
+        (("--set", "image.digest=sha256:abc"), "/image/digest"),
+        (("--set", "replicas=2"), "additional properties 'replicas' not allowed"),
+        (("--set", "healthPort=80"), "/healthPort"),
+        (
+            ("--set", "serviceAccount.create=false"),
+            "serviceAccount.name must name an existing ServiceAccount",
+        ),
+    ],
+)
+def test_bad_values_are_rejected_with_the_reason(helm: Any, values: tuple[str, ...], complaint: str) -> None:
+    result = helm.template(*values)
+    assert result.returncode != 0
+    assert complaint in result.stderr
