@@ -3,7 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
     """Add this area's subcommands to `commands` and its benchmarks to `bench`."""
+    parser = commands.add_parser(
+        "make-model",
+        help="write a random-weight Hugging Face checkpoint (Llama/Qwen2/Mistral) with a trained tokenizer",
+        description="Write a Hugging Face checkpoint folder (config.json, model.safetensors, tokenizer files "
+        "with a chat template) with random weights and a byte-level BPE tokenizer trained on the Python "
+        "standard library's sources. The same arguments give the same bytes.",
+    )
+    parser.add_argument(
+        "--preset", choices=("tiny", "small"), default="tiny", help="model size (default: tiny)"
+    )
+    parser.add_argument(
+        "--arch", choices=("llama", "qwen2", "mistral"), default="llama", help="architecture (default: llama)"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="output folder (must not exist or be empty)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it already holds files")
+    parser.set_defaults(func=_make_model)
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from inflight.engine.model.make_model import make_model
+
+    try:
+        make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, overwrite=args.force)
+    except FileExistsError as e:
+        print(f"inflight make-model: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,35 @@
+"""Which paged-attention implementation a device uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from inflight.engine.attention import torch_paged
+from inflight.engine.attention.metadata import AttentionMetadata
+
+WriteKVCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The two operations the model needs from a paged-attention implementation."""
+
+    name: str
+    write_kv_cache: WriteKVCache
+    paged_attention: PagedAttention
+
+
+TORCH_BACKEND = AttentionBackend(
+    name="torch",
+    write_kv_cache=torch_paged.write_kv_cache,
+    paged_attention=torch_paged.paged_attention,
+)
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """The attention backend for `device`: the PyTorch path everywhere."""
+    return TORCH_BACKEND

@@ -1,0 +1,142 @@
+"""Paged attention in plain PyTorch: the reference path, and the one that runs on CPU.
+
+K/V are read through each sequence's block table (see metadata.py for the layout). Decode-only
+batches gather every sequence's keys at once and run one batched SDPA with a padding mask;
+sequences with more than one new token (prefill, chunked prefill after a cached prefix) run one
+SDPA each with a causal mask offset by the cached length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inflight.engine.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the new tokens' key/value rows ([T, num_kv_heads, head_dim]) at their slots."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the step's new tokens ([T, num_heads, head_dim]) over their cached contexts."""
+    if meta.is_decode_only:
+        return _decode(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.max_seq_len,
+            meta.sliding_window,
+            scale,
+        )
+    out = torch.empty_like(query)
+    decode_seqs: list[int] = []
+    decode_rows: list[int] = []
+    start = 0
+    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
+        if query_len == 1:
+            decode_seqs.append(i)
+            decode_rows.append(start)
+        else:
+            out[start : start + query_len] = _prefill(
+                query[start : start + query_len],
+                k_cache,
+                v_cache,
+                meta.block_tables[i],
+                seq_len,
+                meta.sliding_window,
+                scale,
+            )
+        start += query_len
+    if decode_seqs:
+        seqs = torch.tensor(decode_seqs, device=query.device)
+        rows = torch.tensor(decode_rows, device=query.device)
+        out[rows] = _decode(
+            query[rows],
+            k_cache,
+            v_cache,
+            meta.block_tables[seqs],
+            meta.seq_lens[seqs],
+            max(meta.seq_lens_list[i] for i in decode_seqs),
+            meta.sliding_window,
+            scale,
+        )
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[..., num_blocks * block_size, num_kv_heads, head_dim]: the first `num_blocks` blocks of a table."""
+    blocks = cache[block_table[..., :num_blocks]]
+    return blocks.flatten(-4, -3)
+
+
+def _decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    sliding_window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence: query [B, Hq, D] -> [B, Hq, D]."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(-max_seq_len // block_size)
+    keys = _gather(k_cache, block_tables, num_blocks).transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather(v_cache, block_tables, num_blocks).transpose(1, 2)
+    key_pos = torch.arange(keys.shape[2], device=query.device)
+    lens = seq_lens.to(torch.int64)[:, None]
+    mask = key_pos[None, :] < lens
+    if sliding_window is not None:
+        mask &= key_pos[None, :] >= lens - sliding_window
+    # Query heads sharing a KV head become that head's "query rows": no K/V repeat needed.
+    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    sliding_window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """The last `query_len` tokens of one sequence: query [Q, Hq, D] -> [Q, Hq, D]."""
+    query_len = query.shape[0]
+    num_blocks = -(-seq_len // k_cache.shape[1])
+    keys = _gather(k_cache, block_table, num_blocks)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+    values = _gather(v_cache, block_table, num_blocks)[:seq_len].transpose(0, 1)
+    q = query.transpose(0, 1)  # [Hq, Q, D]
+    if query_len == seq_len and sliding_window is None:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query j sits at position seq_len - query_len + j and sees keys up to that position.
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+        key_pos = torch.arange(seq_len, device=query.device)[None, :]
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,262 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral) whose attention reads and writes a paged KV cache.
+
+The batch is flattened (see attention/metadata.py): `input_ids` and `positions` are [T] for all the
+step's new tokens. q/k/v and gate/up projections are fused into one matmul each; the loader maps the
+checkpoint's separate tensors into their row ranges (`weight_targets`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.engine.attention.backend import AttentionBackend
+from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim / 2], float32, with the checkpoint's scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: leave high frequencies alone, divide low ones by `factor`, interpolate in between.
+    old_context = scaling.original_max_position_embeddings or config.max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin for every position up to max_position_embeddings, computed once in float32."""
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(config, device)
+        positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def __call__(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    cos = cos.to(dtype)
+    sin = sin.to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.backend = backend
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), k_cache, v_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where a checkpoint tensor goes: rows `rows` of `param` (the whole parameter when rows is None)."""
+
+    param: torch.Tensor
+    rows: slice | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.rows is None:
+            return tuple(self.param.shape)
+        return (self.rows.stop - self.rows.start, *self.param.shape[1:])
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Mistral decoder over a paged KV cache.
+
+    The model lives on the device it was built for (the rotary tables are created there).
+    """
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config, device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's new tokens; their K/V are written into `kv_caches`."""
+        if attn_metadata.sliding_window != self.config.sliding_window:
+            attn_metadata = replace(attn_metadata, sliding_window=self.config.sliding_window)
+        hidden = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, k_cache, v_cache, attn_metadata)
+        normed: torch.Tensor = self.norm(hidden)
+        return normed
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for the rows of `hidden` that need sampling."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """Every tensor name a Hugging Face checkpoint of this model must hold, and where it goes."""
+        params = dict(self.named_parameters())
+        config = self.config
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        inter = config.intermediate_size
+        # checkpoint name -> (our parameter, rows of it); q/k/v and gate/up are fused here.
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
+            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
+            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
+            "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
+            "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
+        }
+        targets: dict[str, WeightTarget] = {}
+        for name, param in params.items():
+            if not name.startswith("layers."):
+                hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+                targets[hf_name] = WeightTarget(param)
+        for i in range(config.num_hidden_layers):
+            layer = f"layers.{i}"
+            for hf_module, (module, rows) in fused.items():
+                for kind in ("weight", "bias"):
+                    if f"{layer}.{module}.{kind}" in params:
+                        param = params[f"{layer}.{module}.{kind}"]
+                        targets[f"model.{layer}.{hf_module}.{kind}"] = WeightTarget(param, rows)
+            for module in (
+                "self_attn.o_proj",
+                "mlp.down_proj",
+                "input_layernorm",
+                "post_attention_layernorm",
+            ):
+                for kind in ("weight", "bias"):
+                    if f"{layer}.{module}.{kind}" in params:
+                        targets[f"model.{layer}.{module}.{kind}"] = WeightTarget(
+                            params[f"{layer}.{module}.{kind}"]
+                        )
+        return targets
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of one layer's K (or V) cache: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    return (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+
+
+def allocate_kv_caches(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed (K, V) cache pairs, one per layer."""
+    shape = kv_cache_shape(config, num_blocks, block_size)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_hidden_layers)
+    ]

@@ -1,0 +1,128 @@
+"""Load a Hugging Face Llama-family checkpoint folder: config.json + safetensors, read directly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
+from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.errors import ModelLoadError
+from inflight.engine.model.llama import LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Tensors some checkpoints carry that this model derives itself.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attention_backend: AttentionBackend | None = None,
+) -> LlamaForCausalLM:
+    """Build the model for `model_dir`'s config.json and fill it from its safetensors files.
+
+    Raises ModelLoadError naming the file and the problem when anything is missing, corrupt or unsupported.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(
+            f"{model_dir}: not a directory. Pass a Hugging Face checkpoint folder "
+            "(make one with `inflight make-model --out DIR`)."
+        )
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ModelLoadError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16.")
+    config = ModelConfig.from_dir(model_dir)
+    device = torch.device(device)
+    files = _weight_files(model_dir)
+    backend = attention_backend or get_attention_backend(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend, device)
+    model = model.to(dtype).to_empty(device=device)
+    _load_weights(model, files, config)
+    return model.eval()
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(
+                f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' object): {e}"
+            ) from e
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{index} lists shard(s) that are not in {model_dir}: {', '.join(missing)}. "
+                "Download the missing shards (or the whole checkpoint) again."
+            )
+        return [model_dir / n for n in names]
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    found_bin = sorted(p.name for p in model_dir.glob("*.bin"))
+    hint = (
+        f" Only PyTorch pickles ({', '.join(found_bin)}) are present: convert them to safetensors."
+        if found_bin
+        else ""
+    )
+    raise ModelLoadError(f"{model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file.{hint}")
+
+
+def _load_weights(model: LlamaForCausalLM, files: list[Path], config: ModelConfig) -> None:
+    targets = model.weight_targets()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    target = targets.get(name)
+                    if target is None:
+                        if not name.endswith(IGNORED_SUFFIXES) and not (
+                            name == "lm_head.weight" and config.tie_word_embeddings
+                        ):
+                            unexpected.append(name)
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != target.shape:
+                        raise ModelLoadError(
+                            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                            f"({config.architecture}, hidden_size={config.hidden_size}, "
+                            f"num_key_value_heads={config.num_key_value_heads}, head_dim={config.head_dim}) "
+                            f"needs {target.shape}. The weights do not belong to this config.json."
+                        )
+                    with torch.no_grad():
+                        dest = target.param if target.rows is None else target.param[target.rows]
+                        dest.copy_(tensor)
+                    loaded.add(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(
+                f"{path}: cannot read safetensors file ({e}). The file is corrupt or truncated; "
+                "download or regenerate it."
+            ) from e
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(
+            f"{', '.join(str(p) for p in files)}: missing tensor(s) {shown} required by "
+            f"{config.architecture} with {config.num_hidden_layers} layers. The checkpoint is incomplete."
+        )
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (
+            f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        )
+        raise ModelLoadError(
+            f"{', '.join(str(p) for p in files)}: unexpected tensor(s) {shown} for {config.architecture}. "
+            "The weights do not match config.json's architecture."
+        )

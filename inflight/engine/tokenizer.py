@@ -1,0 +1,209 @@
+"""Tokenizer of a Hugging Face checkpoint folder, from tokenizer.json via the `tokenizers` library.
+
+No transformers at runtime: special tokens and the chat template come from tokenizer_config.json,
+extra end-of-sequence ids from generation_config.json and config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Template, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenizerError(Exception):
+    """The tokenizer files are missing or unusable, or a request needs something they do not have."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e}); restore the file from the checkpoint.") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _compile_chat_template(source: str) -> Template:
+    """Compile a chat template the way Hugging Face renders them (same environment, filters, globals)."""
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise TokenizerError(f"the model's chat template does not compile: {e}") from e
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        tokenizer_config: dict[str, Any],
+        extra_eos_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = _token_content(tokenizer_config.get("bos_token"))
+        self.eos_token = _token_content(tokenizer_config.get("eos_token"))
+        self.pad_token = _token_content(tokenizer_config.get("pad_token"))
+        self.unk_token = _token_content(tokenizer_config.get("unk_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        self.eos_token_id = self._id_of(self.eos_token)
+        self.pad_token_id = self._id_of(self.pad_token)
+        eos_ids = [] if self.eos_token_id is None else [self.eos_token_id]
+        self.all_eos_ids: frozenset[int] = frozenset([*eos_ids, *extra_eos_ids])
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._compiled_template: Template | None = None
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(
+                f"{path}: not found. inflight needs a fast tokenizer (tokenizer.json); save one with "
+                "transformers' `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`."
+            )
+        try:
+            tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad files
+            raise TokenizerError(f"{path}: cannot load tokenizer ({e}); restore the file.") from e
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        extra_eos = [
+            *_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id")),
+            *_ids(_read_json(model_dir / "config.json").get("eos_token_id")),
+        ]
+        template = tokenizer_config.get("chat_template")
+        template_file = model_dir / "chat_template.jinja"
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        if isinstance(template, list):  # named templates: use the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        return cls(tokenizer, tokenizer_config, extra_eos, template if isinstance(template, str) else None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [self._tokenizer.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the checkpoint's chat template (a sandboxed Jinja environment)."""
+        if self.chat_template is None:
+            raise TokenizerError(
+                "this model has no chat template (no 'chat_template' in tokenizer_config.json and no "
+                "chat_template.jinja); send a plain completion prompt instead."
+            )
+        if self._compiled_template is None:
+            self._compiled_template = _compile_chat_template(self.chat_template)
+        rendered: str = self._compiled_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+            unk_token=self.unk_token or "",
+        )
+        return rendered
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, never splitting a multi-byte character.
+
+    Each new token's text is the decode of a short window of recent tokens minus the text the window
+    already produced (byte-level BPE tokens do not decode independently: spaces and UTF-8 sequences
+    span tokens). While the window's tail decodes to U+FFFD (an incomplete UTF-8 sequence) nothing is
+    emitted; the bytes are released once the character is complete.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # A few prompt tokens of context so the first generated token decodes as it would mid-text.
+        self._ids: list[int] = list(prompt_ids[-6:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the text it completes (possibly "")."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is still held back (an incomplete character as U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
