@@ -1,9 +1,168 @@
-"""Subcommands of this area, registered into the `inflight` CLI. Keep imports inside handlers lazy."""
+"""`inflight operator`, `inflight crd`, `inflight size`. Heavy imports stay inside the handlers."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+
+SHAPE_KEYS = {
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "intermediate": "intermediate_size",
+    "vocab": "vocab_size",
+    "tie": "tie_word_embeddings",
+    "experts": "num_experts",
+    "bias": "attention_bias",
+}
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
     """Add this area's subcommands to `commands` and its benchmarks to `bench`."""
+    crd = commands.add_parser("crd", help="print the ModelServer CRD (rendered from the spec models)")
+    crd.add_argument("--out", type=Path, default=None, help="write to this file instead of stdout")
+    crd.add_argument(
+        "--check", type=Path, default=None, help="exit 1 when this file differs from the rendered CRD"
+    )
+    crd.set_defaults(func=_run_crd)
+
+    size = commands.add_parser(
+        "size",
+        help="size a model on a GPU: does it fit, KV blocks, tokens, slots, GPUs needed",
+        description="Print the sizing plan the operator would use. Model from the built-in catalog "
+        "(--model) or a shape (--shape layers=80,hidden=8192,heads=64,kv_heads=8,head_dim=128,"
+        "intermediate=28672,vocab=128256[,tie=0,experts=1,bias=0]).",
+    )
+    what = size.add_mutually_exclusive_group()
+    what.add_argument("--model", help="catalog model, e.g. meta-llama/Llama-3.1-70B or llama-3.1-70b")
+    what.add_argument("--shape", help="model shape as key=value pairs, comma-separated")
+    what.add_argument("--list", action="store_true", help="list catalog models and GPU types")
+    size.add_argument("--gpu", default="H100-80GB", help="catalog GPU type (default H100-80GB); see --list")
+    size.add_argument("--gpu-memory-mib", type=int, default=None, help="GPU (or CPU) memory in MiB instead")
+    size.add_argument("--gpus", type=int, default=1, help="GPUs per replica (tensor parallel); 0 = CPU")
+    size.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    size.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    size.add_argument("--block-size", type=int, default=16)
+    size.add_argument("--max-slots", type=int, default=256)
+    size.add_argument("--max-model-len", type=int, default=4096)
+    size.add_argument("--max-batched-tokens", type=int, default=8192)
+    size.add_argument("--expected-tokens-per-request", type=int, default=1024)
+    size.add_argument("--json", action="store_true", help="machine-readable output")
+    size.set_defaults(func=_run_size)
+
+
+def _run_crd(args: argparse.Namespace) -> int:
+    from inflight.operator.crd import render_crd_yaml
+
+    text = render_crd_yaml()
+    if args.check is not None:
+        current = args.check.read_text() if args.check.exists() else ""
+        if current != text:
+            print(
+                f"{args.check} is stale: regenerate it with `inflight crd --out {args.check}`",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{args.check} is current")
+        return 0
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _parse_shape(text: str) -> dict[str, int | bool]:
+    values: dict[str, int | bool] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SHAPE_KEYS:
+            raise ValueError(
+                f"--shape item {item!r}: expected key=value with key one of {', '.join(SHAPE_KEYS)}"
+            )
+        field = SHAPE_KEYS[key]
+        values[field] = value.strip() in ("1", "true", "yes") if key in ("tie", "bias") else int(value)
+    missing = [key for key in list(SHAPE_KEYS)[:7] if SHAPE_KEYS[key] not in values]
+    if missing:
+        raise ValueError(f"--shape is missing {', '.join(missing)}")
+    values.setdefault("tie_word_embeddings", False)
+    return values
+
+
+def _run_size(args: argparse.Namespace) -> int:
+    from inflight import sizing
+
+    if args.list:
+        print("models:")
+        for shape in sizing.MODEL_CATALOG.values():
+            print(f"  {shape.name:34} {shape.parameter_count() / 1e9:8.2f}B parameters")
+        print("GPU types:")
+        for gpu in sizing.GPU_CATALOG.values():
+            print(f"  {gpu.name:12} {gpu.memory_mib:7d} MiB  ({gpu.product})")
+        return 0
+    try:
+        if args.shape:
+            shape = sizing.ModelShape(name="custom", **_parse_shape(args.shape))  # type: ignore[arg-type]
+        elif args.model:
+            found = sizing.find_model(args.model)
+            if found is None:
+                raise ValueError(
+                    f"model {args.model!r} is not in the catalog; see `inflight size --list` or --shape"
+                )
+            shape = found
+        else:
+            raise ValueError("give --model NAME or --shape ... (or --list)")
+        gpu_type = sizing.find_gpu(args.gpu) if args.gpus > 0 else None
+        if args.gpu_memory_mib is not None:
+            memory_mib = args.gpu_memory_mib
+        elif gpu_type is not None:
+            memory_mib = gpu_type.memory_mib
+        else:
+            raise ValueError(
+                f"GPU type {args.gpu!r} is not in the catalog (see --list); or give --gpu-memory-mib"
+                if args.gpus > 0
+                else "--gpus 0 (CPU) needs --gpu-memory-mib: the container's memory"
+            )
+        limits = sizing.EngineLimits(
+            block_size=args.block_size,
+            max_slots=args.max_slots,
+            max_model_len=args.max_model_len,
+            max_batched_tokens=args.max_batched_tokens,
+            expected_tokens_per_seq=args.expected_tokens_per_request,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+        result = sizing.plan(
+            shape,
+            gpu_memory_bytes=memory_mib * sizing.MIB,
+            gpus=args.gpus,
+            dtype=args.dtype,
+            limits=limits,
+            gpu_type=gpu_type,
+        )
+    except ValueError as error:
+        print(f"inflight size: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        where = f"{args.gpus} x {gpu_type.name if gpu_type else f'{memory_mib} MiB'}" if args.gpus else "CPU"
+        print(f"{shape.name} ({result.parameter_count / 1e9:.2f}B parameters, {result.dtype}) on {where}")
+        print(f"  fits:                 {'yes' if result.fits else 'no'}")
+        print(f"  weights per GPU:      {result.weight_bytes_per_gpu / sizing.GIB:.2f} GiB")
+        print(f"  KV bytes per token:   {result.kv_bytes_per_token} (per GPU)")
+        print(f"  KV blocks:            {result.kv_blocks} x {result.block_size} tokens")
+        print(f"  KV tokens:            {result.kv_tokens}")
+        print(f"  slots:                {result.slots}")
+        if args.gpus > 0:
+            min_gpus = result.min_gpus if result.min_gpus is not None else "more than 8"
+            print(f"  min GPUs of this type: {min_gpus}")
+            print(f"  smallest GPU type:    {result.smallest_gpu_type or 'none in the catalog'}")
+        print(f"  {result.reason}")
+    return 0 if result.fits else 1

@@ -1,0 +1,464 @@
+"""The ModelServer custom resource (inflight.dev/v1alpha1) as pydantic models: the one source of truth.
+
+`inflight crd` renders the CRD's openAPIV3Schema from these models (descriptions, defaults, bounds) and
+the CEL rules attached with `cel(...)`. The operator parses every ModelServer it sees with `ModelServer`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "inflight.dev"
+VERSION = "v1alpha1"
+KIND = "ModelServer"
+PLURAL = "modelservers"
+SINGULAR = "modelserver"
+SHORT_NAMES = ["ms"]
+CATEGORIES = ["inflight"]
+
+DEFAULT_IMAGE = "ghcr.io/inflight-dev/inflight-server:0.1.0"
+SOURCE_SCHEMES = ("pvc://", "hf://", "s3://", "file://")
+BUILTIN_TINY = "builtin:tiny"
+
+# An object field whose own fields all have defaults: `{}` in the schema, so the API server fills them in.
+DEFAULTED: dict[str, Any] = {"default": {}}
+
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry: a CEL rule the API server checks and its message."""
+    entry = {"rule": rule, "message": message}
+    if field_path is not None:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+def rules(*entries: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(entries)}
+
+
+class SpecModel(BaseModel):
+    """camelCase in YAML, snake_case in Python; unknown fields are errors (the CRD prunes them anyway)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Scheduler(StrEnum):
+    CONTINUOUS = "continuous"
+    STATIC = "static"
+
+
+class AutoscalingMetric(StrEnum):
+    REQUESTS_IN_FLIGHT = "requestsInFlight"
+    QUEUE_DEPTH = "queueDepth"
+    KV_CACHE_USAGE = "kvCacheUsage"
+
+
+class Actuator(StrEnum):
+    BUILTIN = "builtin"
+    HPA = "hpa"
+    KEDA = "keda"
+
+
+class ModelShapeSpec(SpecModel):
+    """A model's shape, as in its Hugging Face config.json; needed where the catalog does not know it."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.numAttentionHeads % self.numKeyValueHeads == 0",
+                "numAttentionHeads must be a multiple of numKeyValueHeads",
+            )
+        )
+    )
+
+    num_layers: int = Field(ge=1, le=1024, description="Decoder layers (num_hidden_layers).")
+    hidden_size: int = Field(ge=1, le=131072, description="Model width (hidden_size).")
+    num_attention_heads: int = Field(ge=1, le=1024, description="Query heads (num_attention_heads).")
+    num_key_value_heads: int = Field(ge=1, le=1024, description="KV heads (num_key_value_heads; GQA).")
+    head_dim: int = Field(ge=1, le=1024, description="Dimension of one attention head (head_dim).")
+    intermediate_size: int = Field(ge=1, le=1048576, description="MLP width (intermediate_size).")
+    vocab_size: int = Field(ge=1, le=4194304, description="Vocabulary size (vocab_size).")
+    tie_word_embeddings: bool = Field(
+        default=False, description="Whether the LM head shares the embedding matrix (tie_word_embeddings)."
+    )
+    num_experts: int = Field(
+        default=1, ge=1, le=1024, description="MLP experts per layer (num_local_experts); 1 for dense models."
+    )
+    attention_bias: bool = Field(
+        default=False, description="Whether the q/k/v projections carry biases (Qwen2: true)."
+    )
+
+
+class ModelSpec(SpecModel):
+    """What to serve and under which name."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.source == 'builtin:tiny' || self.source.startsWith('pvc://') || "
+                "self.source.startsWith('hf://') || self.source.startsWith('s3://') || "
+                "self.source.startsWith('file://')",
+                "model.source must start with pvc://, hf://, s3:// or file://, or be builtin:tiny",
+                ".source",
+            ),
+            cel(
+                "has(self.shape) || has(self.catalogName) || self.source.startsWith('hf://') || "
+                "self.source == 'builtin:tiny'",
+                "for pvc://, s3:// and file:// sources set model.catalogName or model.shape, "
+                "so the operator can size the KV cache",
+            ),
+        )
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+        description="Served model name: the `model` field clients send to /v1/completions "
+        "(--served-model-name).",
+    )
+    source: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Where the weights are: `hf://ORG/REPO`, `pvc://CLAIM/PATH` (mounted read-only), "
+        "`s3://BUCKET/PREFIX`, `file:///PATH` (on the node image), or `builtin:tiny` (a tiny random "
+        "model built into the server, for tests and CPU clusters).",
+    )
+    catalog_name: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Catalog entry to size from, e.g. `meta-llama/Llama-3.1-8B` (see `inflight size "
+        "--list`). Default: taken from an hf:// source.",
+    )
+    shape: ModelShapeSpec | None = Field(
+        default=None, description="The model's shape; overrides the catalog. Needed for unknown models."
+    )
+    dtype: Dtype = Field(
+        default=Dtype.AUTO,
+        description="Weight and KV-cache dtype. `auto`: float32 on CPU, float16 on GPUs without "
+        "bfloat16 (T4), else bfloat16.",
+    )
+    max_model_len: int = Field(
+        default=4096, ge=16, le=1048576, description="Longest sequence (prompt + output) in tokens."
+    )
+
+
+class EngineSpec(SpecModel):
+    """Engine knobs; the operator sizes the KV pool and slots from them and the GPU's memory."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.maxBatchedTokens >= self.blockSize",
+                "engine.maxBatchedTokens must be at least engine.blockSize",
+            )
+        )
+    )
+
+    scheduler: Scheduler = Field(
+        default=Scheduler.CONTINUOUS,
+        description="`continuous`: refill a finished request's slot on the next step (in-flight "
+        "batching); `static`: admit a new batch only when the previous one has finished.",
+    )
+    block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV-cache block.")
+    max_slots: int = Field(
+        default=256,
+        ge=1,
+        le=4096,
+        description="Upper bound on concurrently running requests; the operator lowers it to what the KV "
+        "pool holds at expectedTokensPerRequest.",
+    )
+    max_batched_tokens: int = Field(
+        default=8192,
+        ge=1,
+        le=1048576,
+        description="Token budget of one engine step (prefill chunks + decodes).",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Fraction of each GPU's memory the server may use (weights + KV cache + activations).",
+    )
+    prefix_caching: bool = Field(
+        default=True, description="Share KV blocks of identical prompt prefixes between requests."
+    )
+    expected_tokens_per_request: int = Field(
+        default=1024,
+        ge=1,
+        le=1048576,
+        description="Typical prompt + output length; slots = KV tokens / this, capped by maxSlots.",
+    )
+
+
+class GPUSpec(SpecModel):
+    """GPUs per replica."""
+
+    count: int = Field(
+        default=1,
+        ge=0,
+        le=8,
+        description="GPUs per replica (tensor-parallel degree, one node); 0 runs on CPU.",
+    )
+    type: str | None = Field(
+        default=None,
+        max_length=64,
+        description="GPU type from the catalog (T4, L4, A10G, L40S, A100-40GB, A100-80GB, H100-80GB, "
+        "H200-141GB, B200), used when no node carries GPU feature discovery labels.",
+    )
+    resource_name: str = Field(
+        default="nvidia.com/gpu",
+        max_length=253,
+        description="Extended resource the GPUs are requested as.",
+    )
+    memory_mi_b: int | None = Field(
+        default=None,
+        alias="memoryMiB",
+        ge=1,
+        le=4194304,
+        description="GPU memory in MiB, when neither node labels nor the catalog can tell.",
+    )
+
+
+class ResourcesSpec(SpecModel):
+    """Compute per replica."""
+
+    gpu: GPUSpec = Field(
+        default_factory=GPUSpec, json_schema_extra=DEFAULTED, description="GPUs per replica."
+    )
+    cpu: str = Field(
+        default="4",
+        max_length=32,
+        pattern=QUANTITY_PATTERN,
+        description="CPU request and limit (a quantity).",
+    )
+    memory: str = Field(
+        default="32Gi",
+        max_length=32,
+        pattern=QUANTITY_PATTERN,
+        description="Memory request and limit (a quantity). With gpu.count 0 the KV pool is sized from it.",
+    )
+
+
+class PrometheusSpec(SpecModel):
+    """Where KEDA reads the metric from."""
+
+    server_address: str = Field(
+        max_length=1024, description="Prometheus URL KEDA queries, e.g. http://prometheus.monitoring:9090."
+    )
+    query: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="PromQL returning the total metric over the ModelServer's pods. Default: built from "
+        "autoscaling.metric.",
+    )
+
+
+class AutoscalingSpec(SpecModel):
+    """Scale replicas from the servers' own metrics. With autoscaling set the autoscaler owns replicas."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= maxReplicas"),
+            cel(
+                "self.actuator == 'keda' || !has(self.prometheus)",
+                "autoscaling.prometheus applies only to actuator keda",
+            ),
+        )
+    )
+
+    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest replicas.")
+    max_replicas: int = Field(ge=1, le=1000, description="Most replicas.")
+    metric: AutoscalingMetric = Field(
+        default=AutoscalingMetric.REQUESTS_IN_FLIGHT,
+        description="Signal per replica: `requestsInFlight` (running + waiting requests, "
+        "inflight:num_requests_running + inflight:num_requests_waiting), `queueDepth` (waiting requests, "
+        "inflight:num_requests_waiting), `kvCacheUsage` (KV-cache use, 0-1, "
+        "inflight:kv_cache_usage_perc).",
+    )
+    target: float = Field(
+        gt=0,
+        description="What one replica should carry, in the metric's unit: requests for requestsInFlight "
+        "and queueDepth, a fraction 0-1 for kvCacheUsage. Desired = ceil(sum over pods / target).",
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=0, ge=0, le=3600, description="Scale up only to the lowest recommendation of this window."
+    )
+    scale_down_delay_seconds: int = Field(
+        default=300, ge=0, le=86400, description="Scale down only after demand stayed lower this long."
+    )
+    actuator: Actuator = Field(
+        default=Actuator.BUILTIN,
+        description="Who sets replicas: `builtin` (the operator scrapes /metrics; no Prometheus needed), "
+        "`hpa` (an autoscaling/v2 HPA on the scale subresource, for Prometheus Adapter), `keda` (a KEDA "
+        "ScaledObject with a Prometheus trigger).",
+    )
+    prometheus: PrometheusSpec | None = Field(default=None, description="Prometheus settings for keda.")
+
+
+class SecretKeyRef(SpecModel):
+    """A key in a Secret in the ModelServer's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(default="api-key", min_length=1, max_length=253, description="Key holding the value.")
+
+
+class AuthSpec(SpecModel):
+    """Require `Authorization: Bearer <key>` on the API."""
+
+    api_key_secret_ref: SecretKeyRef = Field(description="Secret holding the API key.")
+
+
+class Toleration(SpecModel):
+    """A pod toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(default=None, max_length=316, description="Taint key; empty matches all.")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value for Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect; empty matches all."
+    )
+    toleration_seconds: int | None = Field(default=None, description="For NoExecute: how long to stay.")
+
+
+class ModelServerSpec(SpecModel):
+    """A served model: Deployment and Service, sized from the GPU the pods land on."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "!has(self.autoscaling) || self.autoscaling.actuator != 'builtin' || !has(self.replicas)",
+                "leave spec.replicas out with builtin autoscaling: the operator sets replicas between "
+                "autoscaling.minReplicas and maxReplicas",
+            ),
+            cel(
+                "!has(self.resources) || !has(self.resources.gpu) || self.resources.gpu.count > 0 || "
+                "!has(self.resources.gpu.type)",
+                "resources.gpu.type needs resources.gpu.count > 0",
+            ),
+        )
+    )
+
+    model: ModelSpec = Field(description="The model.")
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec, json_schema_extra=DEFAULTED, description="Engine settings."
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, json_schema_extra=DEFAULTED, description="Compute per replica."
+    )
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description="Replicas without autoscaling (absent: 1). With autoscaling it is ignored: builtin "
+        "forbids it; with hpa/keda the HPA writes it through the scale subresource, clamped to min/max. "
+        "Leave it out of Git when autoscaling.",
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None, description="Autoscaling; absent: fixed replicas."
+    )
+    auth: AuthSpec | None = Field(default=None, description="API key authentication; absent: open API.")
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512, description="Server image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy."
+    )
+    node_selector: dict[str, str] | None = Field(
+        default=None,
+        description="Node labels the pods require; GPU memory is read from the matching nodes' labels.",
+    )
+    tolerations: list[Toleration] | None = Field(default=None, description="Pod tolerations.")
+    startup_timeout_seconds: int = Field(
+        default=1800,
+        ge=30,
+        le=86400,
+        description="Longest a replica may take to load the model before it is restarted (startup probe).",
+    )
+
+
+class Condition(SpecModel):
+    """A kstatus-style condition."""
+
+    type: str = Field(description="Ready, Progressing, Degraded or Sized.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="One CamelCase word for machines.")
+    message: str = Field(description="What happened and what to change, for people.")
+    observed_generation: int = Field(description="The generation this condition describes.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+
+
+class SizingStatus(SpecModel):
+    """The sizing plan the Deployment runs with."""
+
+    fits: bool = Field(description="Whether the model fits (weights + at least one max-length sequence).")
+    gpu_type: str = Field(description="GPU product the plan is for (or `cpu`).")
+    gpu_memory_mi_b: int = Field(alias="gpuMemoryMiB", description="Memory per GPU (MiB) the plan used.")
+    gpu_memory_source: str = Field(description="Where that came from: node-labels, catalog, spec or cpu.")
+    tensor_parallel: int = Field(description="GPUs per replica the model is split over.")
+    dtype: str = Field(description="Resolved dtype.")
+    weight_bytes_per_gpu: int = Field(description="Weight bytes on each GPU.")
+    kv_blocks: int = Field(description="KV-cache blocks per replica.")
+    kv_tokens: int = Field(description="Tokens the KV pool holds.")
+    slots: int = Field(description="Concurrent requests per replica (--max-slots).")
+    min_gpus: int | None = Field(default=None, description="Smallest GPU count of this type that fits.")
+    message: str = Field(description="The plan in one sentence.")
+
+
+class AutoscalingStatus(SpecModel):
+    """The autoscaler's last decision (builtin actuator)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+    desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler decided.")
+    current_value: float | None = Field(default=None, description="Metric value per replica last seen.")
+    last_scale_time: str | None = Field(default=None, description="When replicas last changed (RFC 3339).")
+    reason: str | None = Field(default=None, description="Why the last decision was taken.")
+
+
+class ModelServerStatus(SpecModel):
+    """Written by the operator only."""
+
+    observed_generation: int | None = Field(default=None, description="Generation last reconciled.")
+    conditions: list[Condition] | None = Field(
+        default=None, description="Ready, Progressing, Degraded, Sized."
+    )
+    replicas: int | None = Field(default=None, description="Pods of the Deployment (scale subresource).")
+    ready_replicas: int | None = Field(default=None, description="Ready pods.")
+    updated_replicas: int | None = Field(default=None, description="Pods running the current template.")
+    selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
+    endpoint: str | None = Field(default=None, description="In-cluster URL of the OpenAI-compatible API.")
+    sizing: SizingStatus | None = Field(default=None, description="The sizing plan.")
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's state.")
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata the operator reads."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    namespace: str = "default"
+    uid: str = ""
+    generation: int = 0
+
+
+class ModelServer(BaseModel):
+    """A whole ModelServer object as read from the API."""
+
+    model_config = ConfigDict(extra="allow")
+
+    metadata: ObjectMeta
+    spec: ModelServerSpec
+    status: ModelServerStatus = Field(default_factory=ModelServerStatus)

@@ -1,0 +1,411 @@
+"""GPU memory + model shape -> tensor-parallel degree, KV blocks and slots (pure: no torch, no Kubernetes).
+
+Per tensor-parallel shard (one GPU):
+
+    kv_bytes_per_token = 2 * layers * kv_heads_per_gpu * head_dim * dtype_bytes
+    block_bytes        = block_size * kv_bytes_per_token
+    usable             = gpu_mem * gpu_memory_utilization - weight_bytes_per_gpu - activation_reserve
+    kv_blocks          = floor(usable / block_bytes)
+    slots              = min(max_slots, floor(kv_blocks * block_size / expected_tokens_per_seq))
+
+A plan *fits* when the KV pool holds at least one sequence of `max_model_len` tokens: a server that
+cannot hold one full-length request is not a working server. When it does not fit, the plan names the
+smallest GPU count (tensor parallel, on one node) and the smallest catalog GPU type that would.
+The operator and the engine share this module; the engine re-measures free memory at start and takes
+the smaller of the two plans.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Tensor-parallel degrees tried when a model does not fit: one node has at most 8 GPUs.
+TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
+
+# Memory a CUDA context, cuBLAS workspaces and the allocator's slack take before any tensor.
+CUDA_CONTEXT_BYTES = 512 * MIB
+# On CPU the container's memory also holds the Python interpreter, torch and the server.
+CPU_RUNTIME_BYTES = 1 * GIB
+
+# Node labels set by NVIDIA GPU feature discovery.
+LABEL_GPU_MEMORY = "nvidia.com/gpu.memory"  # MiB per GPU
+LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
+LABEL_GPU_COUNT = "nvidia.com/gpu.count"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that decide its memory (a Hugging Face config.json)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    num_experts: int = 1
+    attention_bias: bool = False
+    max_position_embeddings: int = 131072
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"model shape {self.name!r}: {field} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model shape {self.name!r}: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    def replicated_parameter_count(self) -> int:
+        """Parameters every tensor-parallel shard holds in full: the RMSNorm weights."""
+        return (2 * self.num_layers + 1) * self.hidden_size
+
+    def parameter_count(self) -> int:
+        """Parameters computed from the shape (embeddings, attention, MLP or experts, norms, LM head)."""
+        q_size = self.num_attention_heads * self.head_dim
+        kv_size = self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size
+        if self.attention_bias:
+            attention += q_size + 2 * kv_size
+        mlp = self.num_experts * 3 * self.hidden_size * self.intermediate_size
+        if self.num_experts > 1:
+            mlp += self.hidden_size * self.num_experts  # the router
+        embeddings = self.vocab_size * self.hidden_size
+        lm_head = 0 if self.tie_word_embeddings else embeddings
+        return self.num_layers * (attention + mlp) + embeddings + lm_head + self.replicated_parameter_count()
+
+    def valid_tensor_parallel(self, degree: int) -> bool:
+        """Heads split evenly; KV heads either split evenly or are replicated across shards."""
+        kv = self.num_key_value_heads
+        return self.num_attention_heads % degree == 0 and (kv % degree == 0 or degree % kv == 0)
+
+
+@dataclass(frozen=True)
+class GPUType:
+    """A GPU model: the memory GPU feature discovery reports (MiB) and its product label."""
+
+    name: str
+    memory_mib: int
+    product: str
+    bfloat16: bool = True
+
+
+GPU_CATALOG: dict[str, GPUType] = {
+    gpu.name: gpu
+    for gpu in (
+        GPUType("T4", 15360, "Tesla-T4", bfloat16=False),
+        GPUType("L4", 23034, "NVIDIA-L4"),
+        GPUType("A10G", 23028, "NVIDIA-A10G"),
+        GPUType("L40S", 46068, "NVIDIA-L40S"),
+        GPUType("A100-40GB", 40960, "NVIDIA-A100-SXM4-40GB"),
+        GPUType("A100-80GB", 81920, "NVIDIA-A100-SXM4-80GB"),
+        GPUType("H100-80GB", 81559, "NVIDIA-H100-80GB-HBM3"),
+        GPUType("H200-141GB", 143771, "NVIDIA-H200"),
+        GPUType("B200", 183359, "NVIDIA-B200"),
+    )
+}
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, intermediate: int, tie: bool) -> ModelShape:
+    return ModelShape(
+        name, layers, hidden, heads, 8, 128 if hidden >= 3072 else 64, intermediate, 128256, tie
+    )
+
+
+def _qwen(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int) -> ModelShape:
+    tie = vocab == 151936
+    return ModelShape(name, layers, hidden, heads, kv, hidden // heads, inter, vocab, tie, 1, True, 32768)
+
+
+# Values from each model's published config.json (Hugging Face Hub).
+MODEL_CATALOG: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        _llama("meta-llama/Llama-3.2-1B", 16, 2048, 32, 8192, tie=True),
+        _llama("meta-llama/Llama-3.2-3B", 28, 3072, 24, 8192, tie=True),
+        _llama("meta-llama/Llama-3.1-8B", 32, 4096, 32, 14336, tie=False),
+        _llama("meta-llama/Llama-3.1-70B", 80, 8192, 64, 28672, tie=False),
+        _llama("meta-llama/Llama-3.1-405B", 126, 16384, 128, 53248, tie=False),
+        _qwen("Qwen/Qwen2.5-0.5B", 24, 896, 14, 2, 4864, 151936),
+        _qwen("Qwen/Qwen2.5-1.5B", 28, 1536, 12, 2, 8960, 151936),
+        _qwen("Qwen/Qwen2.5-3B", 36, 2048, 16, 2, 11008, 151936),
+        _qwen("Qwen/Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
+        _qwen("Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
+        _qwen("Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),
+        _qwen("Qwen/Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064),
+        ModelShape("mistralai/Mistral-7B-v0.3", 32, 4096, 32, 8, 128, 14336, 32768, False, 1, False, 32768),
+        ModelShape("mistralai/Mixtral-8x7B-v0.1", 32, 4096, 32, 8, 128, 14336, 32000, False, 8, False, 32768),
+        # The engine's built-in test model (`inflight serve --model builtin:tiny`).
+        ModelShape("builtin:tiny", 4, 128, 4, 2, 32, 352, 2048, False, max_position_embeddings=2048),
+    )
+}
+
+_SUFFIXES = ("-instruct", "-chat", "-it")
+
+
+def find_model(name: str) -> ModelShape | None:
+    """The catalog shape for a Hub id, with or without org and `-Instruct` suffix (case-insensitive)."""
+    wanted = name.strip().lower().removeprefix("hf://")
+    for suffix in _SUFFIXES:
+        wanted = wanted.removesuffix(suffix)
+    for key, shape in MODEL_CATALOG.items():
+        key = key.lower()
+        if wanted in (key, key.split("/")[-1], key.split(":")[-1]):
+            return shape
+    return None
+
+
+def find_gpu(name_or_product: str) -> GPUType | None:
+    """A catalog GPU by our name (`H100-80GB`) or by its GPU-feature-discovery product label."""
+    wanted = name_or_product.strip().lower()
+    for gpu in GPU_CATALOG.values():
+        if wanted in (gpu.name.lower(), gpu.product.lower()):
+            return gpu
+    # Product labels vary by form factor (SXM/PCIe/NVL): match on the catalog name inside the product.
+    for gpu in sorted(GPU_CATALOG.values(), key=lambda g: -len(g.name)):
+        if gpu.name.lower() in wanted or gpu.name.split("-")[0].lower() in wanted.split("-"):
+            return gpu
+    return None
+
+
+@dataclass(frozen=True)
+class NodeGPU:
+    """What the pods may land on: GPU memory (MiB) per GPU, product and count, and where that came from."""
+
+    memory_mib: int
+    product: str
+    count: int
+    source: str  # "node-labels", "catalog" or "spec"
+
+
+def gpu_from_node_labels(nodes: Iterable[Mapping[str, str]]) -> NodeGPU | None:
+    """The smallest GPU among the nodes' GPU-feature-discovery labels; None when no node carries them.
+
+    A node with a product label but no memory label is looked up in the GPU catalog.
+    """
+    found: list[NodeGPU] = []
+    for labels in nodes:
+        product = labels.get(LABEL_GPU_PRODUCT, "")
+        memory = labels.get(LABEL_GPU_MEMORY, "")
+        count = int(labels[LABEL_GPU_COUNT]) if labels.get(LABEL_GPU_COUNT, "").isdigit() else 0
+        if memory.isdigit():
+            found.append(NodeGPU(int(memory), product, count, "node-labels"))
+        elif product and (gpu := find_gpu(product)) is not None:
+            found.append(NodeGPU(gpu.memory_mib, product, count, "node-labels"))
+    return min(found, key=lambda g: (g.memory_mib, g.count)) if found else None
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine knobs that enter the plan."""
+
+    block_size: int = 16
+    max_slots: int = 256
+    max_model_len: int = 4096
+    max_batched_tokens: int = 8192
+    expected_tokens_per_seq: int = 1024
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for field in (
+            "block_size",
+            "max_slots",
+            "max_model_len",
+            "max_batched_tokens",
+            "expected_tokens_per_seq",
+        ):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+
+
+@dataclass(frozen=True)
+class SizingPlan:
+    """The outcome for one shape on `tensor_parallel` GPUs of `gpu_memory_bytes` each; bytes are per GPU."""
+
+    model: str
+    dtype: str
+    tensor_parallel: int
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float
+    parameter_count: int
+    weight_bytes_total: int
+    weight_bytes_per_gpu: int
+    activation_reserve_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    block_bytes: int
+    kv_blocks: int
+    kv_tokens: int
+    slots: int
+    max_model_len: int
+    fits: bool
+    reason: str
+    min_gpus: int | None
+    smallest_gpu_type: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_dtype(dtype: str, gpus: int, gpu: GPUType | None = None) -> str:
+    """`auto`: float32 on CPU, float16 on GPUs without bfloat16 (T4), bfloat16 elsewhere."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    if gpus == 0:
+        return "float32"
+    return "float16" if gpu is not None and not gpu.bfloat16 else "bfloat16"
+
+
+def weight_bytes_per_gpu(shape: ModelShape, dtype: str, tensor_parallel: int) -> int:
+    """Sharded weights split evenly (vocab-parallel embeddings too); norms are held in full by every shard."""
+    replicated = shape.replicated_parameter_count()
+    sharded = shape.parameter_count() - replicated
+    return (math.ceil(sharded / tensor_parallel) + replicated) * DTYPE_BYTES[dtype]
+
+
+def activation_reserve_bytes(
+    shape: ModelShape, dtype: str, tensor_parallel: int, limits: EngineLimits
+) -> int:
+    """Peak transient memory of one step, kept out of the KV pool.
+
+    One step of `max_batched_tokens` holds the residual stream and attention projections (~4 x hidden)
+    plus the gate/up MLP activations (2 x intermediate / tp) per token, and float32 logits for at most one
+    row per running sequence.
+    """
+    per_token = 4 * shape.hidden_size + 2 * shape.intermediate_size // tensor_parallel
+    activations = limits.max_batched_tokens * per_token * DTYPE_BYTES[dtype]
+    logits = min(limits.max_slots, limits.max_batched_tokens) * shape.vocab_size * 4
+    return activations + logits
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel: int) -> int:
+    kv_heads_per_gpu = max(1, shape.num_key_value_heads // tensor_parallel)
+    return 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * DTYPE_BYTES[dtype]
+
+
+def _plan_one(
+    shape: ModelShape,
+    dtype: str,
+    gpu_memory_bytes: int,
+    tensor_parallel: int,
+    limits: EngineLimits,
+    on_gpu: bool,
+) -> SizingPlan:
+    weights = weight_bytes_per_gpu(shape, dtype, tensor_parallel)
+    overhead = CUDA_CONTEXT_BYTES if on_gpu else CPU_RUNTIME_BYTES
+    reserve = activation_reserve_bytes(shape, dtype, tensor_parallel, limits) + overhead
+    per_token = kv_bytes_per_token(shape, dtype, tensor_parallel)
+    block_bytes = limits.block_size * per_token
+    usable = math.floor(gpu_memory_bytes * limits.gpu_memory_utilization) - weights - reserve
+    kv_blocks = max(0, usable // block_bytes)
+    kv_tokens = kv_blocks * limits.block_size
+    slots = min(limits.max_slots, kv_tokens // min(limits.expected_tokens_per_seq, limits.max_model_len))
+    budget = f"{limits.gpu_memory_utilization:g} x {gpu_memory_bytes / GIB:.1f} GiB"
+    if not shape.valid_tensor_parallel(tensor_parallel):
+        fits = False
+        reason = (
+            f"{tensor_parallel} GPUs cannot split {shape.num_attention_heads} attention heads / "
+            f"{shape.num_key_value_heads} KV heads evenly"
+        )
+    elif usable <= 0:
+        fits = False
+        reason = (
+            f"weights ({weights / GIB:.1f} GiB per GPU) plus activation reserve ({reserve / GIB:.1f} GiB) "
+            f"exceed {budget}"
+        )
+    elif kv_tokens < limits.max_model_len:
+        fits = False
+        reason = (
+            f"the KV pool left after weights holds {kv_tokens} tokens, fewer than one max-model-len "
+            f"sequence ({limits.max_model_len})"
+        )
+    else:
+        fits = True
+        reason = (
+            f"{kv_blocks} KV blocks ({kv_tokens} tokens) per GPU after {weights / GIB:.1f} GiB of weights "
+            f"within {budget}; {slots} slots"
+        )
+    return SizingPlan(
+        model=shape.name,
+        dtype=dtype,
+        tensor_parallel=tensor_parallel,
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_memory_utilization=limits.gpu_memory_utilization,
+        parameter_count=shape.parameter_count(),
+        weight_bytes_total=shape.parameter_count() * DTYPE_BYTES[dtype],
+        weight_bytes_per_gpu=weights,
+        activation_reserve_bytes=reserve,
+        kv_bytes_per_token=per_token,
+        block_size=limits.block_size,
+        block_bytes=block_bytes,
+        kv_blocks=kv_blocks if fits else 0,
+        kv_tokens=kv_tokens if fits else 0,
+        slots=slots if fits else 0,
+        max_model_len=limits.max_model_len,
+        fits=fits,
+        reason=reason,
+        min_gpus=None,
+        smallest_gpu_type=None,
+    )
+
+
+def plan(
+    shape: ModelShape,
+    *,
+    gpu_memory_bytes: int,
+    gpus: int,
+    dtype: str = "auto",
+    limits: EngineLimits | None = None,
+    gpu_type: GPUType | None = None,
+) -> SizingPlan:
+    """Size `shape` on `gpus` GPUs of `gpu_memory_bytes` each (`gpus=0`: CPU, memory = the container's).
+
+    The result always carries `min_gpus` (the smallest tensor-parallel degree on this GPU that fits, or
+    None when even 8 do not) and `smallest_gpu_type` (the smallest catalog GPU on which `gpus` fit).
+    """
+    limits = limits or EngineLimits()
+    if gpus < 0:
+        raise ValueError(f"gpus must be >= 0, got {gpus}")
+    on_gpu = gpus > 0
+    resolved = resolve_dtype(dtype, gpus, gpu_type)
+    result = _plan_one(shape, resolved, gpu_memory_bytes, max(1, gpus), limits, on_gpu)
+    min_gpus = None
+    if on_gpu:
+        for degree in TENSOR_PARALLEL_DEGREES:
+            if _plan_one(shape, resolved, gpu_memory_bytes, degree, limits, on_gpu=True).fits:
+                min_gpus = degree
+                break
+    smallest_type = None
+    if on_gpu:
+        for gpu in sorted(GPU_CATALOG.values(), key=lambda g: g.memory_mib):
+            gpu_dtype = resolve_dtype(dtype, gpus, gpu)
+            if _plan_one(shape, gpu_dtype, gpu.memory_mib * MIB, gpus, limits, on_gpu=True).fits:
+                smallest_type = gpu.name
+                break
+    if not result.fits and on_gpu:
+        hints = []
+        if min_gpus is not None:
+            hints.append(f"use {min_gpus} GPUs of this type (tensor parallel)")
+        if smallest_type is not None:
+            hints.append(f"use {gpus} x {smallest_type} or larger")
+        if not hints:
+            hints.append("no GPU in the catalog fits it on one node; use a smaller model or dtype")
+        result = replace(result, reason=f"{result.reason}: {' or '.join(hints)}")
+    return replace(result, min_gpus=min_gpus, smallest_gpu_type=smallest_type)

@@ -1,0 +1,138 @@
+"""What the API server would do with a ModelServer, without an API server.
+
+- `structural_errors`: the structural-schema rules of apiextensions.k8s.io/v1.
+- `schema_errors`: the openAPIV3Schema via jsonschema, with unknown fields rejected as
+  `kubectl apply` (server-side field validation, Strict by default since 1.27) does.
+- `apply_defaults`: the API server's defaulting (a default applies when the parent object exists).
+- `cel_errors`: every `x-kubernetes-validations` rule evaluated with cel-python on the defaulted object.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import celpy
+import jsonschema
+
+ALLOWED_KEYS = {
+    "type",
+    "description",
+    "default",
+    "properties",
+    "required",
+    "items",
+    "enum",
+    "format",
+    "pattern",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "additionalProperties",
+    "nullable",
+    "x-kubernetes-validations",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+}
+
+
+def structural_errors(schema: dict[str, Any], path: str = "") -> list[str]:
+    """Every node has a type; no $ref/anyOf/oneOf; properties and additionalProperties never together."""
+    errors: list[str] = []
+    unknown = set(schema) - ALLOWED_KEYS
+    if unknown:
+        errors.append(f"{path or '.'}: keys a structural schema does not allow: {sorted(unknown)}")
+    if "type" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        errors.append(f"{path or '.'}: no type")
+    if "properties" in schema and "additionalProperties" in schema:
+        errors.append(f"{path or '.'}: properties and additionalProperties together")
+    if schema.get("type") == "object" and "items" in schema:
+        errors.append(f"{path or '.'}: items on an object")
+    for name, prop in schema.get("properties", {}).items():
+        errors += structural_errors(prop, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        errors += structural_errors(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        errors += structural_errors(schema["additionalProperties"], f"{path}{{}}")
+    return errors
+
+
+def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+    schema = copy.deepcopy(schema)
+
+    def visit(node: dict[str, Any]) -> None:
+        if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        if node.get("exclusiveMinimum") is True:  # OpenAPI v3.0 boolean form -> JSON Schema 2020 number form
+            node["exclusiveMinimum"] = node.pop("minimum")
+        for child in node.get("properties", {}).values():
+            visit(child)
+        if isinstance(node.get("items"), dict):
+            visit(node["items"])
+        if isinstance(node.get("additionalProperties"), dict):
+            visit(node["additionalProperties"])
+
+    visit(schema)
+    return schema
+
+
+def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    validator = jsonschema.Draft202012Validator(_strict(schema))
+    errors = []
+    for error in validator.iter_errors(obj):
+        where = ".".join(str(p) for p in error.absolute_path)
+        errors.append(f"{where}: {error.message}")
+    return errors
+
+
+def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
+    if isinstance(obj, dict) and "properties" in schema:
+        obj = dict(obj)
+        for name, prop in schema["properties"].items():
+            if name not in obj and "default" in prop:
+                obj[name] = copy.deepcopy(prop["default"])
+            if name in obj:
+                obj[name] = apply_defaults(prop, obj[name])
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        obj = [apply_defaults(schema["items"], item) for item in obj]
+    return obj
+
+
+def _rules(schema: dict[str, Any], obj: Any, path: str) -> Iterator[tuple[str, dict[str, str], Any]]:
+    for rule in schema.get("x-kubernetes-validations", []):
+        yield path, rule, obj
+    if isinstance(obj, dict):
+        for name, prop in schema.get("properties", {}).items():
+            if name in obj:
+                yield from _rules(prop, obj[name], f"{path}.{name}")
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(obj):
+            yield from _rules(schema["items"], item, f"{path}[{i}]")
+
+
+def cel_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    env = celpy.Environment()
+    errors = []
+    for path, rule, value in _rules(schema, obj, ""):
+        program = env.program(env.compile(rule["rule"]))
+        result = program.evaluate({"self": celpy.json_to_cel(value)})
+        if isinstance(result, celpy.CELEvalError):
+            raise AssertionError(f"CEL rule at {path} failed to evaluate: {rule['rule']}: {result}")
+        if not bool(result):
+            errors.append(f"{path.lstrip('.')}: {rule['message']}")
+    return errors
+
+
+def admission_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    """What `kubectl apply` would report: schema errors first; CEL runs only on schema-valid objects."""
+    errors = schema_errors(schema, obj)
+    if errors:
+        return errors
+    return cel_errors(schema, apply_defaults(schema, obj))

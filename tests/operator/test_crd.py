@@ -1,0 +1,133 @@
+"""The generated CRD: current, valid, structural; examples accepted and negative examples rejected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from crd_check import admission_errors, apply_defaults, cel_errors, structural_errors
+
+from inflight.cli import main
+from inflight.operator.crd import render_crd, render_crd_yaml
+from inflight.operator.spec import ModelServerSpec
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "manifests").glob("*.yaml"))
+INVALID = sorted((Path(__file__).parent / "data" / "invalid").glob("*.yaml"))
+
+
+def schema() -> dict[str, Any]:
+    result: dict[str, Any] = render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return result
+
+
+def model_servers(paths: list[Path]) -> list[dict[str, Any]]:
+    return [
+        doc for path in paths for doc in yaml.safe_load_all(path.read_text()) if doc["kind"] == "ModelServer"
+    ]
+
+
+def test_crd_file_is_current() -> None:
+    committed = (REPO / "crds" / "modelserver.yaml").read_text()
+    assert committed == render_crd_yaml(), (
+        "crds/modelserver.yaml is stale: run `inflight crd --out crds/modelserver.yaml`"
+    )
+    assert main(["crd", "--check", str(REPO / "crds" / "modelserver.yaml")]) == 0
+
+
+def test_crd_check_reports_stale_file(tmp_path: Path) -> None:
+    stale = tmp_path / "crd.yaml"
+    stale.write_text("kind: CustomResourceDefinition\n")
+    assert main(["crd", "--check", str(stale)]) == 1
+
+
+def test_crd_is_a_valid_strict_custom_resource_definition() -> None:
+    kubernetes_validate.validate(render_crd(), "1.32.0", strict=True)
+
+
+def test_crd_schema_is_structural_and_documented() -> None:
+    assert structural_errors(schema()) == []
+    undocumented: list[str] = []
+
+    def visit(node: dict[str, Any], path: str) -> None:
+        for name, prop in node.get("properties", {}).items():
+            if "description" not in prop and f"{path}.{name}" not in (".apiVersion", ".kind", ".metadata"):
+                undocumented.append(f"{path}.{name}")
+            visit(prop, f"{path}.{name}")
+        if isinstance(node.get("items"), dict):
+            visit(node["items"], f"{path}[]")
+
+    visit(schema(), "")
+    assert undocumented == []
+
+
+def test_crd_has_scale_and_status_subresources_and_printer_columns() -> None:
+    version = render_crd()["spec"]["versions"][0]
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns[:6] == ["Model", "GPUs", "GPU", "Slots", "KV Blocks", "Ready"] and columns[-1] == "Age"
+
+
+def test_defaults_live_in_the_schema() -> None:
+    minimal = {"model": {"name": "m", "source": "builtin:tiny"}}
+    defaulted = apply_defaults(schema()["properties"]["spec"], minimal)
+    assert defaulted["engine"]["blockSize"] == 16
+    assert defaulted["engine"]["gpuMemoryUtilization"] == 0.9
+    assert defaulted["resources"]["gpu"] == {"count": 1, "resourceName": "nvidia.com/gpu"}
+    assert defaulted["startupTimeoutSeconds"] == 1800
+    assert "replicas" not in defaulted  # no default: it would collide with builtin autoscaling
+    # The schema's defaults are the pydantic model's defaults.
+    parsed = ModelServerSpec.model_validate(minimal).model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert parsed == defaulted
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_are_accepted(path: Path) -> None:
+    for obj in model_servers([path]):
+        assert admission_errors(schema(), obj) == []
+        ModelServerSpec.model_validate(obj["spec"])
+
+
+def test_all_required_examples_exist() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"tiny-cpu.yaml", "llama-3.1-8b-l4.yaml", "llama-3.1-70b-h100.yaml", "autoscaling.yaml"} <= names
+    seventy = model_servers([REPO / "manifests" / "llama-3.1-70b-h100.yaml"])[0]
+    assert seventy["spec"]["resources"]["gpu"]["count"] == 4
+    assert (
+        model_servers([REPO / "manifests" / "autoscaling.yaml"])[0]["spec"]["autoscaling"]["actuator"]
+        == "builtin"
+    )
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[p.name for p in INVALID])
+def test_invalid_examples_are_rejected_with_a_clear_message(path: Path) -> None:
+    expected = path.read_text().splitlines()[0].removeprefix("# expect: ")
+    (obj,) = model_servers([path])
+    errors = admission_errors(schema(), obj)
+    assert errors, f"{path.name} was accepted"
+    assert any(expected in error for error in errors), errors
+
+
+def test_cel_rules_accept_the_boundaries() -> None:
+    spec_schema = schema()["properties"]["spec"]
+    equal = {
+        "model": {"name": "m", "source": "builtin:tiny"},
+        "autoscaling": {"minReplicas": 2, "maxReplicas": 2, "target": 1},
+    }
+    assert cel_errors(spec_schema, apply_defaults(spec_schema, equal)) == []
+    hpa_with_replicas = {
+        "model": {"name": "m", "source": "hf://Qwen/Qwen2.5-7B"},
+        "replicas": 3,
+        "autoscaling": {"maxReplicas": 4, "target": 8, "actuator": "hpa"},
+    }
+    assert cel_errors(spec_schema, apply_defaults(spec_schema, hpa_with_replicas)) == []

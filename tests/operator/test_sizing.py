@@ -1,0 +1,171 @@
+"""Sizing: the DESIGN.md formula checked against arithmetic written out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inflight import sizing
+from inflight.cli import main
+from inflight.sizing import GIB, MIB, EngineLimits, find_gpu, find_model, gpu_from_node_labels, plan
+
+LLAMA_70B = find_model("meta-llama/Llama-3.1-70B-Instruct")
+H100_MIB = 81559
+
+
+def test_catalog_parameter_counts_match_the_published_sizes() -> None:
+    published = {  # billions, from the model cards
+        "meta-llama/Llama-3.2-1B": 1.24,
+        "meta-llama/Llama-3.2-3B": 3.21,
+        "meta-llama/Llama-3.1-8B": 8.03,
+        "meta-llama/Llama-3.1-70B": 70.55,
+        "meta-llama/Llama-3.1-405B": 405.85,
+        "Qwen/Qwen2.5-0.5B": 0.49,
+        "Qwen/Qwen2.5-7B": 7.62,
+        "Qwen/Qwen2.5-72B": 72.71,
+        "mistralai/Mistral-7B-v0.3": 7.25,
+        "mistralai/Mixtral-8x7B-v0.1": 46.70,
+    }
+    for name, billions in published.items():
+        assert sizing.MODEL_CATALOG[name].parameter_count() / 1e9 == pytest.approx(billions, abs=0.01), name
+
+
+def test_llama_8b_parameters_by_hand() -> None:
+    shape = find_model("llama-3.1-8b")
+    assert shape is not None
+    per_layer = (
+        4096 * 4096  # q
+        + 2 * 4096 * 1024  # k, v: 8 KV heads x 128
+        + 4096 * 4096  # o
+        + 3 * 4096 * 14336  # gate, up, down
+    )
+    embeddings = 128256 * 4096
+    norms = (2 * 32 + 1) * 4096
+    assert shape.parameter_count() == 32 * per_layer + 2 * embeddings + norms == 8_030_261_248
+
+
+def test_llama_70b_bf16_does_not_fit_one_h100() -> None:
+    assert LLAMA_70B is not None
+    result = plan(LLAMA_70B, gpu_memory_bytes=H100_MIB * MIB, gpus=1, gpu_type=find_gpu("H100-80GB"))
+    assert result.dtype == "bfloat16"
+    assert result.weight_bytes_per_gpu == 70_553_706_496 * 2  # 141.1 GB > 0.9 x 85.5 GB
+    assert not result.fits
+    assert result.kv_blocks == result.kv_tokens == result.slots == 0
+    assert result.min_gpus == 2
+    assert "use 2 GPUs of this type" in result.reason
+
+
+def test_llama_70b_bf16_fits_four_h100_with_the_stated_kv_pool() -> None:
+    assert LLAMA_70B is not None
+    result = plan(LLAMA_70B, gpu_memory_bytes=H100_MIB * MIB, gpus=4)
+    # Hand arithmetic, per GPU (tensor parallel 4):
+    norms = (2 * 80 + 1) * 8192
+    weights = ((70_553_706_496 - norms) // 4 + norms) * 2  # sharded evenly; norms replicated; bf16
+    assert result.weight_bytes_per_gpu == weights == 35_278_831_616
+    activations = 8192 * (4 * 8192 + 2 * 28672 // 4) * 2  # max_batched_tokens x residual + MLP, bf16
+    logits = 256 * 128256 * 4  # one float32 row per slot
+    reserve = activations + logits + 512 * MIB  # + CUDA context
+    assert result.activation_reserve_bytes == reserve
+    kv_per_token = 2 * 80 * (8 // 4) * 128 * 2  # K and V, 80 layers, 2 KV heads per GPU, head_dim 128, bf16
+    assert result.kv_bytes_per_token == kv_per_token == 81_920
+    usable = int(H100_MIB * MIB * 0.9) - weights - reserve
+    blocks = usable // (16 * kv_per_token)
+    assert result.fits
+    assert result.kv_blocks == blocks == 30_708
+    assert result.kv_tokens == 30_708 * 16 == 491_328
+    assert result.slots == min(256, 491_328 // 1024) == 256
+
+
+def test_slots_follow_expected_tokens_when_the_pool_is_small() -> None:
+    shape = find_model("llama-3.1-8b")
+    assert shape is not None
+    limits = EngineLimits(expected_tokens_per_seq=4096, max_model_len=8192)
+    result = plan(shape, gpu_memory_bytes=23034 * MIB, gpus=1, limits=limits)  # one L4
+    assert result.fits
+    assert result.slots == result.kv_tokens // 4096 < 256
+
+
+def test_t4_auto_dtype_is_float16_and_cpu_is_float32() -> None:
+    shape = find_model("qwen2.5-0.5b")
+    assert shape is not None
+    t4 = find_gpu("T4")
+    assert plan(shape, gpu_memory_bytes=15360 * MIB, gpus=1, gpu_type=t4).dtype == "float16"
+    assert plan(shape, gpu_memory_bytes=8 * GIB, gpus=0).dtype == "float32"
+
+
+def test_too_short_kv_pool_does_not_fit_and_names_a_bigger_gpu() -> None:
+    shape = find_model("llama-3.1-8b")
+    assert shape is not None
+    result = plan(shape, gpu_memory_bytes=15360 * MIB, gpus=1, dtype="float16")  # 16 GB weights on a T4
+    assert not result.fits
+    assert result.min_gpus == 2
+    assert result.smallest_gpu_type == "A10G"  # 23028 MiB, just below the L4's 23034
+
+
+def test_405b_fits_on_no_single_h100_node_but_on_eight_h200() -> None:
+    shape = find_model("llama-3.1-405b")
+    assert shape is not None
+    result = plan(shape, gpu_memory_bytes=H100_MIB * MIB, gpus=8)
+    assert not result.fits and result.min_gpus is None
+    assert result.smallest_gpu_type == "H200-141GB"
+
+
+def test_tensor_parallel_must_split_heads() -> None:
+    shape = find_model("qwen2.5-0.5b")  # 14 heads, 2 KV heads
+    assert shape is not None
+    result = plan(shape, gpu_memory_bytes=81920 * MIB, gpus=4)
+    assert not result.fits
+    assert "cannot split" in result.reason
+
+
+def test_smallest_gpu_among_labelled_nodes_wins() -> None:
+    nodes = [
+        {
+            "nvidia.com/gpu.memory": "81559",
+            "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+            "nvidia.com/gpu.count": "8",
+        },
+        {
+            "nvidia.com/gpu.memory": "46068",
+            "nvidia.com/gpu.product": "NVIDIA-L40S",
+            "nvidia.com/gpu.count": "4",
+        },
+        {"kubernetes.io/os": "linux"},
+    ]
+    gpu = gpu_from_node_labels(nodes)
+    assert gpu is not None
+    assert (gpu.memory_mib, gpu.product, gpu.count, gpu.source) == (46068, "NVIDIA-L40S", 4, "node-labels")
+    assert gpu_from_node_labels([{"kubernetes.io/os": "linux"}]) is None
+    product_only = gpu_from_node_labels([{"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}])
+    assert product_only is not None and product_only.memory_mib == 81920
+
+
+def test_gpu_lookup_by_product_label_variants() -> None:
+    assert find_gpu("NVIDIA-H100-80GB-HBM3") == sizing.GPU_CATALOG["H100-80GB"]
+    assert find_gpu("h200-141gb") == sizing.GPU_CATALOG["H200-141GB"]
+    assert find_gpu("NVIDIA-L4") == sizing.GPU_CATALOG["L4"]
+    assert find_gpu("Radeon") is None
+
+
+def test_size_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["size", "--model", "meta-llama/Llama-3.1-70B", "--gpu", "H100-80GB", "--gpus", "4", "--json"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert {"fits", "kv_blocks", "kv_tokens", "slots", "min_gpus", "weight_bytes_per_gpu"} <= set(out)
+    assert (out["fits"], out["kv_blocks"], out["min_gpus"]) == (True, 30_708, 2)
+    assert main(["size", "--model", "llama-3.1-70b", "--gpus", "1"]) == 1  # does not fit: exit 1
+    text = capsys.readouterr().out
+    assert "fits:                 no" in text and "min GPUs of this type: 2" in text
+
+
+def test_size_cli_shape_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    shape = "layers=80,hidden=8192,heads=64,kv_heads=8,head_dim=128,intermediate=28672,vocab=128256"
+    assert main(["size", "--shape", shape, "--gpus", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_blocks"] == 30_708
+    assert main(["size", "--model", "gpt-9"]) == 2
+    assert "not in the catalog" in capsys.readouterr().err
+    assert main(["size", "--shape", "layers=2"]) == 2
+    assert "missing" in capsys.readouterr().err
