@@ -111,6 +111,14 @@ def render_crd() -> dict[str, Any]:
         "description": "ModelServer serves one model over an OpenAI-compatible API on GPU Deployments "
         "the operator sizes from the GPU memory of the nodes the pods land on.",
         "required": ["spec"],
+        "x-kubernetes-validations": [
+            {
+                "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && "
+                "size(self.metadata.name) <= 63",
+                "message": "ModelServer names must be DNS-1035 labels (lowercase letters, digits and '-', "
+                "starting with a letter, at most 63 characters): the Service is named after them",
+            }
+        ],
         "properties": {
             "apiVersion": {"type": "string", "description": "inflight.dev/v1alpha1"},
             "kind": {"type": "string", "description": "ModelServer"},

@@ -102,6 +102,20 @@ class ModelShapeSpec(SpecModel):
     )
 
 
+class SecretKeyRef(SpecModel):
+    """A key in a Secret in the ModelServer's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(default="api-key", min_length=1, max_length=253, description="Key holding the value.")
+
+
+class HFTokenSecretRef(SpecModel):
+    """A key in a Secret in the ModelServer's namespace holding a Hugging Face access token."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(default="token", min_length=1, max_length=253, description="Key holding the token.")
+
+
 class ModelSpec(SpecModel):
     """What to serve and under which name."""
 
@@ -113,6 +127,10 @@ class ModelSpec(SpecModel):
                 "self.source.startsWith('file://')",
                 "model.source must start with pvc://, hf://, s3:// or file://, or be builtin:tiny",
                 ".source",
+            ),
+            cel(
+                "!has(self.hfTokenSecretRef) || self.source.startsWith('hf://')",
+                "model.hfTokenSecretRef applies only to hf:// sources",
             ),
             cel(
                 "has(self.shape) || has(self.catalogName) || self.source.startsWith('hf://') || "
@@ -134,14 +152,18 @@ class ModelSpec(SpecModel):
         min_length=1,
         max_length=1024,
         description="Where the weights are: `hf://ORG/REPO`, `pvc://CLAIM/PATH` (mounted read-only), "
-        "`s3://BUCKET/PREFIX`, `file:///PATH` (on the node image), or `builtin:tiny` (a tiny random "
-        "model built into the server, for tests and CPU clusters).",
+        "`s3://BUCKET/PREFIX` (downloaded by an aws-cli init container with the pod's credentials), "
+        "`file:///PATH` (a folder inside the server image), or `builtin:tiny` (a tiny random model built "
+        "into the server, for tests and CPU clusters).",
     )
     catalog_name: str | None = Field(
         default=None,
         max_length=256,
         description="Catalog entry to size from, e.g. `meta-llama/Llama-3.1-8B` (see `inflight size "
         "--list`). Default: taken from an hf:// source.",
+    )
+    hf_token_secret_ref: HFTokenSecretRef | None = Field(
+        default=None, description="Secret with a Hugging Face token, for gated hf:// repositories."
     )
     shape: ModelShapeSpec | None = Field(
         default=None, description="The model's shape; overrides the catalog. Needed for unknown models."
@@ -309,13 +331,6 @@ class AutoscalingSpec(SpecModel):
     prometheus: PrometheusSpec | None = Field(default=None, description="Prometheus settings for keda.")
 
 
-class SecretKeyRef(SpecModel):
-    """A key in a Secret in the ModelServer's namespace."""
-
-    name: str = Field(min_length=1, max_length=253, description="Secret name.")
-    key: str = Field(default="api-key", min_length=1, max_length=253, description="Key holding the value.")
-
-
 class AuthSpec(SpecModel):
     """Require `Authorization: Bearer <key>` on the API."""
 
@@ -374,6 +389,12 @@ class ModelServerSpec(SpecModel):
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512, description="Server image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Service account of the server pods (e.g. for s3:// access through workload identity); "
+        "absent: the namespace's default, with no API token mounted.",
     )
     node_selector: dict[str, str] | None = Field(
         default=None,
