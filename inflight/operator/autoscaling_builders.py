@@ -13,15 +13,16 @@ from decimal import Decimal
 from typing import Any
 
 from inflight.operator.autoscaler import ScalingPolicy
-from inflight.operator.pod_metrics import SERIES, ScalingMetric
+from inflight.operator.pod_metrics import SERIES
+from inflight.operator.spec import AutoscalingMetric
 
 GROUP_VERSION = "inflight.dev/v1alpha1"
 KIND = "ModelServer"
 
-HPA_METRIC_NAMES: dict[ScalingMetric, str] = {
-    ScalingMetric.REQUESTS_IN_FLIGHT: "inflight:num_requests_in_flight",
-    ScalingMetric.QUEUE_DEPTH: "inflight:num_requests_waiting",
-    ScalingMetric.KV_CACHE_USAGE: "inflight:kv_cache_usage_perc",
+HPA_METRIC_NAMES: dict[AutoscalingMetric, str] = {
+    AutoscalingMetric.REQUESTS_IN_FLIGHT: "inflight:num_requests_in_flight",
+    AutoscalingMetric.QUEUE_DEPTH: "inflight:num_requests_waiting",
+    AutoscalingMetric.KV_CACHE_USAGE: "inflight:kv_cache_usage_perc",
 }
 """The custom-metrics name the HPA asks for. Two are the server's own series; requests in flight is
 running + waiting, which the README's Prometheus Adapter rule publishes under its name."""
@@ -41,7 +42,7 @@ def build_hpa(
     name: str,
     namespace: str,
     policy: ScalingPolicy,
-    metric: ScalingMetric,
+    metric: AutoscalingMetric,
     owner_reference: Mapping[str, Any],
     labels: Mapping[str, str],
     metric_name: str | None = None,
@@ -69,7 +70,7 @@ def build_hpa(
     }
 
 
-def prometheus_query(metric: ScalingMetric, namespace: str, deployment: str) -> str:
+def prometheus_query(metric: AutoscalingMetric, namespace: str, deployment: str) -> str:
     """PromQL for the metric's total over the Deployment's pods (KEDA divides it by the replica count)."""
     selector = f'namespace="{namespace}",pod=~"{deployment}-[a-z0-9]+-[a-z0-9]+"'
     return " + ".join(f"sum({series}{{{selector}}})" for series in SERIES[metric])
@@ -79,7 +80,7 @@ def build_scaled_object(
     name: str,
     namespace: str,
     policy: ScalingPolicy,
-    metric: ScalingMetric,
+    metric: AutoscalingMetric,
     owner_reference: Mapping[str, Any],
     labels: Mapping[str, str],
     server_address: str,

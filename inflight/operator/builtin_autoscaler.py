@@ -16,11 +16,12 @@ from typing import Any
 import httpx
 
 from inflight.operator.autoscaler import Decision, Direction, Observation, ScalingPolicy, decide
-from inflight.operator.pod_metrics import ScalingMetric, ready_pod_endpoints, scrape
+from inflight.operator.pod_metrics import ready_pod_endpoints, scrape
+from inflight.operator.spec import AutoscalingMetric, AutoscalingSpec
 
 
-def policy_of(autoscaling: Any) -> ScalingPolicy:
-    """The decision knobs of a ModelServer's ``spec.autoscaling`` (an ``AutoscalingSpec``)."""
+def policy_of(autoscaling: AutoscalingSpec) -> ScalingPolicy:
+    """The decision knobs of a ModelServer's ``spec.autoscaling``."""
     return ScalingPolicy(
         min_replicas=autoscaling.min_replicas,
         max_replicas=autoscaling.max_replicas,
@@ -34,11 +35,11 @@ def policy_of(autoscaling: Any) -> ScalingPolicy:
 class AutoscalerState:
     """What the builtin autoscaler remembers about one ModelServer between rounds (kept in memory)."""
 
-    metric: ScalingMetric | None = None
+    metric: AutoscalingMetric | None = None
     history: deque[Observation] = field(default_factory=deque)
     last_scale_time: str | None = None
 
-    def record(self, observation: Observation, metric: ScalingMetric, policy: ScalingPolicy) -> None:
+    def record(self, observation: Observation, metric: AutoscalingMetric, policy: ScalingPolicy) -> None:
         """Add a round; forget rounds no window needs (keeping one older, which proves the delay passed)."""
         if metric != self.metric:
             self.metric = metric
@@ -66,7 +67,7 @@ def starting_replicas(
 
 async def evaluate(
     state: AutoscalerState,
-    autoscaling: Any,
+    autoscaling: AutoscalingSpec,
     pods: list[Mapping[str, Any]],
     container: str,
     replicas: int,
@@ -76,7 +77,7 @@ async def evaluate(
     now: float,
 ) -> Decision:
     """One round: scrape the ready pods, remember the values, decide."""
-    metric = ScalingMetric(autoscaling.metric)
+    metric = autoscaling.metric
     policy = policy_of(autoscaling)
     values = await scrape(client, ready_pod_endpoints(pods, container), metric, timeout_s)
     state.record(Observation(now, values), metric, policy)

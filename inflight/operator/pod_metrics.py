@@ -13,41 +13,30 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from inflight.operator.spec import AutoscalingMetric
 
 RUNNING = "inflight:num_requests_running"
 WAITING = "inflight:num_requests_waiting"
 KV_CACHE_USAGE = "inflight:kv_cache_usage_perc"
 
 
-class ScalingMetric(StrEnum):
-    REQUESTS_IN_FLIGHT = "requestsInFlight"
-    QUEUE_DEPTH = "queueDepth"
-    KV_CACHE_USAGE = "kvCacheUsage"
-
-
-SERIES: dict[ScalingMetric, tuple[str, ...]] = {
-    ScalingMetric.REQUESTS_IN_FLIGHT: (RUNNING, WAITING),
-    ScalingMetric.QUEUE_DEPTH: (WAITING,),
-    ScalingMetric.KV_CACHE_USAGE: (KV_CACHE_USAGE,),
+SERIES: dict[AutoscalingMetric, tuple[str, ...]] = {
+    AutoscalingMetric.REQUESTS_IN_FLIGHT: (RUNNING, WAITING),
+    AutoscalingMetric.QUEUE_DEPTH: (WAITING,),
+    AutoscalingMetric.KV_CACHE_USAGE: (KV_CACHE_USAGE,),
 }
 """The server series whose sum is each metric's value on one pod."""
-
-UNITS: dict[ScalingMetric, str] = {
-    ScalingMetric.REQUESTS_IN_FLIGHT: "requests",
-    ScalingMetric.QUEUE_DEPTH: "requests",
-    ScalingMetric.KV_CACHE_USAGE: "fraction of KV blocks (0-1)",
-}
 
 
 class MetricsFormatError(ValueError):
     """The body was not Prometheus text, or lacked a series the metric needs."""
 
 
-def metric_value(text: str, metric: ScalingMetric) -> float:
+def metric_value(text: str, metric: AutoscalingMetric) -> float:
     """The metric's value in one pod's ``/metrics`` body (summed over labels such as ``model_name``)."""
     wanted = SERIES[metric]
     totals: dict[str, float] = {}
@@ -101,7 +90,7 @@ def ready_pod_endpoints(pods: Iterable[Mapping[str, object]], container: str) ->
 
 
 async def scrape(
-    client: httpx.AsyncClient, endpoints: Iterable[PodEndpoint], metric: ScalingMetric, timeout_s: float
+    client: httpx.AsyncClient, endpoints: Iterable[PodEndpoint], metric: AutoscalingMetric, timeout_s: float
 ) -> dict[str, float | None]:
     """Each pod's metric value, scraped concurrently; None for a pod that did not answer in time or well."""
     endpoint_list = list(endpoints)
@@ -110,7 +99,7 @@ async def scrape(
 
 
 async def _scrape_one(
-    client: httpx.AsyncClient, endpoint: PodEndpoint, metric: ScalingMetric, timeout_s: float
+    client: httpx.AsyncClient, endpoint: PodEndpoint, metric: AutoscalingMetric, timeout_s: float
 ) -> float | None:
     try:
         response = await client.get(endpoint.metrics_url, timeout=timeout_s)

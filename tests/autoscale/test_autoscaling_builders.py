@@ -18,7 +18,7 @@ from inflight.operator.autoscaling_builders import (
     prometheus_query,
     quantity,
 )
-from inflight.operator.pod_metrics import ScalingMetric
+from inflight.operator.spec import AutoscalingMetric
 
 KEDA_CRD = Path(__file__).parent / "data" / "keda" / "keda.sh_scaledobjects.yaml"
 OWNER = {
@@ -65,14 +65,14 @@ def scaled_object_schema() -> dict[str, Any]:
     return closed(schema)
 
 
-@pytest.mark.parametrize("metric", list(ScalingMetric))
-def test_hpa_is_valid_for_kubernetes_1_32(metric: ScalingMetric) -> None:
+@pytest.mark.parametrize("metric", list(AutoscalingMetric))
+def test_hpa_is_valid_for_kubernetes_1_32(metric: AutoscalingMetric) -> None:
     hpa = build_hpa("llama", "serving", POLICY, metric, OWNER, LABELS)
     kubernetes_validate.validate(hpa, "1.32.0", strict=True)
 
 
 def test_hpa_targets_the_modelserver_scale_subresource_with_a_pods_metric() -> None:
-    hpa = build_hpa("llama", "serving", POLICY, ScalingMetric.KV_CACHE_USAGE, OWNER, LABELS)
+    hpa = build_hpa("llama", "serving", POLICY, AutoscalingMetric.KV_CACHE_USAGE, OWNER, LABELS)
     spec = hpa["spec"]
     assert spec["scaleTargetRef"] == {
         "apiVersion": "inflight.dev/v1alpha1",
@@ -94,7 +94,9 @@ def test_hpa_targets_the_modelserver_scale_subresource_with_a_pods_metric() -> N
 
 
 def test_hpa_metric_name_can_be_overridden() -> None:
-    hpa = build_hpa("llama", "serving", POLICY, ScalingMetric.QUEUE_DEPTH, OWNER, LABELS, metric_name="queue")
+    hpa = build_hpa(
+        "llama", "serving", POLICY, AutoscalingMetric.QUEUE_DEPTH, OWNER, LABELS, metric_name="queue"
+    )
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "queue"
 
 
@@ -110,9 +112,9 @@ def test_quantity_rejects_what_kubernetes_cannot_hold() -> None:
         quantity(0.0005)
 
 
-@pytest.mark.parametrize("metric", list(ScalingMetric))
+@pytest.mark.parametrize("metric", list(AutoscalingMetric))
 def test_scaled_object_is_valid_for_kedas_crd(
-    metric: ScalingMetric, scaled_object_schema: dict[str, Any]
+    metric: AutoscalingMetric, scaled_object_schema: dict[str, Any]
 ) -> None:
     scaled = build_scaled_object("llama", "serving", POLICY, metric, OWNER, LABELS, "http://prometheus:9090")
     jsonschema.validate(scaled, scaled_object_schema)
@@ -120,7 +122,7 @@ def test_scaled_object_is_valid_for_kedas_crd(
 
 def test_closed_schema_catches_a_misspelt_field(scaled_object_schema: dict[str, Any]) -> None:
     scaled = build_scaled_object(
-        "llama", "serving", POLICY, ScalingMetric.QUEUE_DEPTH, OWNER, LABELS, "http://prometheus:9090"
+        "llama", "serving", POLICY, AutoscalingMetric.QUEUE_DEPTH, OWNER, LABELS, "http://prometheus:9090"
     )
     scaled["spec"]["minReplicas"] = 1  # KEDA calls it minReplicaCount; the API server would drop this
     with pytest.raises(jsonschema.ValidationError, match="minReplicas"):
@@ -129,7 +131,7 @@ def test_closed_schema_catches_a_misspelt_field(scaled_object_schema: dict[str, 
 
 def test_scaled_object_has_a_prometheus_trigger_with_the_built_query() -> None:
     scaled = build_scaled_object(
-        "llama", "serving", POLICY, ScalingMetric.REQUESTS_IN_FLIGHT, OWNER, LABELS, "http://prom:9090"
+        "llama", "serving", POLICY, AutoscalingMetric.REQUESTS_IN_FLIGHT, OWNER, LABELS, "http://prom:9090"
     )
     spec = scaled["spec"]
     assert spec["scaleTargetRef"]["kind"] == "ModelServer"
@@ -152,7 +154,7 @@ def test_scaled_object_takes_the_query_from_the_spec() -> None:
         "llama",
         "serving",
         POLICY,
-        ScalingMetric.QUEUE_DEPTH,
+        AutoscalingMetric.QUEUE_DEPTH,
         OWNER,
         LABELS,
         "http://prom:9090",
@@ -163,10 +165,10 @@ def test_scaled_object_takes_the_query_from_the_spec() -> None:
 
 def test_scaled_object_needs_a_prometheus_address() -> None:
     with pytest.raises(ValueError, match=r"spec\.autoscaling\.prometheus\.serverAddress"):
-        build_scaled_object("llama", "serving", POLICY, ScalingMetric.QUEUE_DEPTH, OWNER, LABELS, "")
+        build_scaled_object("llama", "serving", POLICY, AutoscalingMetric.QUEUE_DEPTH, OWNER, LABELS, "")
 
 
 def test_query_for_a_single_series_metric() -> None:
-    assert prometheus_query(ScalingMetric.KV_CACHE_USAGE, "ns", "m") == (
+    assert prometheus_query(AutoscalingMetric.KV_CACHE_USAGE, "ns", "m") == (
         'sum(inflight:kv_cache_usage_perc{namespace="ns",pod=~"m-[a-z0-9]+-[a-z0-9]+"})'
     )

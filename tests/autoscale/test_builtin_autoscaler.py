@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -16,22 +15,22 @@ from inflight.operator.builtin_autoscaler import (
     scaled,
     starting_replicas,
 )
-from inflight.operator.pod_metrics import ScalingMetric
+from inflight.operator.spec import AutoscalingMetric, AutoscalingSpec
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=4, target=2.0, scale_down_delay_s=5.0)
 NOW = 1_800_000_000.0
 
 
-def autoscaling(**overrides: Any) -> SimpleNamespace:
-    fields: dict[str, Any] = {
-        "min_replicas": 1,
-        "max_replicas": 4,
-        "target": 2.0,
-        "metric": "requestsInFlight",
-        "scale_up_stabilization_seconds": 0,
-        "scale_down_delay_seconds": 5,
-    }
-    return SimpleNamespace(**(fields | overrides))
+def autoscaling() -> AutoscalingSpec:
+    return AutoscalingSpec.model_validate(
+        {
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "target": 2,
+            "metric": "requestsInFlight",
+            "scaleDownDelaySeconds": 5,
+        }
+    )
 
 
 def pod(name: str, port: int, ready: bool = True, age_s: float = 600.0) -> dict[str, Any]:
@@ -48,14 +47,14 @@ def pod(name: str, port: int, ready: bool = True, age_s: float = 600.0) -> dict[
 def test_history_keeps_the_windows_and_one_older_round() -> None:
     state = AutoscalerState()
     for t in range(20):
-        state.record(Observation(float(t), {"a": 0.0}), ScalingMetric.QUEUE_DEPTH, POLICY)
+        state.record(Observation(float(t), {"a": 0.0}), AutoscalingMetric.QUEUE_DEPTH, POLICY)
     assert [o.time for o in state.history] == [14.0, 15.0, 16.0, 17.0, 18.0, 19.0]
 
 
 def test_history_is_forgotten_when_the_metric_changes() -> None:
     state = AutoscalerState()
-    state.record(Observation(0.0, {"a": 50.0}), ScalingMetric.QUEUE_DEPTH, POLICY)
-    state.record(Observation(1.0, {"a": 0.5}), ScalingMetric.KV_CACHE_USAGE, POLICY)
+    state.record(Observation(0.0, {"a": 50.0}), AutoscalingMetric.QUEUE_DEPTH, POLICY)
+    state.record(Observation(1.0, {"a": 0.5}), AutoscalingMetric.KV_CACHE_USAGE, POLICY)
     assert [o.values["a"] for o in state.history] == [0.5]
 
 

@@ -11,11 +11,11 @@ import pytest
 from inflight.operator.pod_metrics import (
     MetricsFormatError,
     PodEndpoint,
-    ScalingMetric,
     metric_value,
     ready_pod_endpoints,
     scrape,
 )
+from inflight.operator.spec import AutoscalingMetric
 
 BODY = """\
 # HELP inflight:num_requests_running Requests in a slot.
@@ -39,12 +39,12 @@ inflight:e2e_request_latency_seconds_sum{model_name="tiny"} 0.5
 @pytest.mark.parametrize(
     ("metric", "expected"),
     [
-        (ScalingMetric.REQUESTS_IN_FLIGHT, 8.0),
-        (ScalingMetric.QUEUE_DEPTH, 5.0),
-        (ScalingMetric.KV_CACHE_USAGE, 0.625),
+        (AutoscalingMetric.REQUESTS_IN_FLIGHT, 8.0),
+        (AutoscalingMetric.QUEUE_DEPTH, 5.0),
+        (AutoscalingMetric.KV_CACHE_USAGE, 0.625),
     ],
 )
-def test_metric_value_from_server_text(metric: ScalingMetric, expected: float) -> None:
+def test_metric_value_from_server_text(metric: AutoscalingMetric, expected: float) -> None:
     assert metric_value(BODY, metric) == expected
 
 
@@ -52,18 +52,18 @@ def test_metric_value_sums_over_labels() -> None:
     body = (
         'inflight:num_requests_waiting{model_name="a"} 2\ninflight:num_requests_waiting{model_name="b"} 3\n'
     )
-    assert metric_value(body, ScalingMetric.QUEUE_DEPTH) == 5.0
+    assert metric_value(body, AutoscalingMetric.QUEUE_DEPTH) == 5.0
 
 
 def test_missing_series_is_an_error_not_zero() -> None:
     body = "inflight:num_requests_running 1\n"
     with pytest.raises(MetricsFormatError, match="no inflight:num_requests_waiting"):
-        metric_value(body, ScalingMetric.REQUESTS_IN_FLIGHT)
+        metric_value(body, AutoscalingMetric.REQUESTS_IN_FLIGHT)
 
 
 def test_garbage_is_an_error() -> None:
     with pytest.raises(MetricsFormatError, match="not Prometheus text"):
-        metric_value("<html>502 Bad Gateway</html>\n", ScalingMetric.QUEUE_DEPTH)
+        metric_value("<html>502 Bad Gateway</html>\n", AutoscalingMetric.QUEUE_DEPTH)
 
 
 def pod(
@@ -138,13 +138,13 @@ async def test_scrape_marks_unanswered_and_broken_pods_unknown(silent_port: int)
             PodEndpoint("503", "10.0.0.2", 8000),
             PodEndpoint("refused", "10.0.0.3", 8000),
         ],
-        ScalingMetric.QUEUE_DEPTH,
+        AutoscalingMetric.QUEUE_DEPTH,
         timeout_s=1.0,
     )
     assert values == {"ok": 5.0, "503": None, "refused": None}
 
     async with httpx.AsyncClient() as real:
         hung = await scrape(
-            real, [PodEndpoint("hung", "127.0.0.1", silent_port)], ScalingMetric.QUEUE_DEPTH, 0.2
+            real, [PodEndpoint("hung", "127.0.0.1", silent_port)], AutoscalingMetric.QUEUE_DEPTH, 0.2
         )
     assert hung == {"hung": None}
