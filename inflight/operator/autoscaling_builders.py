@@ -120,7 +120,16 @@ def build_scaled_object(
     }
 
 
+HPA_MAX_WINDOW_S = 3600
+"""Kubernetes rejects an HPA stabilization window above one hour."""
+
+
 def _behavior(policy: ScalingPolicy) -> dict[str, Any]:
+    if policy.scale_down_delay_s > HPA_MAX_WINDOW_S:
+        raise ValueError(
+            f"autoscaling.scaleDownDelaySeconds is {policy.scale_down_delay_s:g}, but an HPA's scale-down "
+            f"window is at most {HPA_MAX_WINDOW_S}s; lower it, or use actuator builtin"
+        )
     return {
         "scaleUp": {"stabilizationWindowSeconds": round(policy.scale_up_stabilization_s)},
         "scaleDown": {"stabilizationWindowSeconds": round(policy.scale_down_delay_s)},

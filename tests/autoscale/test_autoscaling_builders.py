@@ -172,3 +172,9 @@ def test_query_for_a_single_series_metric() -> None:
     assert prometheus_query(AutoscalingMetric.KV_CACHE_USAGE, "ns", "m") == (
         'sum(inflight:kv_cache_usage_perc{namespace="ns",pod=~"m-[a-z0-9]+-[a-z0-9]+"})'
     )
+
+
+def test_a_scale_down_delay_beyond_the_hpas_limit_is_an_error() -> None:
+    policy = ScalingPolicy(min_replicas=1, max_replicas=2, target=1, scale_down_delay_s=7200)
+    with pytest.raises(ValueError, match="at most 3600s; lower it, or use actuator builtin"):
+        build_hpa("llama", "serving", policy, AutoscalingMetric.QUEUE_DEPTH, OWNER, LABELS)
