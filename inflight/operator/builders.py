@@ -1,0 +1,298 @@
+"""ModelServer + placement -> the Deployment and Service manifests (pure functions, no API calls).
+
+The Deployment runs `inflight serve` with the sizing plan as flags, probes `/health` (liveness and a
+startup probe bounded by startupTimeoutSeconds) and `/ready` (readiness), rolls out with maxSurge 0 so a
+rollout never needs a spare GPU, and runs non-root with a read-only root filesystem. Both objects carry
+the Kubernetes recommended labels and a controller owner reference to the ModelServer, so deleting the
+ModelServer garbage-collects them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+from inflight.operator.placement import Placement
+from inflight.operator.spec import BUILTIN_TINY, GROUP, KIND, VERSION, ModelServer
+
+PORT = 8000
+API_KEY_DIR = "/var/run/inflight"
+API_KEY_FILE = f"{API_KEY_DIR}/api-key"
+MODELS_DIR = "/models"
+SERVER_UID = 10001  # the `inflight` user of server/Dockerfile
+AWS_CLI_IMAGE = "public.ecr.aws/aws-cli/aws-cli:2.22.35"
+
+LABEL_MODELSERVER = "inflight.dev/modelserver"
+ANNOTATION_TEMPLATE_HASH = "inflight.dev/template-hash"
+MANAGED_BY = "inflight-operator"
+
+
+def selector_labels(ms: ModelServer) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "inflight-server", LABEL_MODELSERVER: ms.metadata.name}
+
+
+def labels(ms: ModelServer) -> dict[str, str]:
+    return {
+        **selector_labels(ms),
+        "app.kubernetes.io/instance": ms.metadata.name,
+        "app.kubernetes.io/component": "model-server",
+        "app.kubernetes.io/part-of": "inflight",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def selector_string(ms: ModelServer) -> str:
+    """`status.selector` for the scale subresource (what `kubectl scale` and an HPA count pods by)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(ms).items()))
+
+
+def endpoint(ms: ModelServer) -> str:
+    return f"http://{ms.metadata.name}.{ms.metadata.namespace}.svc:{PORT}/v1"
+
+
+def owner_reference(ms: ModelServer) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": ms.metadata.name,
+        "uid": ms.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(ms: ModelServer) -> dict[str, Any]:
+    return {
+        "name": ms.metadata.name,
+        "namespace": ms.metadata.namespace,
+        "labels": labels(ms),
+        "ownerReferences": [owner_reference(ms)],
+    }
+
+
+def model_path(ms: ModelServer) -> str:
+    """The `--model` argument: where the weights are inside the server container."""
+    source = ms.spec.model.source
+    if source == BUILTIN_TINY:
+        return BUILTIN_TINY
+    if source.startswith("pvc://"):
+        return f"{MODELS_DIR}/pvc/{source.removeprefix('pvc://').rstrip('/')}"
+    if source.startswith("file://"):
+        return source.removeprefix("file://")
+    return f"{MODELS_DIR}/download"  # hf:// and s3://: fetched by an init container
+
+
+def server_args(ms: ModelServer, placement: Placement) -> list[str]:
+    """The flags of `inflight serve`, with the sizing plan's KV blocks and slots."""
+    spec, plan = ms.spec, placement.plan
+    args = [
+        "--model",
+        model_path(ms),
+        "--served-model-name",
+        spec.model.name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(PORT),
+        "--dtype",
+        plan.dtype,
+        "--max-slots",
+        str(plan.slots),
+        "--num-kv-blocks",
+        str(plan.kv_blocks),
+        "--block-size",
+        str(spec.engine.block_size),
+        "--max-model-len",
+        str(spec.model.max_model_len),
+        "--max-num-batched-tokens",
+        str(spec.engine.max_batched_tokens),
+        "--scheduler",
+        spec.engine.scheduler.value,
+        "--enable-prefix-caching" if spec.engine.prefix_caching else "--no-enable-prefix-caching",
+        "--gpu-memory-utilization",
+        f"{spec.engine.gpu_memory_utilization:g}",
+    ]
+    if spec.auth is not None:
+        args += ["--api-key-file", API_KEY_FILE]
+    return args
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": SERVER_UID,
+        "runAsGroup": SERVER_UID,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _download_init_container(ms: ModelServer) -> dict[str, Any] | None:
+    """An init container that fetches hf:// or s3:// weights into the shared `model` volume."""
+    source = ms.spec.model.source
+    mounts = [{"name": "model", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if source.startswith("hf://"):
+        env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": "/tmp/huggingface"}]
+        token = ms.spec.model.hf_token_secret_ref
+        if token is not None:
+            secret = {"secretKeyRef": {"name": token.name, "key": token.key}}
+            env.append({"name": "HF_TOKEN", "valueFrom": secret})
+        script = (
+            "import sys; from huggingface_hub import snapshot_download; "
+            "snapshot_download(sys.argv[1], local_dir=sys.argv[2])"
+        )
+        command = ["python", "-c", script, source.removeprefix("hf://"), f"{MODELS_DIR}/download"]
+        image = ms.spec.image
+    elif source.startswith("s3://"):
+        env = [{"name": "HOME", "value": "/tmp"}]
+        command = ["aws", "s3", "sync", "--only-show-errors", source, f"{MODELS_DIR}/download"]
+        image = AWS_CLI_IMAGE
+    else:
+        return None
+    return {
+        "name": "fetch-model",
+        "image": image,
+        "imagePullPolicy": ms.spec.image_pull_policy,
+        "command": command,
+        "env": env,
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+    }
+
+
+def _resources(ms: ModelServer) -> dict[str, Any]:
+    spec = ms.spec.resources
+    amounts: dict[str, str] = {"cpu": spec.cpu, "memory": spec.memory}
+    if spec.gpu.count > 0:
+        amounts[spec.gpu.resource_name] = str(spec.gpu.count)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _volumes_and_mounts(ms: ModelServer) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    source = ms.spec.model.source
+    if source.startswith("pvc://"):
+        claim = source.removeprefix("pvc://").split("/", 1)[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/pvc/{claim}", "readOnly": True})
+    elif source.startswith(("hf://", "s3://")):
+        volumes.append({"name": "model", "emptyDir": {}})
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+    if ms.spec.auth is not None:
+        ref = ms.spec.auth.api_key_secret_ref
+        secret = {
+            "secretName": ref.name,
+            "items": [{"key": ref.key, "path": "api-key"}],
+            "defaultMode": 0o440,
+        }
+        volumes.append({"name": "api-key", "secret": secret})
+        mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def pod_template(ms: ModelServer, placement: Placement) -> dict[str, Any]:
+    spec = ms.spec
+    volumes, mounts = _volumes_and_mounts(ms)
+    http_get = {"port": "http", "scheme": "HTTP"}
+    container = {
+        "name": "server",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["inflight", "serve"],
+        "args": server_args(ms, placement),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "resources": _resources(ms),
+        "volumeMounts": mounts,
+        "startupProbe": {
+            "httpGet": {**http_get, "path": "/health"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(spec.startup_timeout_seconds / 10),
+        },
+        "livenessProbe": {
+            "httpGet": {**http_get, "path": "/health"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "readinessProbe": {
+            "httpGet": {**http_get, "path": "/ready"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "securityContext": _container_security(),
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": SERVER_UID,
+            "runAsGroup": SERVER_UID,
+            "fsGroup": SERVER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    init = _download_init_container(ms)
+    if init is not None:
+        pod_spec["initContainers"] = [init]
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    template = {"metadata": {"labels": labels(ms), "annotations": annotations}, "spec": pod_spec}
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
+    annotations[ANNOTATION_TEMPLATE_HASH] = digest
+    return template
+
+
+def template_hash(deployment: dict[str, Any]) -> str | None:
+    annotations = deployment.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {}
+    value = annotations.get(ANNOTATION_TEMPLATE_HASH)
+    return str(value) if value is not None else None
+
+
+def deployment(ms: ModelServer, placement: Placement, replicas: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ms),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(ms)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "revisionHistoryLimit": 5,
+            "progressDeadlineSeconds": ms.spec.startup_timeout_seconds + 300,
+            "template": pod_template(ms, placement),
+        },
+    }
+
+
+def service(ms: ModelServer) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ms),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(ms),
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
