@@ -29,6 +29,19 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)
 
+# Splits text into words, single digits, punctuation runs and whitespace before byte-level BPE.
+PRETOKENIZE_PATTERN = "|".join(
+    (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)",  # English contractions
+        r"[^\r\n\p{L}\p{N}]?\p{L}+",  # a word, with one leading non-letter (usually a space)
+        r"\p{N}",  # one digit
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",  # punctuation runs
+        r"\s*[\r\n]+",  # line breaks
+        r"\s+(?!\S)",  # whitespace not followed by a word
+        r"\s+",
+    )
+)
+
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -161,7 +174,16 @@ def make_model(
 
 
 def _train_tokenizer(spec: Preset, add_bos: bool, say: Progress) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     files = corpus_files(spec.corpus_bytes)
     size = sum(p.stat().st_size for p in files)
@@ -170,7 +192,15 @@ def _train_tokenizer(spec: Preset, add_bos: bool, say: Progress) -> Any:
         f"{len(files)} standard-library files ({size / 1e6:.1f} MB)"
     )
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # The pre-tokenization of Qwen2 / Llama 3 style tokenizers (transformers' Qwen2Tokenizer imposes
+    # exactly this one, so the files must carry it too to encode the same everywhere).
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=spec.vocab_size,
@@ -253,6 +283,7 @@ def _write_tokenizer_files(out: Path, arch: str, ids: dict[str, int], spec: Pres
         "bos_token": bos,
         "eos_token": EOS,
         "pad_token": PAD,
+        "unk_token": None,
         "model_max_length": spec.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
