@@ -356,6 +356,7 @@ def _write_weights(path: Path, spec: Preset, arch: str, vocab_size: int, seed: i
         else:
             tensors[name] = 0.02 * torch.randn(shape, generator=generator)
     save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # like the other files (safetensors writes 0600)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
