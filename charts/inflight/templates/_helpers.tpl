@@ -47,10 +47,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* The `inflight operator` command line (after the image's `inflight operator` entrypoint). */}}
 {{- define "inflight.operatorArgs" -}}
-- --server-image={{ include "inflight.image" (dict "image" .Values.serverImage "appVersion" .Chart.AppVersion) }}
-- --health-port={{ .Values.healthPort }}
-- --log-level={{ .Values.logLevel }}
-{{- if .Values.leaderElection.enabled }}
-- --leader-election
+{{- if and (not .Values.leaderElection.enabled) (gt (int .Values.replicaCount) 1) }}
+{{- fail "leaderElection.enabled=false needs replicaCount 1: replicas without leader election reconcile the same ModelServers" }}
+{{- end }}
+{{- range .Values.watchNamespaces }}
+- --namespace={{ . }}
+{{- else }}
+- --all-namespaces
+{{- end }}
+{{- if not .Values.leaderElection.enabled }}
+- --no-leader-election
+{{- end }}
+- --liveness=http://0.0.0.0:{{ .Values.healthPort }}/healthz
+- --resync-seconds={{ .Values.resyncSeconds }}
+{{- if .Values.verbose }}
+- --verbose
 {{- end }}
 {{- end }}
