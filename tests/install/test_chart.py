@@ -6,6 +6,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 VARIANTS = {
     "defaults": (),
@@ -162,3 +163,17 @@ def test_bad_values_are_rejected_with_the_reason(helm: Any, values: tuple[str, .
     result = helm.template(*values)
     assert result.returncode != 0
     assert complaint in result.stderr
+
+
+def test_notes_say_what_to_apply_next(helm: Any) -> None:
+    result = helm.run(
+        "install", "--dry-run=client", helm.release, str(helm.chart), "--namespace", helm.namespace
+    )
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout[result.stdout.index("NOTES:") :]
+    assert f"kubectl -n {helm.namespace} rollout status deployment/inflight" in notes
+    example = helm.root / "manifests" / "tiny-cpu.yaml"
+    assert "kubectl apply -f manifests/tiny-cpu.yaml" in notes and example.is_file()
+    name = yaml.safe_load(example.read_text())["metadata"]["name"]
+    assert f"kubectl describe modelserver {name} " in notes
+    assert "kubectl apply --server-side -f crds/modelserver.yaml" in notes
