@@ -113,3 +113,22 @@ def test_write_then_attend_equals_reference() -> None:
     triton_paged.write_kv_cache(key, value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = triton_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
     assert_close(out, dense_reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_torch_paged_reference(dtype: torch.dtype) -> None:
+    from inflight.engine.attention import torch_paged
+
+    case = make_case([50, 1, 33, 80], [1, 1, 33, 16], num_heads=8, num_kv_heads=2, dtype=dtype, seed=5)
+    args = (case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    expected = torch_paged.paged_attention(*args).double()
+    assert_close(triton_paged.paged_attention(*args), expected, dtype)
+
+
+def test_backend_uses_triton_on_cuda_and_torch_elsewhere() -> None:
+    from inflight.engine.attention.backend import get_attention_backend
+
+    assert get_attention_backend(torch.device("cpu")).name == "torch"
+    cuda = get_attention_backend(torch.device("cuda"))
+    assert cuda.name == "triton"
+    assert cuda.paged_attention is triton_paged.paged_attention

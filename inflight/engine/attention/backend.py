@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.engine.attention import torch_paged
+from inflight.engine.attention import torch_paged, triton_paged
 from inflight.engine.attention.metadata import AttentionMetadata
 
 WriteKVCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -29,7 +29,15 @@ TORCH_BACKEND = AttentionBackend(
     paged_attention=torch_paged.paged_attention,
 )
 
+TRITON_BACKEND = AttentionBackend(
+    name="triton",
+    write_kv_cache=triton_paged.write_kv_cache,
+    paged_attention=triton_paged.paged_attention,
+)
+
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The attention backend for `device`: the PyTorch path everywhere."""
+    """The attention backend for `device`: Triton kernels on CUDA where triton is installed, else PyTorch."""
+    if device.type == "cuda" and triton_paged.triton_available():
+        return TRITON_BACKEND
     return TORCH_BACKEND
