@@ -1,9 +1,157 @@
-"""Subcommands of this area, registered into the `inflight` CLI. Keep imports inside handlers lazy."""
+"""`inflight serve` and `inflight bench serve`. Heavy imports (torch, FastAPI) happen inside the handlers."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from inflight.engine.config import EngineConfig
+
+DEFAULT_MAX_QUEUE = 256
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
     """Add this area's subcommands to `commands` and its benchmarks to `bench`."""
+    serve = commands.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (continuous batching, Prometheus metrics)",
+        description="Serve a Hugging Face Llama-family checkpoint over an OpenAI-compatible HTTP API. "
+        "/health and /ready are the Kubernetes probes, /metrics is Prometheus text, /docs the API.",
+    )
+    add_engine_arguments(serve)
+    serve.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help="sequences that may wait for a slot beyond --max-slots; more get 429 "
+        f"(default: {DEFAULT_MAX_QUEUE})",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        help="require 'Authorization: Bearer KEY' with the key on this file's first line "
+        "(default: $INFLIGHT_API_KEY; no key = no auth)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before exiting (default: 30)",
+    )
+    serve.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
+    )
+    serve.set_defaults(func=_serve)
+
+    bench_serve = bench.add_parser(
+        "serve",
+        help="streaming clients at a fixed request rate against a server: throughput, TTFT, ITL",
+        description="Send the offline benchmark's workload as concurrent streaming requests at a fixed "
+        "rate to a server (started here, or --url), measure request throughput, output tokens/s, "
+        "time to first token and inter-token latency, and compare with the offline engine in the same run.",
+    )
+    add_engine_arguments(bench_serve, default_model="builtin:tiny")
+    bench_serve.add_argument("--url", help="benchmark this running server instead of starting one")
+    bench_serve.add_argument(
+        "--request-rate", type=float, default=16.0, help="requests per second, Poisson arrivals (default: 16)"
+    )
+    bench_serve.add_argument("--num-requests", type=int, default=64, help="requests to send (default: 64)")
+    bench_serve.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
+    bench_serve.add_argument(
+        "--skip-offline", action="store_true", help="do not run the offline engine for the ratio"
+    )
+    bench_serve.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    bench_serve.set_defaults(func=_bench_serve)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    parser.add_argument(
+        "--model",
+        required=default_model is None,
+        default=default_model,
+        help="checkpoint folder, or builtin:tiny / builtin:small (made once into $INFLIGHT_CACHE_DIR)",
+    )
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--max-slots", type=int, default=64, help="sequences running at once (default: 64)")
+    parser.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: sized from memory)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--max-model-len", type=int, help="prompt + output cap (default: the model's)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default: 2048)"
+    )
+    parser.add_argument("--scheduler", choices=("continuous", "static"), default="continuous")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share KV blocks of identical prompt prefixes (default: on)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share to use (default: 0.9)"
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from pydantic import ValidationError
+
+    from inflight.engine.config import EngineConfig
+
+    try:
+        return EngineConfig(
+            max_num_seqs=args.max_slots,
+            num_kv_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            scheduler=args.scheduler,
+            enable_prefix_caching=args.enable_prefix_caching,
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+    except ValidationError as error:
+        raise SystemExit(f"invalid engine settings: {error}") from error
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inflight.engine.async_engine import AsyncEngine
+    from inflight.engine.engine import LLMEngine
+    from inflight.server.app import ServerSettings, create_app
+    from inflight.server.auth import load_api_key
+    from inflight.server.run import DrainingServer, configure_logging, resolve_model
+
+    configure_logging(args.log_level)
+    if args.max_queue < 0:
+        raise SystemExit("--max-queue must be >= 0")
+    api_key = load_api_key(args.api_key_file)
+    config = engine_config_from_args(args)
+    model_dir = resolve_model(args.model)
+    engine = AsyncEngine(
+        lambda: LLMEngine(model_dir, config), max_slots=config.max_num_seqs, max_queue=args.max_queue
+    )
+    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=api_key)
+    app = create_app(engine, settings)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = DrainingServer(uvicorn_config, engine, drain_timeout=args.drain_timeout)
+    engine.on_fatal = server.stop_on_engine_failure
+    server.run()
+    return 1 if engine.state == "failed" else 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from inflight.server.bench import run_serve_benchmark
+
+    return run_serve_benchmark(args)

@@ -1,0 +1,420 @@
+"""The server's engine loop: the blocking engine runs in its own thread; asyncio never waits on it.
+
+- One thread owns the `LLMEngine`: it loads it, runs a warm-up request, then loops: apply queued
+  adds/aborts -> `step()` -> hand the step's outputs to the event loop (one `call_soon_threadsafe`
+  per step). Nothing else touches the engine, so it needs no locks.
+- `submit()` registers one HTTP request's engine requests and returns a `Generation` whose outputs
+  arrive on an asyncio queue. Closing a generation early (client gone) aborts its requests: the
+  engine frees their KV blocks before its next step.
+- Back-pressure: at most `max_slots + max_queue` sequences may be in flight; beyond that `submit()`
+  raises `QueueFullError` with a Retry-After estimate (the server answers 429).
+- Isolation: a request the engine rejects fails alone. Should `step()` itself raise, the requests in
+  the engine fail with `RequestFailedError`, are aborted, and the loop carries on with new ones.
+- `drain()` stops admissions (`EngineUnavailableError`), waits for in-flight requests up to a grace
+  period, then aborts the rest (`RequestAbortedError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from inflight.engine.engine import LLMEngine, RequestOutput
+    from inflight.engine.sequence import SamplingParams
+    from inflight.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("inflight.engine")
+
+State = Literal["loading", "ready", "draining", "stopped", "failed"]
+WARMUP_REQUEST_ID = "inflight-warmup"
+
+
+class QueueFullError(Exception):
+    """Too many requests in flight; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailableError(Exception):
+    """The engine is loading, draining for shutdown, stopped, or failed to load."""
+
+
+class RequestFailedError(Exception):
+    """The engine failed while running this request (a server-side fault)."""
+
+
+class RequestAbortedError(Exception):
+    """The request was cut short because the server is shutting down."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    max_slots: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Add:
+    request: GenerationRequest
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+Item = tuple[int, "RequestOutput"] | BaseException
+
+
+@dataclass(eq=False)
+class Generation:
+    """The outputs of one HTTP request's engine requests (one per prompt), in the order they come."""
+
+    engine: AsyncEngine
+    request_ids: list[str]
+    num_seqs: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
+    unfinished: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.unfinished = set(self.request_ids)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, output) until every request finished; raise what failed a request."""
+        while self.unfinished or not self.queue.empty():
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            index, output = item
+            if output.finished:
+                self.unfinished.discard(output.request_id)
+            yield index, output
+
+    def close(self) -> None:
+        """Abort whatever has not finished (idempotent); the engine frees those KV blocks."""
+        if self.unfinished:
+            self.engine.abort(self)
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` (built by `load`) in a background thread for an asyncio server."""
+
+    def __init__(
+        self,
+        load: Callable[[], LLMEngine],
+        *,
+        max_slots: int,
+        max_queue: int,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._load = load
+        self.max_slots = max_slots
+        self.max_queue = max_queue
+        self.on_fatal = on_fatal
+        self.state: State = "loading"
+        self.error: BaseException | None = None
+        self._engine: LLMEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # Engine-thread inbox.
+        self._wakeup = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._stopping = False
+        # Event-loop side bookkeeping.
+        self._generations: dict[str, tuple[Generation, int]] = {}
+        self._seqs_in_flight = 0
+        self._recent_finishes: deque[float] = deque(maxlen=32)
+        # Written by the engine thread, read anywhere (one attribute assignment is atomic).
+        self._stats = EngineStats(max_slots=max_slots)
+        self.started_at = int(time.time())
+        self._baseline = EngineStats()
+
+    # ------------------------------------------------------------------ lifecycle (event loop)
+
+    def start(self) -> None:
+        """Start the engine thread: load, warm up, then serve. Call from the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._thread_main, name="inflight-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Return once the engine is loaded and warmed up; raise if loading failed."""
+        await self._ready.wait()
+        if self.state == "failed":
+            raise EngineUnavailableError(f"the engine failed to start: {self.error}")
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise EngineUnavailableError("the model is still loading")
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def capacity_error(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
+        """Why a request of this size could never run here (the engine's sizes never change after load)."""
+        return self.engine.scheduler.capacity_error(num_prompt_tokens, max_tokens)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._generations)
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests, wait up to `timeout` s for in-flight ones, abort the rest; return how many."""
+        if self.state in ("loading", "ready"):
+            self.state = "draining"
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        leftover = {generation for generation, _ in self._generations.values()}
+        for generation in leftover:
+            generation.queue.put_nowait(RequestAbortedError("the server is shutting down"))
+            generation.close()
+        return len(leftover)
+
+    async def stop(self) -> None:
+        """Stop the engine thread (after `drain`, or at once)."""
+        if self.state != "failed":
+            self.state = "stopped"
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    # ------------------------------------------------------------------ requests (event loop)
+
+    def submit(self, requests: list[GenerationRequest]) -> Generation:
+        """Queue these engine requests together (all or none); raise if not accepting or full."""
+        if self.state != "ready":
+            raise EngineUnavailableError(
+                {
+                    "loading": "the model is still loading; retry shortly",
+                    "draining": "the server is shutting down",
+                    "stopped": "the server is shutting down",
+                    "failed": f"the engine failed: {self.error}",
+                }[self.state]
+            )
+        num_seqs = sum(request.params.n for request in requests)
+        capacity = self.max_slots + self.max_queue
+        if self._seqs_in_flight + num_seqs > capacity:
+            raise QueueFullError(
+                f"the server is at capacity ({self._seqs_in_flight} sequences in flight, "
+                f"{self.max_slots} slots + {self.max_queue} queued allowed); retry later",
+                self._retry_after(self._seqs_in_flight + num_seqs - capacity),
+            )
+        generation = Generation(self, [r.request_id for r in requests], num_seqs)
+        for index, request in enumerate(requests):
+            self._generations[request.request_id] = (generation, index)
+        self._seqs_in_flight += num_seqs
+        self._idle.clear()
+        self._send([_Add(request) for request in requests])
+        return generation
+
+    def abort(self, generation: Generation) -> None:
+        request_ids = [rid for rid in generation.request_ids if rid in generation.unfinished]
+        generation.unfinished.clear()
+        for request_id in request_ids:
+            self._forget(request_id)
+        self._send([_Abort(request_id) for request_id in request_ids])
+
+    def stats(self) -> EngineStats:
+        """The latest engine state; counters exclude the warm-up request."""
+        now, base = self._stats, self._baseline
+        return EngineStats(
+            running=now.running,
+            waiting=now.waiting,
+            kv_blocks_used=now.kv_blocks_used,
+            kv_blocks_total=now.kv_blocks_total,
+            preemptions=now.preemptions - base.preemptions,
+            prompt_tokens=now.prompt_tokens - base.prompt_tokens,
+            generation_tokens=now.generation_tokens - base.generation_tokens,
+            max_slots=now.max_slots,
+        )
+
+    def _retry_after(self, excess: int) -> int:
+        """Seconds until about `excess` requests have finished, at the recent finishing rate (1..60)."""
+        finishes = self._recent_finishes
+        if len(finishes) < 2 or finishes[-1] <= finishes[0]:
+            return 1
+        rate = (len(finishes) - 1) / (finishes[-1] - finishes[0])
+        return max(1, min(60, math.ceil(excess / rate)))
+
+    def _forget(self, request_id: str) -> None:
+        entry = self._generations.pop(request_id, None)
+        if entry is None:
+            return
+        generation, _ = entry
+        if not any(rid in self._generations for rid in generation.request_ids):
+            self._seqs_in_flight -= generation.num_seqs
+            self._recent_finishes.append(time.monotonic())
+        if not self._generations:
+            self._idle.set()
+
+    def _send(self, commands: list[_Add | _Abort]) -> None:
+        with self._wakeup:
+            self._commands.extend(commands)
+            self._wakeup.notify()
+
+    def _deliver(self, outputs: list[RequestOutput], failures: list[tuple[str, BaseException]]) -> None:
+        """Runs on the event loop: route the engine thread's results to their generations."""
+        for output in outputs:
+            entry = self._generations.get(output.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            generation, index = entry
+            generation.queue.put_nowait((index, output))
+            if output.finished:
+                self._forget(output.request_id)
+        for request_id, error in failures:
+            entry = self._generations.get(request_id)
+            if entry is not None:
+                entry[0].queue.put_nowait(error)
+                self._forget(request_id)
+
+    def _set_ready(self) -> None:
+        self.started_at = int(time.time())
+        if self.state == "loading":
+            self.state = "ready"
+        self._ready.set()
+
+    def _set_failed(self, error: BaseException) -> None:
+        self.state = "failed"
+        self.error = error
+        self._ready.set()
+        for generation, _ in list(self._generations.values()):
+            generation.queue.put_nowait(RequestFailedError(f"the engine stopped: {error}"))
+        self._generations.clear()
+        self._idle.set()
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed under us (process exit)
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _thread_main(self) -> None:
+        try:
+            engine = self._load()
+            self._engine = engine
+            self._warm_up(engine)
+        except Exception as error:
+            logger.exception("the engine failed to load or warm up")
+            self._post(self._set_failed, error)
+            return
+        self._post(self._set_ready)
+        try:
+            self._serve(engine)
+        except Exception as error:
+            logger.exception("the engine loop stopped")
+            self._post(self._set_failed, error)
+
+    def _warm_up(self, engine: LLMEngine) -> None:
+        from inflight.engine.sequence import SamplingParams
+
+        prompt = engine.tokenizer.encode("Warm up.")
+        engine.add_request(
+            WARMUP_REQUEST_ID, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+        self._baseline = self._stats = self._snapshot(engine)
+
+    def _serve(self, engine: LLMEngine) -> None:
+        live: set[str] = set()
+        while True:
+            with self._wakeup:
+                while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            failures: list[tuple[str, BaseException]] = []
+            for command in commands:
+                if isinstance(command, _Abort):
+                    if command.request_id in live:
+                        live.discard(command.request_id)
+                        engine.abort(command.request_id)
+                    continue
+                request = command.request
+                try:
+                    engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+                    live.add(request.request_id)
+                except Exception as error:
+                    logger.warning("request %s rejected by the engine: %s", request.request_id, error)
+                    failures.append((request.request_id, RequestFailedError(str(error))))
+            if stopping:
+                for request_id in live:
+                    engine.abort(request_id)
+                self._stats = self._snapshot(engine)
+                return
+            outputs: list[RequestOutput] = []
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as error:
+                    logger.exception("engine step failed; failing the %d requests in the engine", len(live))
+                    for request_id in live:
+                        engine.abort(request_id)
+                        failures.append((request_id, RequestFailedError(f"engine step failed: {error}")))
+                    live.clear()
+                live.difference_update(output.request_id for output in outputs if output.finished)
+            self._stats = self._snapshot(engine)
+            if outputs or failures:
+                self._post(self._deliver, outputs, failures)
+
+    def _snapshot(self, engine: LLMEngine) -> EngineStats:
+        stats = engine.stats()
+        return EngineStats(
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            kv_blocks_used=stats.num_used_blocks,
+            kv_blocks_total=stats.num_blocks,
+            preemptions=stats.num_preemptions,
+            prompt_tokens=stats.num_prompt_tokens,
+            generation_tokens=stats.num_generation_tokens,
+            max_slots=self.max_slots,
+        )

@@ -1,0 +1,121 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+Every failure the server answers is an `APIError`; FastAPI's own validation (422) and routing (404/405)
+errors are rendered the same way, so a client mistake is never a 500 or a stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("inflight.server")
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+RATE_LIMIT = "rate_limit_error"
+UNAVAILABLE = "service_unavailable_error"
+SERVER_ERROR = "server_error"
+
+_TYPE_BY_STATUS = {
+    400: INVALID_REQUEST,
+    401: AUTHENTICATION,
+    404: NOT_FOUND,
+    405: INVALID_REQUEST,
+    413: INVALID_REQUEST,
+    415: INVALID_REQUEST,
+    429: RATE_LIMIT,
+    503: UNAVAILABLE,
+}
+
+
+class APIError(Exception):
+    """An error answered to the client with `status` and an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = _TYPE_BY_STATUS.get(status, SERVER_ERROR)
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _location(loc: Sequence[int | str]) -> str:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    parts: list[str] = []
+    for item in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if any(error.get("type") == "json_invalid" for error in errors):
+        return bad_request("The request body is not valid JSON.", code="invalid_json")
+    messages = []
+    for error in errors[:5]:
+        where = _location(error.get("loc", ()))
+        text = str(error.get("msg", "invalid value"))
+        messages.append(f"{where}: {text}" if where else text)
+    first = _location(errors[0].get("loc", ())) if errors else ""
+    if not first:
+        return bad_request("; ".join(messages) or "The request body is invalid.", code="invalid_body")
+    return bad_request("; ".join(messages), param=first)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return validation_error(exc).response()
+
+    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
+        if exc.status_code == 404:
+            message = "Not found: no such endpoint. See /docs for the API."
+        error = APIError(exc.status_code, message, code=None)
+        error.headers = dict(exc.headers or {})
+        return error.response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return APIError(500, "Internal server error; the server log has the details.").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

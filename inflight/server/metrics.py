@@ -1,0 +1,92 @@
+"""Prometheus metrics with vLLM's names under the `inflight:` prefix (see the README's API section).
+
+Each app owns its registry, so tests can run many apps in one process. Engine gauges and counters
+are read from the engine's latest stats snapshot at scrape time; latencies are observed per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from inflight.engine.async_engine import EngineStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        gauges = (
+            ("inflight:num_requests_running", "Sequences in the running batch.", stats.running),
+            ("inflight:num_requests_waiting", "Sequences waiting for a slot.", stats.waiting),
+            ("inflight:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", stats.kv_cache_usage),
+            ("inflight:kv_cache_blocks_total", "KV blocks in the pool (the plan).", stats.kv_blocks_total),
+            ("inflight:max_slots", "Maximum concurrently running sequences (the plan).", stats.max_slots),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = (
+            ("inflight:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.preemptions),
+            ("inflight:prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
+            ("inflight:generation_tokens", "Tokens generated.", stats.generation_tokens),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """The app's registry: engine state at scrape time plus per-request latency histograms."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        self.time_to_first_token = Histogram(
+            "inflight:time_to_first_token_seconds",
+            "Seconds from arrival to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "inflight:time_per_output_token_seconds",
+            "Mean seconds between generated tokens of a request, after the first.",
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "inflight:e2e_request_latency_seconds",
+            "Seconds from arrival to the last token.",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "inflight:request_success",
+            "Finished sequences by finish reason (stop, length, abort).",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+
+    def observe_sequence(
+        self, *, arrival: float, first_token: float | None, finish: float, tokens: int, reason: str
+    ) -> None:
+        """Record one finished sequence (one choice of a request)."""
+        self.request_success.labels(finished_reason=reason).inc()
+        self.e2e_request_latency.observe(finish - arrival)
+        if first_token is not None:
+            self.time_to_first_token.observe(first_token - arrival)
+            if tokens > 1:
+                self.time_per_output_token.observe((finish - first_token) / (tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

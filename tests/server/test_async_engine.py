@@ -1,0 +1,211 @@
+"""The async engine loop with a scripted engine: ordering, back-pressure, abort, failure isolation, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from inflight.engine.async_engine import (
+    AsyncEngine,
+    EngineUnavailableError,
+    GenerationRequest,
+    QueueFullError,
+    RequestAbortedError,
+    RequestFailedError,
+)
+from inflight.engine.engine import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from inflight.engine.sequence import SamplingParams
+
+POISON_PROMPT = [666]  # the scripted engine's step() raises while this prompt is in it
+REJECTED_PROMPT = [13]  # its add_request() raises ValueError
+
+
+class ScriptedTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [5, 6]
+
+
+@dataclass
+class ScriptedEngine:
+    """Each step appends token 7 to every request; a request finishes at its max_tokens."""
+
+    tokenizer: ScriptedTokenizer = field(default_factory=ScriptedTokenizer)
+    requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = field(default_factory=dict)
+    gate: threading.Event = field(default_factory=threading.Event)
+    steps: int = 0
+    aborted: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if prompt == REJECTED_PROMPT:
+            raise ValueError("token 13 is outside the vocabulary")
+        self.requests[request_id] = (prompt, params, [])
+
+    def abort(self, request_id: str) -> None:
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.gate.wait(10)
+        self.steps += 1
+        if any(prompt == POISON_PROMPT for prompt, _, _ in self.requests.values()):
+            raise RuntimeError("scripted step failure")
+        outputs = []
+        for request_id, (prompt, params, tokens) in list(self.requests.items()):
+            tokens.append(7)
+            finished = len(tokens) >= (params.max_tokens or 1)
+            if finished:
+                del self.requests[request_id]
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt=None,
+                    prompt_token_ids=prompt,
+                    outputs=[
+                        CompletionOutput(0, "x" * len(tokens), list(tokens), "length" if finished else None)
+                    ],
+                    finished=finished,
+                    metrics=RequestMetrics(arrival_time=0.0),
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.requests),
+            num_waiting=0,
+            num_used_blocks=len(self.requests),
+            num_blocks=16,
+            kv_cache_usage=len(self.requests) / 16,
+            num_preemptions=0,
+            num_prefix_cache_queries=0,
+            num_prefix_cache_hits=0,
+            num_prompt_tokens=10 * self.steps,
+            num_generation_tokens=self.steps,
+            num_steps=self.steps,
+            last_step_num_batched_tokens=0,
+            max_num_seqs=2,
+        )
+
+
+def request(
+    request_id: str, max_tokens: int = 3, prompt: list[int] | None = None, n: int = 1
+) -> GenerationRequest:
+    return GenerationRequest(request_id, prompt or [1, 2], SamplingParams(max_tokens=max_tokens, n=n))
+
+
+@pytest.fixture
+async def scripted() -> object:
+    engine = ScriptedEngine()
+    async_engine = AsyncEngine(lambda: engine, max_slots=2, max_queue=1)  # type: ignore[arg-type,return-value]
+    async_engine.start()
+    await async_engine.wait_ready()
+    yield engine, async_engine
+    await async_engine.drain(timeout=0)
+    await async_engine.stop()
+
+
+async def collect(generation: object) -> list[RequestOutput]:
+    return [output async for _, output in generation.outputs()]  # type: ignore[attr-defined]
+
+
+async def test_outputs_arrive_in_order_and_warm_up_is_not_counted(scripted: tuple) -> None:
+    engine, async_engine = scripted
+    assert async_engine.state == "ready"
+    assert engine.steps == 2  # the warm-up request ran two steps before ready
+    outputs = await collect(async_engine.submit([request("a", max_tokens=3)]))
+    assert [o.outputs[0].token_ids for o in outputs] == [[7], [7, 7], [7, 7, 7]]
+    assert [o.finished for o in outputs] == [False, False, True]
+    assert async_engine.stats().generation_tokens == 3  # warm-up steps subtracted
+    assert async_engine.num_in_flight == 0
+
+
+async def test_requests_of_one_submission_share_a_generation(scripted: tuple) -> None:
+    _, async_engine = scripted
+    generation = async_engine.submit([request("p0", max_tokens=1), request("p1", max_tokens=2)])
+    seen = [(index, o.request_id, o.finished) async for index, o in generation.outputs()]
+    assert sorted(seen) == [(0, "p0", True), (1, "p1", False), (1, "p1", True)]
+
+
+async def test_capacity_is_slots_plus_queue_and_frees_on_finish(scripted: tuple) -> None:
+    engine, async_engine = scripted
+    engine.gate.clear()  # hold the engine so nothing finishes
+    first = async_engine.submit([request("a", n=2)])
+    second = async_engine.submit([request("b")])
+    with pytest.raises(QueueFullError) as raised:
+        async_engine.submit([request("c")])
+    assert raised.value.retry_after >= 1
+    engine.gate.set()
+    await collect(first)
+    await collect(second)
+    await collect(async_engine.submit([request("c")]))
+
+
+async def test_close_aborts_in_the_engine_and_frees_capacity(scripted: tuple) -> None:
+    engine, async_engine = scripted
+    generation = async_engine.submit([request("long", max_tokens=10_000)])
+    async for _ in generation.outputs():
+        break
+    generation.close()
+    assert async_engine.num_in_flight == 0
+    for _ in range(100):
+        if "long" in engine.aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.aborted == ["long"]
+    assert not engine.requests
+
+
+async def test_a_rejected_request_fails_alone(scripted: tuple) -> None:
+    _, async_engine = scripted
+    good = async_engine.submit([request("good", max_tokens=2)])
+    bad = async_engine.submit([request("bad", prompt=REJECTED_PROMPT)])
+    with pytest.raises(RequestFailedError, match="outside the vocabulary"):
+        await collect(bad)
+    assert (await collect(good))[-1].finished
+
+
+async def test_the_loop_survives_a_failing_step(scripted: tuple) -> None:
+    engine, async_engine = scripted
+    with pytest.raises(RequestFailedError, match="scripted step failure"):
+        await collect(async_engine.submit([request("poison", prompt=POISON_PROMPT)]))
+    assert "poison" in engine.aborted
+    assert (await collect(async_engine.submit([request("after", max_tokens=2)])))[-1].finished
+
+
+async def test_drain_refuses_new_requests_and_cuts_the_rest_at_the_timeout(scripted: tuple) -> None:
+    _, async_engine = scripted
+    short = async_engine.submit([request("short", max_tokens=2)])
+    endless = async_engine.submit([request("endless", max_tokens=10_000_000)])
+    short_outputs = asyncio.ensure_future(collect(short))
+    assert await async_engine.drain(timeout=0.3) == 1
+    assert (await short_outputs)[-1].finished
+    with pytest.raises(RequestAbortedError):
+        await collect(endless)
+    with pytest.raises(EngineUnavailableError, match="shutting down"):
+        async_engine.submit([request("late")])
+    assert async_engine.state == "draining"
+
+
+async def test_a_failed_load_is_reported() -> None:
+    def broken() -> object:
+        raise FileNotFoundError("no model.safetensors")
+
+    failures: list[BaseException] = []
+    async_engine = AsyncEngine(broken, max_slots=1, max_queue=0, on_fatal=failures.append)  # type: ignore[arg-type]
+    async_engine.start()
+    with pytest.raises(EngineUnavailableError, match=r"no model\.safetensors"):
+        await async_engine.wait_ready()
+    assert async_engine.state == "failed"
+    assert isinstance(failures[0], FileNotFoundError)
+    with pytest.raises(EngineUnavailableError):
+        async_engine.submit([request("x")])
+    await async_engine.stop()
