@@ -155,3 +155,11 @@ def test_config_saved_by_transformers_5_parses_the_same(tiny_llama_dir: Path, tm
     ours = ModelConfig.from_dir(tiny_llama_dir)
     assert ours.rope_scaling is not None and ours.rope_scaling.rope_type == "llama3"
     assert ModelConfig.from_dir(tmp_path) == ours
+
+
+def test_dtype_by_name_and_unsupported_dtype(tiny_qwen2_dir: Path) -> None:
+    assert load_model(tiny_qwen2_dir, dtype="bfloat16").embed_tokens.weight.dtype == torch.bfloat16
+    with pytest.raises(ModelLoadError, match="int8 is not supported"):
+        load_model(tiny_qwen2_dir, dtype="int8")
+    with pytest.raises(ModelLoadError, match="not supported"):
+        load_model(tiny_qwen2_dir, dtype=torch.float64)

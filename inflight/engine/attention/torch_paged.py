@@ -109,7 +109,7 @@ def _decode(
     if sliding_window is not None:
         mask &= key_pos[None, :] >= lens - sliding_window
     # Query heads sharing a KV head become that head's "query rows": no K/V repeat needed.
-    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 

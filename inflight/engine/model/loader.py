@@ -17,11 +17,12 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Tensors some checkpoints carry that this model derives itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(
     model_dir: str | Path,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attention_backend: AttentionBackend | None = None,
 ) -> LlamaForCausalLM:
@@ -35,7 +36,8 @@ def load_model(
             f"{model_dir}: not a directory. Pass a Hugging Face checkpoint folder "
             "(make one with `inflight make-model --out DIR`)."
         )
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    torch_dtype = DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if torch_dtype not in DTYPES.values():
         raise ModelLoadError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16.")
     config = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
@@ -43,7 +45,7 @@ def load_model(
     backend = attention_backend or get_attention_backend(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, device)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(torch_dtype).to_empty(device=device)
     _load_weights(model, files, config)
     return model.eval()
 
