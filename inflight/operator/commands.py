@@ -23,6 +23,33 @@ SHAPE_KEYS = {
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
     """Add this area's subcommands to `commands` and its benchmarks to `bench`."""
+    operator = commands.add_parser(
+        "operator",
+        help="run the ModelServer operator against the cluster (pod service account, else KUBECONFIG)",
+        description="Reconcile ModelServers into sized Deployments and Services. Credentials: the pod's "
+        "service account in a cluster, else KUBECONFIG / ~/.kube/config (token or client-certificate "
+        "users). Replicas elect a leader on the Lease inflight-operator.",
+    )
+    scope = operator.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace", "-n", action="append", default=None, help="watch only this namespace (repeatable)"
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces (default)")
+    operator.add_argument(
+        "--no-leader-election", action="store_true", help="skip the Lease: only for a single local replica"
+    )
+    operator.add_argument(
+        "--lease-namespace", default=None, help="namespace of the Lease (default: the pod's own namespace)"
+    )
+    operator.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint for the pod's probe"
+    )
+    operator.add_argument(
+        "--resync-seconds", type=float, default=60.0, help="re-check every ModelServer this often"
+    )
+    operator.add_argument("--verbose", action="store_true", help="debug logging")
+    operator.set_defaults(func=_run_operator)
+
     crd = commands.add_parser("crd", help="print the ModelServer CRD (rendered from the spec models)")
     crd.add_argument("--out", type=Path, default=None, help="write to this file instead of stdout")
     crd.add_argument(
@@ -53,6 +80,20 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     size.add_argument("--expected-tokens-per-request", type=int, default=1024)
     size.add_argument("--json", action="store_true", help="machine-readable output")
     size.set_defaults(func=_run_size)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    from inflight.operator.main import OperatorOptions, run_operator
+
+    options = OperatorOptions(
+        namespaces=tuple(args.namespace or ()),
+        leader_election=not args.no_leader_election,
+        lease_namespace=args.lease_namespace,
+        liveness=args.liveness,
+        resync_seconds=args.resync_seconds,
+        verbose=args.verbose,
+    )
+    return run_operator(options)
 
 
 def _run_crd(args: argparse.Namespace) -> int:

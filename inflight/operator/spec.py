@@ -429,11 +429,13 @@ class SizingStatus(SpecModel):
     gpu_memory_source: str = Field(description="Where that came from: node-labels, catalog, spec or cpu.")
     tensor_parallel: int = Field(description="GPUs per replica the model is split over.")
     dtype: str = Field(description="Resolved dtype.")
-    weight_bytes_per_gpu: int = Field(description="Weight bytes on each GPU.")
+    weight_bytes_per_gpu: int = Field(alias="weightBytesPerGPU", description="Weight bytes on each GPU.")
     kv_blocks: int = Field(description="KV-cache blocks per replica.")
     kv_tokens: int = Field(description="Tokens the KV pool holds.")
     slots: int = Field(description="Concurrent requests per replica (--max-slots).")
-    min_gpus: int | None = Field(default=None, description="Smallest GPU count of this type that fits.")
+    min_gpus: int | None = Field(
+        default=None, alias="minGPUs", description="Smallest GPU count of this type that fits."
+    )
     message: str = Field(description="The plan in one sentence.")
 
 

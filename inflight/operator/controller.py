@@ -1,0 +1,233 @@
+"""The reconcile loop of one ModelServer: read, size, write children, write status (level-based).
+
+Every trigger (a ModelServer event, an event of one of its children, the periodic resync) runs the same
+idempotent `reconcile`: it reads the ModelServer, the nodes' GPU labels, the Secrets it references and the
+live children, then creates what is missing, merge-patches what drifted, and merge-patches `status` when
+it changed. It never writes `spec`, never PUTs and never deletes: the children carry owner references,
+so the garbage collector removes them with the ModelServer. Reconciles of one ModelServer never overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from inflight.operator import builders, kube
+from inflight.operator.placement import Placement, SizingError, place
+from inflight.operator.replicas import desired_replicas
+from inflight.operator.spec import HFTokenSecretRef, ModelServer, SecretKeyRef
+from inflight.operator.status import Observed, Problem, build_status, condition_of, not_fitting, status_patch
+
+log = logging.getLogger("inflight.operator")
+
+# (body, type, reason, message) -> None; kopf.event in the operator.
+EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
+
+NODE_CACHE_SECONDS = 10.0
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Whether every field we set is present and equal in the live object (server defaults are extra)."""
+    if isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(
+            k in live and is_subset(v, live[k]) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
+    return bool(desired == live)
+
+
+def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("controller") and ref.get("uid") == uid for ref in refs)
+
+
+def child_patch(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge patch making `live` carry `desired`: our fields replaced, removed nodeSelector keys nulled."""
+    patch: dict[str, Any] = {"metadata": {k: desired["metadata"][k] for k in ("labels", "ownerReferences")}}
+    patch["spec"] = dict(desired["spec"])
+    live_pod = live.get("spec", {}).get("template", {}).get("spec", {})
+    if "template" in desired["spec"] and live_pod.get("nodeSelector"):
+        wanted = desired["spec"]["template"]["spec"].get("nodeSelector") or {}
+        removed = {key: None for key in live_pod["nodeSelector"] if key not in wanted}
+        if removed:
+            template = dict(desired["spec"]["template"])
+            template["spec"] = {**template["spec"], "nodeSelector": {**wanted, **removed}}
+            patch["spec"]["template"] = template
+    return patch
+
+
+class Controller:
+    """Reconciles ModelServers through a KubeClient; posts Kubernetes Events through `post_event`."""
+
+    def __init__(self, client: kube.KubeClient, post_event: EventPoster) -> None:
+        self.kube = client
+        self.post_event = post_event
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._nodes: tuple[float, list[dict[str, str]]] | None = None
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._locks.pop((namespace, name), None)
+
+    async def reconcile_named(self, namespace: str, name: str) -> None:
+        """Reconcile the ModelServer `namespace/name` (after one of its children changed)."""
+        body = await self.kube.get(kube.MODELSERVERS.path(namespace, name))
+        if body is not None and not body.get("metadata", {}).get("deletionTimestamp"):
+            await self.reconcile(body)
+
+    async def resync(self) -> None:
+        """Reconcile every ModelServer once (repairs drift no watch event reported)."""
+        for body in await self.kube.list(kube.MODELSERVERS.path()):
+            try:
+                await self.reconcile(body)
+            except Exception:  # one broken object must not stop the others
+                meta = body.get("metadata", {})
+                log.exception("resync of %s/%s failed", meta.get("namespace"), meta.get("name"))
+
+    async def reconcile(self, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata", {})
+        key = (meta.get("namespace", "default"), meta["name"])
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            fresh = await self.kube.get(kube.MODELSERVERS.path(*key))
+            if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+                return
+            await self._reconcile(fresh)
+
+    async def _node_labels(self) -> list[dict[str, str]]:
+        if self._nodes is None or time.monotonic() - self._nodes[0] > NODE_CACHE_SECONDS:
+            nodes = await self.kube.list(kube.NODES.path())
+            self._nodes = (time.monotonic(), [n.get("metadata", {}).get("labels") or {} for n in nodes])
+        return self._nodes[1]
+
+    async def _size(self, ms: ModelServer) -> tuple[Placement | None, Problem | None]:
+        try:
+            nodes = await self._node_labels() if ms.spec.resources.gpu.count > 0 else []
+            placement = place(ms.spec, nodes)
+        except SizingError as error:
+            return None, Problem(error.reason, error.message)
+        if not placement.plan.fits:
+            return placement, not_fitting(placement.plan)
+        return placement, await self._secrets_problem(ms)
+
+    async def _secrets_problem(self, ms: ModelServer) -> Problem | None:
+        refs: list[tuple[str, SecretKeyRef | HFTokenSecretRef]] = []
+        if ms.spec.auth is not None:
+            refs.append(("auth.apiKeySecretRef", ms.spec.auth.api_key_secret_ref))
+        if ms.spec.model.hf_token_secret_ref is not None:
+            refs.append(("model.hfTokenSecretRef", ms.spec.model.hf_token_secret_ref))
+        for field, ref in refs:
+            secret = await self.kube.get(kube.SECRETS.path(ms.metadata.namespace, ref.name))
+            if secret is None:
+                return Problem(
+                    "SecretNotFound",
+                    f"spec.{field}: Secret {ms.metadata.namespace}/{ref.name} does not exist; create it with "
+                    f"key {ref.key!r} or fix the name",
+                )
+            if ref.key not in (secret.get("data") or {}) and ref.key not in (secret.get("stringData") or {}):
+                return Problem(
+                    "SecretKeyNotFound",
+                    f"spec.{field}: Secret {ms.metadata.namespace}/{ref.name} has no key {ref.key!r}",
+                )
+        return None
+
+    async def _ensure(
+        self, ms: ModelServer, resource: kube.Resource, desired: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, Problem | None]:
+        """Create the child or patch it back to `desired`; a same-named object we do not own is a problem."""
+        path = resource.path(ms.metadata.namespace, ms.metadata.name)
+        live = await self.kube.get(path)
+        if live is None:
+            try:
+                created = await self.kube.create(resource.path(ms.metadata.namespace), desired)
+                log.info("created %s %s/%s", desired["kind"], ms.metadata.namespace, ms.metadata.name)
+                return created, None
+            except kube.KubeError as error:
+                if error.status != 409:
+                    raise
+                live = await self.kube.get(path)
+                if live is None:
+                    raise
+        if not controlled_by(live, ms.metadata.uid):
+            return live, Problem(
+                "NameConflict",
+                f"a {desired['kind']} named {ms.metadata.name} exists in {ms.metadata.namespace} and is not "
+                "owned by this ModelServer; delete it or rename the ModelServer",
+            )
+        drifted = builders.template_hash(desired) != builders.template_hash(live) or not is_subset(
+            {k: desired[k] for k in ("metadata", "spec")}, live
+        )
+        if drifted:
+            patched = await self.kube.merge_patch(path, child_patch(desired, live))
+            log.info("patched %s %s/%s", desired["kind"], ms.metadata.namespace, ms.metadata.name)
+            return patched, None
+        return live, None
+
+    async def _reconcile(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        try:
+            ms = ModelServer.model_validate(body)
+        except ValidationError as error:
+            # The CRD schema admits nothing the model rejects; this only happens with an outdated CRD.
+            message = f"spec does not match this operator's ModelServer schema (upgrade the CRD): {error}"
+            log.error("%s/%s: %s", meta.get("namespace"), meta["name"], message)
+            self.post_event(body, "Warning", "InvalidSpec", message[:1000])
+            return
+
+        placement, problem = await self._size(ms)
+        replicas = desired_replicas(ms.spec, ms.status)
+        deployment: dict[str, Any] | None = None
+        template_hash = None
+        if problem is None and placement is not None:
+            desired = builders.deployment(ms, placement, replicas)
+            template_hash = builders.template_hash(desired)
+            deployment, problem = await self._ensure(ms, kube.DEPLOYMENTS, desired)
+        else:
+            # Leave a running Deployment as it is: the previous, working spec keeps serving.
+            deployment = await self.kube.get(kube.DEPLOYMENTS.path(ms.metadata.namespace, ms.metadata.name))
+        _, service_problem = await self._ensure(ms, kube.SERVICES, builders.service(ms))
+        problem = problem or service_problem
+
+        observed = Observed(placement, problem, deployment, replicas, template_hash)
+        status = build_status(ms, observed, now_rfc3339())
+        current = body.get("status") or {}
+        patch = status_patch(current, status)
+        if patch:
+            await self.kube.merge_patch(
+                kube.MODELSERVERS.path(ms.metadata.namespace, ms.metadata.name, "status"), {"status": patch}
+            )
+        self._post_transitions(body, current.get("conditions"), status["conditions"])
+
+    def _post_transitions(
+        self, body: Mapping[str, Any], before: list[dict[str, Any]] | None, after: list[dict[str, Any]]
+    ) -> None:
+        """Events for sizing decisions and failures, once per change (never on every resync).
+
+        Sizing plans are Normal `Fits` Events; every failure (including a plan that does not fit) is one
+        Warning from the Degraded condition; becoming Ready is a Normal `Ready` Event.
+        """
+        for kind in ("Sized", "Degraded", "Ready"):
+            old, new = condition_of(before, kind), condition_of(after, kind)
+            assert new is not None
+            if old is not None and (old.get("status"), old.get("reason"), old.get("message")) == (
+                new["status"],
+                new["reason"],
+                new["message"],
+            ):
+                continue
+            if kind == "Sized" and new["status"] == "True":  # a failed sizing is reported once, as Degraded
+                self.post_event(body, "Normal", new["reason"], new["message"])
+            elif kind == "Degraded" and new["status"] == "True":
+                self.post_event(body, "Warning", new["reason"], new["message"])
+            elif kind == "Ready" and new["status"] == "True" and (old is None or old.get("status") != "True"):
+                self.post_event(body, "Normal", "Ready", new["message"])

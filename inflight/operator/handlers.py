@@ -1,0 +1,74 @@
+"""Kopf handlers (thin): every trigger hands over to the Controller, which does the work.
+
+Only `on.event` handlers are used: they need no finalizers and no annotations on the ModelServer, so the
+operator never writes to a ModelServer except its `status`, and deleting a ModelServer never waits for the
+operator. The periodic resync (a task started at startup) repairs drift that no event reported and
+re-checks specs that were Degraded (e.g. a Secret created later), without a retry storm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from inflight.operator import builders, kube, spec
+from inflight.operator.controller import Controller
+
+log = logging.getLogger("inflight.operator")
+
+CHILD_LABELS: dict[str, Any] = {
+    "app.kubernetes.io/managed-by": builders.MANAGED_BY,
+    builders.LABEL_MODELSERVER: kopf.PRESENT,
+}
+
+
+async def resync_forever(controller: Controller, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await controller.resync()
+        except Exception:  # the API may be briefly unreachable; the next round tries again
+            log.exception("resync failed")
+
+
+def build_registry() -> kopf.OperatorRegistry:
+    """The operator's handlers, in a registry of their own (tests run several operators in one process)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kube.login()  # the same credentials as the controller's own client
+
+    @kopf.on.startup(registry=registry)
+    async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+        memo.resync_task = asyncio.create_task(resync_forever(memo.controller, memo.resync_seconds))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop(memo: kopf.Memo, **_: Any) -> None:
+        memo.resync_task.cancel()
+        await memo.controller.kube.close()
+
+    @kopf.on.event(spec.GROUP, spec.VERSION, spec.PLURAL, registry=registry)
+    async def modelserver_changed(
+        type: str, body: kopf.Body, name: str, namespace: str | None, memo: Any, **_: Any
+    ) -> None:
+        if type == "DELETED":
+            memo.controller.forget(namespace or "", name)
+            return
+        await memo.controller.reconcile(body)
+
+    @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS, registry=registry)
+    async def deployment_changed(
+        labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+    ) -> None:
+        await memo.controller.reconcile_named(namespace or "", labels[builders.LABEL_MODELSERVER])
+
+    @kopf.on.event("", "v1", "services", labels=CHILD_LABELS, registry=registry)
+    async def service_changed(labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any) -> None:
+        await memo.controller.reconcile_named(namespace or "", labels[builders.LABEL_MODELSERVER])
+
+    return registry

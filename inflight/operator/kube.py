@@ -1,0 +1,147 @@
+"""A small Kubernetes API client for the operator's own calls: get, list, create and merge-patch only.
+
+Kopf watches and posts Events with its own client; this one reads and writes the ModelServer's children
+and status. It never PUTs and never deletes (children go away through owner references). Credentials come
+from `kopf.login_with_service_account()` in a pod, else `kopf.login_with_kubeconfig()`; a 401 logs in again
+once (projected service-account tokens rotate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class Resource:
+    group: str
+    version: str
+    plural: str
+    namespaced: bool = True
+
+    def path(
+        self, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
+        base = f"/api/{self.version}" if self.group == "" else f"/apis/{self.group}/{self.version}"
+        if self.namespaced and namespace is not None:
+            base += f"/namespaces/{namespace}"
+        base += f"/{self.plural}"
+        if name is not None:
+            base += f"/{name}"
+        if subresource is not None:
+            base += f"/{subresource}"
+        return base
+
+
+MODELSERVERS = Resource("inflight.dev", "v1alpha1", "modelservers")
+DEPLOYMENTS = Resource("apps", "v1", "deployments")
+SERVICES = Resource("", "v1", "services")
+SECRETS = Resource("", "v1", "secrets")
+NODES = Resource("", "v1", "nodes", namespaced=False)
+
+
+class KubeError(Exception):
+    """An API error with the server's status code and message."""
+
+    def __init__(self, status: int, method: str, path: str, message: str) -> None:
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+        self.status = status
+
+
+def login() -> kopf.ConnectionInfo:
+    """The credentials kopf would use: the pod's service account, else KUBECONFIG / ~/.kube/config."""
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise kopf.LoginError(
+            "no Kubernetes credentials: run in a pod with a service account, or set KUBECONFIG"
+        )
+    return info
+
+
+class KubeClient:
+    """get / list / create / merge-patch against one API server."""
+
+    def __init__(self, info: kopf.ConnectionInfo, relogin: Callable[[], kopf.ConnectionInfo] = login) -> None:
+        self._relogin = relogin
+        self._info = info
+        self._session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_environment(cls) -> KubeClient:
+        return cls(login())
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=32)
+            headers = {"User-Agent": "inflight-operator", **self._info.as_http_headers()}
+            self._session = aiohttp.ClientSession(
+                base_url=self._info.server.rstrip("/") + "/",
+                connector=connector,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=30),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(
+        self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None
+    ) -> dict[str, Any] | None:
+        for attempt in range(2):
+            session = self._open()
+            headers = {"Content-Type": MERGE_PATCH} if method == "PATCH" else {}
+            data = None if body is None else json.dumps(body)
+            async with session.request(
+                method, path.lstrip("/"), data=data, params=params, headers=headers
+            ) as resp:
+                if resp.status == 401 and attempt == 0:
+                    async with self._lock:
+                        self._info = self._relogin()
+                        await self.close()
+                    continue
+                if resp.status == 404 and method in ("GET", "PATCH"):
+                    return None
+                text = await resp.text()
+                if resp.status >= 400:
+                    try:
+                        message = json.loads(text).get("message", text)
+                    except ValueError:
+                        message = text
+                    raise KubeError(resp.status, method, path, message)
+                parsed: dict[str, Any] = json.loads(text) if text else {}
+                return parsed
+        raise KubeError(401, method, path, "unauthorized after logging in again")
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        return await self._request("GET", path)
+
+    async def list(self, path: str, label_selector: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        params = None
+        if label_selector:
+            params = {"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))}
+        result = await self._request("GET", path, params=params) or {}
+        items: list[dict[str, Any]] = result.get("items") or []
+        return items
+
+    async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST; raises KubeError 409 when the object exists."""
+        created = await self._request("POST", path, body=body)
+        return created or {}
+
+    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any] | None:
+        """JSON merge patch (RFC 7386); None when the object does not exist."""
+        return await self._request("PATCH", path, body=patch)

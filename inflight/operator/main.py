@@ -1,0 +1,109 @@
+"""`inflight operator`: leader election, then kopf with the operator's handlers, until stopped or deposed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from inflight.operator.controller import Controller
+from inflight.operator.handlers import build_registry
+from inflight.operator.kube import KubeClient
+from inflight.operator.leader import LeaderElector, default_identity
+
+log = logging.getLogger("inflight.operator")
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    namespaces: tuple[str, ...] = ()  # empty: all namespaces
+    leader_election: bool = True
+    lease_namespace: str | None = None
+    liveness: str | None = "http://0.0.0.0:8080/healthz"
+    resync_seconds: float = 60.0
+    verbose: bool = False
+
+
+def operator_namespace(explicit: str | None) -> str:
+    """Where the Lease lives: --lease-namespace, $POD_NAMESPACE, the pod's own namespace, else default."""
+    if explicit:
+        return explicit
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    if SERVICE_ACCOUNT_NAMESPACE.exists():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return "default"
+
+
+def operator_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = (
+        True  # no CRD/namespace scanning: fewer permissions, a fixed set of resources
+    )
+    settings.posting.level = logging.WARNING  # Events come from the controller's decisions, not from logs
+    settings.posting.reporting_component = "inflight-operator"
+    settings.watching.server_timeout = 300  # reconnect watches every 5 minutes
+    settings.networking.request_timeout = 60
+    return settings
+
+
+def post_event(body: Mapping[str, Any], type: str, reason: str, message: str) -> None:
+    kopf.event(dict(body), type=type, reason=reason, message=message)  # type: ignore[arg-type]
+
+
+async def run(
+    options: OperatorOptions, client: KubeClient | None = None, stop_flag: asyncio.Event | None = None
+) -> int:
+    """Run until `stop_flag` is set (0) or leadership is lost (1)."""
+    client = client or KubeClient.from_environment()
+    stop_flag = stop_flag or asyncio.Event()
+    controller = Controller(client, post_event)
+    elector = None
+    if options.leader_election:
+        elector = LeaderElector(client, operator_namespace(options.lease_namespace), default_identity())
+        await elector.acquire()
+    operator = asyncio.create_task(
+        kopf.operator(
+            registry=build_registry(),
+            settings=operator_settings(),
+            standalone=True,  # the Lease, not kopf peering, keeps replicas from fighting
+            clusterwide=not options.namespaces,
+            namespaces=list(options.namespaces),
+            memo=kopf.Memo(controller=controller, resync_seconds=options.resync_seconds),
+            liveness_endpoint=options.liveness,
+            stop_flag=stop_flag,
+        )
+    )
+    if elector is None:
+        await operator
+        return 0
+    holding = asyncio.create_task(elector.hold())
+    done, _ = await asyncio.wait({operator, holding}, return_when=asyncio.FIRST_COMPLETED)
+    if holding in done:
+        stop_flag.set()
+        await operator
+        return 1
+    holding.cancel()
+    return 0
+
+
+def run_operator(options: OperatorOptions) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if options.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return asyncio.run(run(options))
+    except kopf.LoginError as error:
+        log.error("%s", error)
+        return 2
+    except KeyboardInterrupt:
+        return 0

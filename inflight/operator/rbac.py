@@ -1,0 +1,59 @@
+"""Every API call the operator makes, as RBAC rules: the Helm chart and README are built from this list.
+
+The operator only gets, lists, watches, creates and merge-patches; it never PUTs (`update`) and never
+deletes (children carry owner references and are garbage-collected with their ModelServer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Permission:
+    api_group: str  # "" is the core group
+    resource: str
+    verbs: tuple[str, ...]
+    why: str
+    scope: str = "watched namespaces"  # or "cluster" or "operator namespace"
+
+
+PERMISSIONS: tuple[Permission, ...] = (
+    Permission(
+        "inflight.dev", "modelservers", ("get", "list", "watch"), "read ModelServers; kopf watches them"
+    ),
+    Permission("inflight.dev", "modelservers/status", ("patch",), "write status (merge patch)"),
+    Permission(
+        "apps",
+        "deployments",
+        ("get", "list", "watch", "create", "patch"),
+        "create the server Deployment, repair drift, roll out spec changes; watch to react at once",
+    ),
+    Permission(
+        "", "services", ("get", "list", "watch", "create", "patch"), "create and repair the server Service"
+    ),
+    Permission(
+        "",
+        "secrets",
+        ("get",),
+        "check that the API-key and HF-token Secrets exist (values are never read out)",
+    ),
+    Permission("", "nodes", ("list",), "read GPU feature discovery labels for sizing", scope="cluster"),
+    Permission("", "events", ("create",), "Events for sizing decisions and failures (posted by kopf)"),
+    Permission(
+        "coordination.k8s.io",
+        "leases",
+        ("get", "create", "patch"),
+        "leader election on the Lease inflight-operator",
+        scope="operator namespace",
+    ),
+)
+
+
+def rules(scope: str) -> list[dict[str, list[str]]]:
+    """RBAC `rules` for one scope, in the shape of a (Cluster)Role."""
+    return [
+        {"apiGroups": [p.api_group], "resources": [p.resource], "verbs": list(p.verbs)}
+        for p in PERMISSIONS
+        if p.scope == scope
+    ]

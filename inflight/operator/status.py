@@ -1,0 +1,179 @@
+"""ModelServer status from what the reconcile found (pure): kstatus-style conditions GitOps tools read.
+
+- `Sized`: the plan fits (True) or why it cannot be sized or does not fit (False).
+- `Degraded`: True when the spec cannot work as written (does not fit, no GPU information, missing API-key
+  Secret) or the rollout failed (the Deployment's ProgressDeadlineExceeded / ReplicaFailure). The message
+  says what to change. The operator then leaves the running Deployment as it is and does not retry in a loop.
+- `Ready`: True only when every replica runs the current template: the Deployment has observed its
+  latest generation, carries this generation's template, and replicas == updated == ready == desired.
+- `Progressing`: True while a rollout or scaling is under way; False when Ready or Degraded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from inflight import sizing
+from inflight.operator import builders
+from inflight.operator.placement import Placement
+from inflight.operator.spec import ModelServer
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sized")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the spec cannot work: a CamelCase reason and a message that says what to change."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one reconcile saw and decided."""
+
+    placement: Placement | None
+    problem: Problem | None
+    deployment: Mapping[str, Any] | None  # the live Deployment after this reconcile's writes
+    desired_replicas: int
+    desired_template_hash: str | None
+
+
+def _condition(
+    kind: str, status: bool, reason: str, message: str, generation: int, previous: Mapping[str, Any], now: str
+) -> dict[str, Any]:
+    value = "True" if status else "False"
+    old = previous.get(kind)
+    since = now if old is None or old.get("status") != value else old.get("lastTransitionTime", now)
+    return {
+        "type": kind,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": since,
+    }
+
+
+def _rollout(
+    deployment: Mapping[str, Any] | None, replicas: int, template_hash: str | None
+) -> tuple[bool, str, str]:
+    """(ready, reason, message) for the Deployment against what this generation wants."""
+    if deployment is None:
+        return False, "Creating", "creating the Deployment"
+    status = deployment.get("status") or {}
+    generation = deployment.get("metadata", {}).get("generation", 0)
+    if builders.template_hash(dict(deployment)) != template_hash:
+        return False, "RollingOut", "updating the Deployment to this generation's template"
+    if status.get("observedGeneration", 0) < generation:
+        return False, "RollingOut", "waiting for the Deployment controller to observe the new template"
+    current = status.get("replicas", 0)
+    updated = status.get("updatedReplicas", 0)
+    ready = status.get("readyReplicas", 0)
+    if updated < replicas:
+        return False, "RollingOut", f"{updated} of {replicas} replicas run the current template"
+    if current > replicas:
+        return False, "RollingOut", f"{current - replicas} old replicas are still terminating"
+    if ready < replicas:
+        return False, "WaitingForReady", f"{ready} of {replicas} replicas are ready (model loading)"
+    return True, "Ready", f"{ready} of {replicas} replicas ready, all on the current template"
+
+
+def _deployment_failure(deployment: Mapping[str, Any] | None) -> Problem | None:
+    for condition in (deployment or {}).get("status", {}).get("conditions") or []:
+        if condition.get("type") == "Progressing" and condition.get("reason") == "ProgressDeadlineExceeded":
+            return Problem(
+                "RolloutStuck",
+                f"the rollout made no progress: {condition.get('message', '')}; check the pods' events "
+                "(image pull, scheduling, OOM) and raise startupTimeoutSeconds if the model loads slowly",
+            )
+        if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
+            return Problem("ReplicaFailure", f"pods cannot be created: {condition.get('message', '')}")
+    return None
+
+
+def sizing_status(placement: Placement) -> dict[str, Any]:
+    plan = placement.plan
+    values = {
+        "fits": plan.fits,
+        "gpuType": placement.gpu_type,
+        "gpuMemoryMiB": placement.gpu_memory_mib,
+        "gpuMemorySource": placement.gpu_memory_source,
+        "tensorParallel": plan.tensor_parallel,
+        "dtype": plan.dtype,
+        "weightBytesPerGPU": plan.weight_bytes_per_gpu,
+        "kvBlocks": plan.kv_blocks,
+        "kvTokens": plan.kv_tokens,
+        "slots": plan.slots,
+        "minGPUs": plan.min_gpus,
+        "message": plan.reason,
+    }
+    return {key: value for key, value in values.items() if value is not None}  # merge patch: null = delete
+
+
+def not_fitting(plan: sizing.SizingPlan) -> Problem:
+    return Problem("DoesNotFit", f"{plan.model} does not fit: {plan.reason}")
+
+
+def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any]:
+    """The whole `status` (camelCase) for this reconcile; conditions keep their lastTransitionTime."""
+    generation = ms.metadata.generation
+    previous = {c.type: c.model_dump(by_alias=True) for c in ms.status.conditions or []}
+    problem = observed.problem or _deployment_failure(observed.deployment)
+    placement = observed.placement
+
+    if placement is None:
+        assert observed.problem is not None
+        sized = (False, observed.problem.reason, observed.problem.message)
+    elif not placement.plan.fits:
+        sized = (False, "DoesNotFit", placement.plan.reason)
+    else:
+        sized = (True, "Fits", placement.plan.reason)
+
+    if problem is not None:
+        ready, ready_reason, ready_message = False, problem.reason, problem.message
+        progressing = (False, "Blocked", "the spec cannot be rolled out as written; see Degraded")
+    else:
+        ready, ready_reason, ready_message = _rollout(
+            observed.deployment, observed.desired_replicas, observed.desired_template_hash
+        )
+        progressing = (False, "Complete", ready_message) if ready else (True, ready_reason, ready_message)
+    degraded = (True, problem.reason, problem.message) if problem else (False, "AsExpected", "no problems")
+
+    conditions = [
+        _condition("Ready", ready, ready_reason, ready_message, generation, previous, now),
+        _condition("Progressing", *progressing, generation, previous, now),
+        _condition("Degraded", *degraded, generation, previous, now),
+        _condition("Sized", *sized, generation, previous, now),
+    ]
+    live = (observed.deployment or {}).get("status") or {}
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "conditions": conditions,
+        "replicas": live.get("replicas", 0),
+        "readyReplicas": live.get("readyReplicas", 0),
+        "updatedReplicas": live.get("updatedReplicas", 0),
+        "selector": builders.selector_string(ms),
+        "endpoint": builders.endpoint(ms),
+    }
+    if placement is not None:
+        status["sizing"] = sizing_status(placement)
+    return status
+
+
+def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch from the current status to the desired one (keys it owns only); {} when equal."""
+    patch: dict[str, Any] = {}
+    for key, value in desired.items():
+        if current.get(key) != value:
+            patch[key] = value
+    if "sizing" not in desired and current.get("sizing") is not None:
+        patch["sizing"] = None
+    return patch
+
+
+def condition_of(conditions: Sequence[Mapping[str, Any]] | None, kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions or [] if c.get("type") == kind), None)

@@ -1,0 +1,67 @@
+"""Shared setup for tests against the emulator: declared resources, a kubeconfig, object helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import kmock
+from kube_emulator import KubeEmulator
+
+MODELSERVERS = "inflight.dev/v1alpha1/modelservers"
+DEPLOYMENTS = "apps/v1/deployments"
+SERVICES = "v1/services"
+
+
+@contextlib.asynccontextmanager
+async def emulated_cluster() -> AsyncIterator[KubeEmulator]:
+    async with KubeEmulator() as cluster, kmock.Server(cluster):
+        cluster.declare(MODELSERVERS, "ModelServer", subresources=("status", "scale"))
+        cluster.declare(DEPLOYMENTS, "Deployment", subresources=("status", "scale"))
+        cluster.declare(SERVICES, "Service")
+        cluster.declare("v1/secrets", "Secret")
+        cluster.declare("v1/events", "Event")
+        cluster.declare("v1/nodes", "Node", namespaced=False)
+        cluster.declare("coordination.k8s.io/v1/leases", "Lease")
+        # Every cluster serves these; kopf waits for them in discovery even with scanning disabled.
+        cluster.declare("v1/namespaces", "Namespace", namespaced=False)
+        cluster.declare(
+            "apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False
+        )
+        yield cluster
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: emulator\n"
+        f"clusters: [{{name: emulator, cluster: {{server: '{server}'}}}}]\n"
+        "contexts: [{name: emulator, context: {cluster: emulator, user: tester}}]\n"
+        "users: [{name: tester, user: {token: test-token}}]\n"
+    )
+    return path
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def posted_events(cluster: KubeEmulator) -> list[dict[str, Any]]:
+    """Kubernetes Events stored in the emulator, oldest first."""
+    events = [
+        obj.raw
+        for (resource, _, _), obj in cluster.objects.items()
+        if resource.plural == "events" and not obj.deleted
+    ]
+    return sorted(events, key=lambda e: int(e["metadata"]["resourceVersion"]))

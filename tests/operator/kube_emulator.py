@@ -1,0 +1,310 @@
+"""kmock's KubernetesEmulator plus what Kopf and the operator need from a real API server.
+
+kmock 0.8 keeps objects and serves discovery, list, watch, create, merge/JSON patch and delete, but has no
+resourceVersion, uid or generation, ignores label selectors, replays every object on each watch and
+has no garbage collector. This adapter supplies, over the same real HTTP:
+
+- `metadata.uid`, `creationTimestamp`, `generation` (bumped when `spec` changes) and a cluster-wide
+  `resourceVersion` bumped on every write, delete included; `generateName`;
+- the status subresource (`/status` writes only `status`, the main resource ignores `status`) and the
+  scale subresource (`/scale` writes `spec.replicas`);
+- 422 when a JSON patch's `test` op fails, 409 when a merge patch carries a stale `resourceVersion`;
+- list with `labelSelector`, `kind` and the current `resourceVersion`; watch that resumes after the
+  `resourceVersion` it is given (from an event log) and ends after `timeoutSeconds`;
+- garbage collection of objects whose owner reference points at a deleted object (cascading).
+Writes are serialized, so the event log has one order, as etcd gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import attrs
+import jsonpatch
+import kmock
+from kmock._internal import rendering  # Request/Payload types of the handler hooks we override
+from kmock._internal.enums import action
+
+STATUS_SUBRESOURCE = {"modelservers", "deployments"}
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def merge_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns `old` into `new` (nulls for removed keys)."""
+    diff: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(old.get(key), Mapping):
+            sub = merge_diff(old[key], value)
+            if sub:
+                diff[key] = sub
+        elif old.get(key, object()) != value:
+            diff[key] = copy.deepcopy(value)
+    return diff
+
+
+def parse_selector(text: str | None) -> list[tuple[str, str, str | None]]:
+    """`a=b,c!=d,e,!f` -> [(key, op, value)] with op one of =, !=, exists, !exists."""
+    terms: list[tuple[str, str, str | None]] = []
+    for raw in filter(None, (part.strip() for part in (text or "").split(","))):
+        if "!=" in raw:
+            key, value = raw.split("!=", 1)
+            terms.append((key, "!=", value))
+        elif "=" in raw:
+            key, value = raw.replace("==", "=").split("=", 1)
+            terms.append((key, "=", value))
+        elif raw.startswith("!"):
+            terms.append((raw[1:], "!exists", None))
+        else:
+            terms.append((raw, "exists", None))
+    return terms
+
+
+def selected(obj: Mapping[str, Any], terms: list[tuple[str, str, str | None]]) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    for key, op, value in terms:
+        ok = {
+            "=": labels.get(key) == value,
+            "!=": labels.get(key) != value,
+            "exists": key in labels,
+            "!exists": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class LoggedEvent:
+    resource_version: int
+    resource: kmock.resource
+    namespace: str | None
+    event: dict[str, Any]
+
+
+@attrs.define(kw_only=True)
+class KubeEmulator(kmock.KubernetesEmulator):
+    _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+    _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
+    _log: list[LoggedEvent] = attrs.field(factory=list, init=False)
+    _counter: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
+    resource_version: int = attrs.field(default=0, init=False)
+
+    def declare(
+        self, key: str, kind: str, namespaced: bool = True, subresources: tuple[str, ...] = ()
+    ) -> None:
+        verbs = {"get", "list", "watch", "create", "patch", "delete"}
+        self.resources[key] = kmock.ResourceInfo(
+            kind=kind, namespaced=namespaced, verbs=verbs, subresources=set(subresources)
+        )
+
+    def _find(self, key: tuple[Any, ...]) -> kmock.Object | None:
+        if key not in self.objects:
+            return None
+        return self.objects[key]
+
+    def _next_version(self) -> int:
+        self.resource_version = next(self._counter)
+        return self.resource_version
+
+    # -- writes --------------------------------------------------------------------------------------
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.resource is None or request.action not in (action.CREATE, action.UPDATE, action.DELETE):
+            return await super()._handle(request)
+        async with self._write_lock:
+            key = (request.resource, request.namespace, request.name)
+            # kmock matches reactions against the very request object it recorded, so the body it is
+            # about to store is replaced in place (the request class is frozen).
+            if request.action == action.CREATE:
+                object.__setattr__(request, "data", self._prepare_create(request))
+                key = (request.resource, request.namespace, request.data["metadata"]["name"])
+            elif request.action == action.UPDATE:
+                object.__setattr__(request, "data", self._prepare_update(request, key))
+            response = await super()._handle(request)
+            await self._record(request, key)
+            return response
+
+    def _prepare_create(self, request: rendering.Request) -> dict[str, Any]:
+        body = copy.deepcopy(request.data or {})
+        meta = body.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
+        if not meta.get("name"):
+            raise kmock.KubernetesError(422, "Invalid", "metadata.name or generateName is required")
+        if request.namespace:
+            meta["namespace"] = request.namespace
+        meta.update(
+            uid=str(uuid.uuid4()),
+            generation=1,
+            resourceVersion=str(self._next_version()),
+            creationTimestamp=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        )
+        return body
+
+    def _prepare_update(self, request: rendering.Request, key: tuple[Any, ...]) -> dict[str, Any]:
+        stored = self._find(key)
+        if stored is None or stored.deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        old = copy.deepcopy(stored.raw)
+        patch = request.data or {}
+        if "json-patch" in request.headers.get("Content-Type", ""):
+            try:
+                patched = jsonpatch.apply_patch(old, patch, in_place=False)
+            except jsonpatch.JsonPatchTestFailed as error:
+                raise kmock.KubernetesError(422, "Invalid", f"the patch's test failed: {error}") from error
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as error:
+                raise kmock.KubernetesError(
+                    422, "Invalid", f"the patch cannot be applied: {error}"
+                ) from error
+        else:
+            expected = patch.get("metadata", {}).get("resourceVersion")
+            if expected is not None and expected != old["metadata"].get("resourceVersion"):
+                raise kmock.KubernetesError(409, "Conflict", "the object has been modified (resourceVersion)")
+            patched = merge_patch(old, patch)
+        plural = request.resource.plural if request.resource is not None else None
+        if request.subresource == "status":  # only status changes
+            new = {key: value for key, value in old.items() if key != "status"}
+            if patched.get("status") is not None:
+                new["status"] = patched["status"]
+        elif request.subresource == "scale":  # only spec.replicas changes
+            new = merge_patch(old, {"spec": {"replicas": patch.get("spec", {}).get("replicas")}})
+        elif plural in STATUS_SUBRESOURCE:  # everything but status changes
+            new = {key: value for key, value in patched.items() if key != "status"}
+            if "status" in old:
+                new["status"] = old["status"]
+        else:
+            new = patched
+        new["metadata"] = {**new.get("metadata", {})}
+        for field in ("uid", "creationTimestamp", "name", "namespace", "generation", "resourceVersion"):
+            if field in old["metadata"]:
+                new["metadata"][field] = old["metadata"][field]
+        if new.get("spec") != old.get("spec"):
+            new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
+        if new != old:
+            new["metadata"]["resourceVersion"] = str(self._next_version())
+        return merge_diff(old, new)
+
+    async def _record(self, request: rendering.Request, key: tuple[Any, ...]) -> None:
+        """Log the write as a watch event; collect the garbage a deletion leaves."""
+        stored = self._find(key)
+        if stored is None:
+            return
+        if stored.deleted:
+            await self._log_deleted(key, dict(stored.last.raw))
+            await self._collect_garbage(stored.last.raw["metadata"]["uid"])
+            return
+        raw = stored.raw
+        if request.action == action.DELETE:  # finalizers keep it: deletionTimestamp was set
+            raw["metadata"]["resourceVersion"] = str(self._next_version())
+        kind = "ADDED" if request.action == action.CREATE else "MODIFIED"
+        await self._append(
+            int(raw["metadata"]["resourceVersion"]), key, {"type": kind, "object": copy.deepcopy(raw)}
+        )
+
+    async def _log_deleted(self, key: tuple[Any, ...], raw: dict[str, Any]) -> None:
+        raw = copy.deepcopy(raw)
+        raw["metadata"]["resourceVersion"] = str(self._next_version())
+        await self._append(int(raw["metadata"]["resourceVersion"]), key, {"type": "DELETED", "object": raw})
+
+    async def _collect_garbage(self, owner_uid: str) -> None:
+        for key, obj in list(self.objects.items()):
+            if obj.deleted:
+                continue
+            refs = obj.raw.get("metadata", {}).get("ownerReferences") or []
+            if any(ref.get("uid") == owner_uid for ref in refs):
+                raw = dict(obj.raw)
+                obj.delete()
+                await self._log_deleted(key, raw)
+                await self._collect_garbage(raw["metadata"]["uid"])
+
+    async def _append(self, resource_version: int, key: tuple[Any, ...], event: dict[str, Any]) -> None:
+        async with self._changed:
+            self._log.append(LoggedEvent(resource_version, key[0], key[1], event))
+            self._changed.notify_all()
+
+    # -- reads ---------------------------------------------------------------------------------------
+
+    def _visible(self, request: rendering.Request, obj: Mapping[str, Any], namespace: str | None) -> bool:
+        if request.namespace is not None and namespace != request.namespace:
+            return False
+        return selected(obj, parse_selector(request.params.get("labelSelector")))
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        if request.resource not in self._get_resources():
+            raise kmock.KubernetesResourceNotFoundError()
+        items = [
+            obj.raw
+            for (resource, namespace, _), obj in self.objects.items()
+            if resource == request.resource and not obj.deleted and self._visible(request, obj.raw, namespace)
+        ]
+        info = self.resources.get(request.resource)
+        kind = f"{info.kind}List" if info is not None and info.kind else "List"
+        return {"kind": kind, "metadata": {"resourceVersion": str(self.resource_version)}, "items": items}
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        yield b""  # send the headers at once
+        since = request.params.get("resourceVersion") or ""
+        timeout = float(request.params.get("timeoutSeconds") or 3600)
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with self._changed:
+            if not since.isdigit() or since == "0":
+                position = len(self._log)
+                initial = [
+                    {"type": "ADDED", "object": copy.deepcopy(obj.raw)}
+                    for (resource, namespace, _), obj in self.objects.items()
+                    if resource == request.resource
+                    and not obj.deleted
+                    and self._visible(request, obj.raw, namespace)
+                ]
+            else:
+                position = next(
+                    (i for i, e in enumerate(self._log) if e.resource_version > int(since)), len(self._log)
+                )
+                initial = []
+        for event in initial:
+            yield event
+        while True:
+            async with self._changed:
+                while position >= len(self._log):
+                    remaining = deadline - asyncio.get_running_loop().time()
+                    if remaining <= 0:
+                        return
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    except TimeoutError:
+                        return
+                batch = self._log[position:]
+                position = len(self._log)
+            for logged in batch:
+                if logged.resource == request.resource and self._visible(
+                    request, logged.event["object"], logged.namespace
+                ):
+                    yield logged.event
+
+    # -- test helpers ----------------------------------------------------------------------------------
+
+    def stored(self, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The stored object (a copy), or None."""
+        key = (kmock.resource(resource), namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.objects[key].raw)

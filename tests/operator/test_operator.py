@@ -1,0 +1,293 @@
+"""A real kopf operator against the emulator over real HTTP: the reconcile scenarios end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from emulated import (
+    DEPLOYMENTS,
+    MODELSERVERS,
+    SERVICES,
+    emulated_cluster,
+    eventually,
+    posted_events,
+    write_kubeconfig,
+)
+from kube_emulator import KubeEmulator
+
+from inflight.operator.main import OperatorOptions, run
+
+NS = "ns"
+MS_URL = f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers"
+DEP_URL = f"/apis/apps/v1/namespaces/{NS}/deployments"
+MERGE = {"Content-Type": "application/merge-patch+json"}
+H100 = {
+    "nvidia.com/gpu.memory": "81559",
+    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+    "nvidia.com/gpu.count": "8",
+}
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
+    async with emulated_cluster() as emulator:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
+        yield emulator
+
+
+@contextlib.asynccontextmanager
+async def operator(resync_seconds: float = 60.0) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    options = OperatorOptions(leader_election=False, liveness=None, resync_seconds=resync_seconds)
+    task = asyncio.create_task(run(options, stop_flag=stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+
+
+def tiny(name: str = "tiny", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "inflight.dev/v1alpha1",
+        "kind": "ModelServer",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": name, "source": "builtin:tiny", "maxModelLen": 512},
+            "resources": {"gpu": {"count": 0}, "cpu": "1", "memory": "2Gi"},
+            **spec,
+        },
+    }
+
+
+async def patch(cluster: KubeEmulator, url: str, body: dict[str, Any]) -> None:
+    resp = await cluster.patch(url, data=json.dumps(body), headers=MERGE)
+    assert resp.status == 200, await resp.text()
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    for c in (obj or {}).get("status", {}).get("conditions") or []:
+        if c["type"] == kind:
+            return dict(c)
+    return {}
+
+
+async def complete_rollout(cluster: KubeEmulator, name: str) -> None:
+    """Play the Deployment controller and kubelet: every replica on the current template and ready."""
+    dep = cluster.stored(DEPLOYMENTS, NS, name)
+    assert dep is not None
+    n = dep["spec"]["replicas"]
+    status = {
+        "observedGeneration": dep["metadata"]["generation"],
+        "replicas": n,
+        "updatedReplicas": n,
+        "readyReplicas": n,
+        "availableReplicas": n,
+    }
+    await patch(cluster, f"{DEP_URL}/{name}/status", {"status": status})
+
+
+def args_of(dep: dict[str, Any] | None) -> list[str]:
+    assert dep is not None
+    return list(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+async def test_lifecycle_create_ready_scale_update_repair_delete(cluster: KubeEmulator) -> None:
+    async with operator():
+        created = await (await cluster.post(MS_URL, json=tiny())).json()
+        uid = created["metadata"]["uid"]
+
+        # create -> children with owner references, status Sized and Progressing
+        dep = await eventually(lambda: cluster.stored(DEPLOYMENTS, NS, "tiny"), what="the Deployment")
+        svc = await eventually(lambda: cluster.stored(SERVICES, NS, "tiny"), what="the Service")
+        for child in (dep, svc):
+            assert child["metadata"]["ownerReferences"][0]["uid"] == uid
+        ms = await eventually(
+            lambda: (m := cluster.stored(MODELSERVERS, NS, "tiny")) and m.get("status") and m, what="status"
+        )
+        assert condition(ms, "Sized")["status"] == "True"
+        assert (
+            condition(ms, "Progressing")["status"] == "True" and condition(ms, "Ready")["status"] == "False"
+        )
+        assert (
+            ms["status"]["sizing"]["kvBlocks"]
+            == int(args_of(dep)[args_of(dep).index("--num-kv-blocks") + 1])
+            > 0
+        )
+        assert (
+            ms["status"]["selector"] == "app.kubernetes.io/name=inflight-server,inflight.dev/modelserver=tiny"
+        )
+        assert (
+            ms["metadata"]["generation"] == 1 and "finalizers" not in ms["metadata"]
+        )  # the operator never writes spec/metadata
+
+        # the rollout completes -> Ready, replicas reported
+        await complete_rollout(cluster, "tiny")
+        ms = await eventually(
+            lambda: (
+                condition(m := cluster.stored(MODELSERVERS, NS, "tiny"), "Ready").get("status") == "True"
+                and m
+            ),
+            what="Ready",
+        )
+        assert ms["status"]["readyReplicas"] == 1 and ms["status"]["observedGeneration"] == 1
+        assert (
+            condition(ms, "Progressing")["status"] == "False"
+            and condition(ms, "Degraded")["status"] == "False"
+        )
+
+        # scale through the scale subresource -> Deployment replicas, same template
+        template = dep["spec"]["template"]
+        await patch(cluster, f"{MS_URL}/tiny/scale", {"spec": {"replicas": 3}})
+        dep = await eventually(
+            lambda: (d := cluster.stored(DEPLOYMENTS, NS, "tiny")) and d["spec"]["replicas"] == 3 and d,
+            what="3 replicas",
+        )
+        assert dep["spec"]["template"] == template
+        await eventually(
+            lambda: condition(cluster.stored(MODELSERVERS, NS, "tiny"), "Ready").get("status") == "False",
+            what="not Ready while scaling",
+        )
+        await complete_rollout(cluster, "tiny")
+        await eventually(
+            lambda: (
+                (cluster.stored(MODELSERVERS, NS, "tiny") or {}).get("status", {}).get("readyReplicas") == 3
+            ),
+            what="3 ready",
+        )
+
+        # spec change -> new template, Ready only after the new template rolled out
+        await patch(cluster, f"{MS_URL}/tiny", {"spec": {"engine": {"scheduler": "static"}}})
+        dep = await eventually(
+            lambda: "static" in args_of(d := cluster.stored(DEPLOYMENTS, NS, "tiny")) and d,
+            what="the new template",
+        )
+        generation = cluster.stored(MODELSERVERS, NS, "tiny")["metadata"]["generation"]
+        assert generation == 3  # 1: created, 2: scaled (spec.replicas), 3: scheduler changed
+        ms = await eventually(
+            lambda: (
+                (m := cluster.stored(MODELSERVERS, NS, "tiny"))["status"]["observedGeneration"] == 3 and m
+            ),
+            what="status for generation 3",
+        )
+        assert (
+            condition(ms, "Ready")["status"] == "False"
+            and condition(ms, "Progressing")["reason"] == "RollingOut"
+        )
+        await complete_rollout(cluster, "tiny")
+        await eventually(
+            lambda: condition(cluster.stored(MODELSERVERS, NS, "tiny"), "Ready").get("status") == "True",
+            what="Ready on generation 3",
+        )
+
+        # a child edited by hand is repaired; a deleted child is recreated
+        await patch(cluster, f"{DEP_URL}/tiny", {"spec": {"replicas": 1}})
+        await eventually(
+            lambda: cluster.stored(DEPLOYMENTS, NS, "tiny")["spec"]["replicas"] == 3, what="replicas repaired"
+        )
+        old_uid = cluster.stored(DEPLOYMENTS, NS, "tiny")["metadata"]["uid"]
+        assert (await cluster.delete(f"{DEP_URL}/tiny")).status == 200
+        restored = await eventually(
+            lambda: (d := cluster.stored(DEPLOYMENTS, NS, "tiny")) and d["metadata"]["uid"] != old_uid and d,
+            what="the Deployment restored",
+        )
+        assert "static" in args_of(restored)
+        assert (await cluster.delete(f"/api/v1/namespaces/{NS}/services/tiny")).status == 200
+        await eventually(lambda: cluster.stored(SERVICES, NS, "tiny"), what="the Service restored")
+
+        # deleting the ModelServer leaves nothing behind (owner references + garbage collection)
+        assert (await cluster.delete(f"{MS_URL}/tiny")).status == 200
+        await eventually(
+            lambda: (
+                cluster.stored(DEPLOYMENTS, NS, "tiny") is None
+                and cluster.stored(SERVICES, NS, "tiny") is None
+            ),
+            what="cleanup",
+        )
+        await asyncio.sleep(0.5)
+        assert cluster.stored(DEPLOYMENTS, NS, "tiny") is None  # not recreated
+
+        events = posted_events(cluster)
+        reasons = {(e["type"], e["reason"]) for e in events}
+        assert ("Normal", "Fits") in reasons and ("Normal", "Ready") in reasons
+
+
+async def test_impossible_spec_is_degraded_until_fixed(cluster: KubeEmulator) -> None:
+    await cluster.post("/api/v1/nodes", json={"metadata": {"name": "gpu-1", "labels": H100}})
+    body = {
+        "apiVersion": "inflight.dev/v1alpha1",
+        "kind": "ModelServer",
+        "metadata": {"name": "big"},
+        "spec": {
+            "model": {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+            "resources": {"gpu": {"count": 1}},
+        },
+    }
+    async with operator(resync_seconds=0.5):
+        await cluster.post(MS_URL, json=body)
+        ms = await eventually(
+            lambda: (
+                condition(m := cluster.stored(MODELSERVERS, NS, "big"), "Degraded").get("status") == "True"
+                and m
+            ),
+            what="Degraded",
+        )
+        degraded = condition(ms, "Degraded")
+        assert degraded["reason"] == "DoesNotFit" and "use 2 GPUs of this type" in degraded["message"]
+        assert condition(ms, "Sized")["status"] == "False" and condition(ms, "Ready")["status"] == "False"
+        assert condition(ms, "Progressing")["status"] == "False"
+        assert (
+            ms["status"]["sizing"]["minGPUs"] == 2
+            and ms["status"]["sizing"]["gpuMemorySource"] == "node-labels"
+        )
+        assert cluster.stored(DEPLOYMENTS, NS, "big") is None  # nothing that would crash-loop on OOM
+        warning = await eventually(
+            lambda: [e for e in posted_events(cluster) if e["reason"] == "DoesNotFit"], what="a Warning Event"
+        )
+        assert warning[0]["type"] == "Warning" and warning[0]["involvedObject"]["name"] == "big"
+        await asyncio.sleep(1.5)  # three resyncs later: still one Event and one status write, no retry storm
+        assert len([e for e in posted_events(cluster) if e["reason"] == "DoesNotFit"]) == 1
+
+        await patch(cluster, f"{MS_URL}/big", {"spec": {"resources": {"gpu": {"count": 4}}}})
+        dep = await eventually(
+            lambda: cluster.stored(DEPLOYMENTS, NS, "big"), what="the Deployment for 4 GPUs"
+        )
+        assert (
+            dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        )
+        await eventually(
+            lambda: condition(cluster.stored(MODELSERVERS, NS, "big"), "Degraded").get("status") == "False",
+            what="not Degraded",
+        )
+
+
+async def test_missing_secret_is_degraded_and_heals_on_resync(cluster: KubeEmulator) -> None:
+    async with operator(resync_seconds=0.5):
+        await cluster.post(MS_URL, json=tiny("secured", auth={"apiKeySecretRef": {"name": "api"}}))
+        ms = await eventually(
+            lambda: (
+                condition(m := cluster.stored(MODELSERVERS, NS, "secured"), "Degraded").get("status")
+                == "True"
+                and m
+            ),
+            what="Degraded",
+        )
+        assert (
+            condition(ms, "Degraded")["reason"] == "SecretNotFound"
+            and "ns/api" in condition(ms, "Degraded")["message"]
+        )
+        await cluster.post(
+            f"/api/v1/namespaces/{NS}/secrets",
+            json={"metadata": {"name": "api"}, "data": {"api-key": "c2VjcmV0"}},
+        )
+        dep = await eventually(
+            lambda: cluster.stored(DEPLOYMENTS, NS, "secured"),
+            what="the Deployment after the Secret appeared",
+        )
+        assert "--api-key-file" in args_of(dep)
