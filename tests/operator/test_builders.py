@@ -15,7 +15,7 @@ from inflight.operator.replicas import desired_replicas
 from inflight.operator.spec import ModelServer, ModelServerStatus
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "kind: ModelServer" in p.read_text())
+EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())
 H100_NODE = {"nvidia.com/gpu.memory": "81559", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 
 

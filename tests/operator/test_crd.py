@@ -15,7 +15,7 @@ from inflight.operator.crd import render_crd, render_crd_yaml
 from inflight.operator.spec import ModelServerSpec
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "kind: ModelServer" in p.read_text())
+EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())
 INVALID = sorted((Path(__file__).parent / "data" / "invalid").glob("*.yaml"))
 
 
