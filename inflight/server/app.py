@@ -37,6 +37,7 @@ def get_context(request: Request) -> ServerContext:
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; the engine thread starts (load + warm-up) with the app's lifespan."""
+    from inflight.server.demo import demo_router
     from inflight.server.routes import api_router, probe_router
 
     @asynccontextmanager
@@ -60,4 +61,5 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(AccessLogMiddleware)
     app.include_router(probe_router)
     app.include_router(api_router)
+    app.include_router(demo_router)
     return app

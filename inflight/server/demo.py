@@ -1,0 +1,88 @@
+"""The static-vs-continuous demo: the page, the simulation endpoint, and a real run on the live engine.
+
+- `GET /demo`: one self-contained HTML page (no CDN), drawn from the two JSON endpoints below.
+- `GET /v1/demo/simulate?slots=N`: both policies on the fixed 30-request workload, simulated with the
+  engine's real schedulers on a virtual clock priced by the step cost model (`app.state.demo_cost_model`,
+  set by `inflight demo`; the built-in default otherwise). Open like the page: it touches no model.
+- `POST /v1/demo/run` `{"slots": N}`: the same requests run for real through the loaded model, once
+  per policy, each with its own engine (scheduler + KV cache) sharing the live engine's weights; behind
+  the API key like every model route. One run at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from importlib.resources import files
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from inflight.server.app import ServerContext, get_context
+from inflight.server.auth import require_api_key
+from inflight.server.errors import APIError
+from inflight.server.protocol import error_responses
+from inflight.sim.comparison import DemoComparison
+from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
+from inflight.sim.simulator import MAX_SLOTS, MIN_SLOTS, simulate_demo
+
+Context = Annotated[ServerContext, Depends(get_context)]
+
+demo_router = APIRouter(tags=["demo"])
+_run_lock = threading.Lock()
+
+
+class DemoRunRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    slots: int = Field(8, ge=MIN_SLOTS, le=MAX_SLOTS, description="slots (max running sequences) per engine")
+
+
+def demo_cost_model(request: Request) -> CostModel:
+    cost_model = getattr(request.app.state, "demo_cost_model", None)
+    return cost_model if isinstance(cost_model, CostModel) else DEFAULT_COST_MODEL
+
+
+@demo_router.get("/demo", response_class=HTMLResponse, summary="Static vs continuous batching, side by side")
+async def demo_page() -> HTMLResponse:
+    page = files("inflight.server").joinpath("static/demo.html").read_text(encoding="utf-8")
+    return HTMLResponse(page)
+
+
+@demo_router.get(
+    "/v1/demo/simulate",
+    response_model=DemoComparison,
+    responses=error_responses(400),
+    summary="Both scheduling policies on the demo workload, on a virtual clock",
+)
+async def simulate_endpoint(
+    request: Request,
+    slots: Annotated[int, Query(ge=MIN_SLOTS, le=MAX_SLOTS, description="slots (max running sequences)")] = 8,
+) -> DemoComparison:
+    return simulate_demo(slots, demo_cost_model(request))
+
+
+@demo_router.post(
+    "/v1/demo/run",
+    response_model=DemoComparison,
+    responses=error_responses(400, 401, 429, 503),
+    dependencies=[Depends(require_api_key)],
+    summary="Run the demo workload for real on the loaded model, once per policy",
+)
+async def run_endpoint(body: DemoRunRequest, ctx: Context) -> DemoComparison:
+    if ctx.engine.state != "ready":
+        raise APIError(
+            503, f"The engine is {ctx.engine.state}; retry once it is ready.", headers={"Retry-After": "5"}
+        )
+    from inflight.sim.live import run_live_demo
+
+    if not _run_lock.acquire(blocking=False):
+        raise APIError(
+            429, "A demo run is already in progress; retry when it finishes.", headers={"Retry-After": "10"}
+        )
+    try:
+        return await asyncio.to_thread(run_live_demo, ctx.engine.engine, body.slots)
+    finally:
+        _run_lock.release()

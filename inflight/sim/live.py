@@ -1,0 +1,125 @@
+"""The demo workload run for real: the loaded model, the engine's real step loop, the wall clock.
+
+Each policy gets its own `LLMEngine` (scheduler + KV cache) with the same settings the simulator uses,
+so a real run and a simulated one make the same scheduling decisions; only the step times differ
+(measured here, priced by the cost model there). Steps are timed around `LLMEngine.step()`; the
+scheduler reports each step's decisions through its `on_step` hook.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from inflight.engine.scheduler import StepRecord
+from inflight.sim.comparison import DemoComparison, compare
+from inflight.sim.simulator import DemoEngineSettings, sampling_params, validate_slots
+from inflight.sim.timeline import POLICIES, Policy, TimelineRecorder
+from inflight.sim.workload import DemoRequest, demo_workload
+
+if TYPE_CHECKING:
+    from inflight.engine.config import EngineConfig
+    from inflight.engine.engine import LLMEngine
+
+WARMUP_REQUEST_ID = "demo-warmup"
+
+
+@dataclass
+class LiveRun:
+    recorder: TimelineRecorder
+    # (tokens in the step, seconds it took), per step: the calibration's samples.
+    step_times: list[tuple[int, float]]
+
+
+def demo_engine_config(
+    policy: Policy, settings: DemoEngineSettings, base: EngineConfig | None
+) -> EngineConfig:
+    """The engine settings of a demo run: the simulator's, on the live engine's device and dtype."""
+    from inflight.engine.config import EngineConfig
+
+    return EngineConfig(
+        max_num_seqs=settings.slots,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        num_kv_blocks=settings.num_kv_blocks,
+        block_size=settings.block_size,
+        max_model_len=settings.max_model_len,
+        scheduler=policy,
+        enable_prefix_caching=False,
+        dtype=base.dtype if base is not None else "auto",
+        device=base.device if base is not None else "auto",
+    )
+
+
+def run_live_policy(
+    model_dir: Path,
+    policy: Policy,
+    requests: Sequence[DemoRequest],
+    settings: DemoEngineSettings,
+    base_config: EngineConfig | None = None,
+) -> LiveRun:
+    """All `requests` (arriving together) through a fresh engine with `policy`, stepped to the end."""
+    from inflight.engine.engine import LLMEngine
+
+    engine = LLMEngine(model_dir, demo_engine_config(policy, settings, base_config))
+    _warm_up(engine)
+    recorder = TimelineRecorder(policy, settings.slots, requests)
+    records: list[StepRecord] = []
+    first_step = engine.scheduler.num_steps
+    # Number the steps from this run's start (the warm-up took some), as the simulator does.
+    engine.scheduler.on_step = lambda record: records.append(replace(record, step=record.step - first_step))
+    for request in requests:
+        engine.add_request(request.request_id, list(request.prompt_token_ids), sampling_params(request))
+    step_times: list[tuple[int, float]] = []
+    begin = time.perf_counter()
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outputs = engine.step()
+        end = time.perf_counter()
+        failed = [output for output in outputs if output.error]
+        if failed:
+            raise RuntimeError(f"the engine failed demo request {failed[0].request_id}: {failed[0].error}")
+        for record in records:
+            recorder.record_step(start - begin, end - begin, record)
+            step_times.append((sum(tokens for _, tokens in record.scheduled), end - start))
+        records.clear()
+    return LiveRun(recorder, step_times)
+
+
+def _warm_up(engine: LLMEngine) -> None:
+    """One short request first, so lazy initialisation is not timed as the demo's first step."""
+    from inflight.engine.sequence import SamplingParams
+
+    engine.add_request(WARMUP_REQUEST_ID, [16, 17, 18, 19], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run_live(
+    model_dir: Path,
+    slots: int,
+    base_config: EngineConfig | None = None,
+    requests: Sequence[DemoRequest] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[DemoComparison, list[tuple[int, float]]]:
+    """Both policies for real at `slots` slots; the comparison and every step's (tokens, seconds)."""
+    validate_slots(slots)
+    workload = list(requests) if requests is not None else demo_workload()
+    settings = DemoEngineSettings(slots=slots)
+    runs: dict[Policy, LiveRun] = {}
+    for policy in POLICIES:
+        if progress is not None:
+            progress(f"running {len(workload)} requests with {policy} batching at {slots} slots")
+        runs[policy] = run_live_policy(model_dir, policy, workload, settings, base_config)
+    comparison = compare(
+        "measured", runs["static"].recorder.result(), runs["continuous"].recorder.result(), cost_model=None
+    )
+    return comparison, [sample for run in runs.values() for sample in run.step_times]
+
+
+def run_live_demo(live_engine: LLMEngine, slots: int) -> DemoComparison:
+    """What `POST /v1/demo/run` answers: both policies on the live engine's model and device."""
+    comparison, _ = run_live(live_engine.model_dir, slots, live_engine.config)
+    return comparison

@@ -1,0 +1,64 @@
+"""A live demo server for the endpoint tests: real uvicorn on 127.0.0.1 (free port), the tiny model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.config import EngineConfig
+from inflight.engine.engine import LLMEngine
+from inflight.server.app import ServerSettings, create_app
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> None:
+    # Up to 8 test sessions share 2 cores here; more intra-op threads only contend.
+    torch.set_num_threads(1)
+
+
+@dataclass
+class DemoServer:
+    url: str
+    app: FastAPI
+    server: uvicorn.Server
+    thread: threading.Thread
+
+
+@pytest.fixture(scope="session")
+def demo_server(tiny_llama_dir: Path) -> Iterator[DemoServer]:
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256)
+    engine = AsyncEngine(lambda: LLMEngine(tiny_llama_dir, config), max_slots=4, max_queue=8)
+    app = create_app(engine, ServerSettings(served_model_name="tiny"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    live = DemoServer(f"http://127.0.0.1:{sock.getsockname()[1]}", app, server, thread)
+    deadline = time.monotonic() + 120
+    while not _ready(live.url):
+        if engine.state == "failed" or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"demo test server did not become ready: {engine.state} {engine.error}")
+        time.sleep(0.1)
+    yield live
+    server.should_exit = True
+    thread.join(30)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
