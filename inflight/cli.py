@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from inflight import __version__
+from inflight.bench import commands as benchmark_commands
 from inflight.engine import commands as engine_commands
 from inflight.engine.model import commands as model_commands
 from inflight.operator import commands as operator_commands
@@ -23,7 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     bench = commands.add_parser("bench", help="benchmarks (offline engine, served HTTP)")
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    for area in (engine_commands, model_commands, server_commands, sim_commands, operator_commands):
+    for area in (
+        engine_commands,
+        model_commands,
+        server_commands,
+        sim_commands,
+        operator_commands,
+        benchmark_commands,
+    ):
         area.register(commands, bench_commands)
     return parser
 

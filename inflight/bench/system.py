@@ -1,0 +1,46 @@
+"""What every benchmarked system provides, and what one run of it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from inflight.bench.workload import BenchRequest
+
+BenchDType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    model_dir: Path
+    requests: list[BenchRequest]
+    # Most requests in flight at once, for every system that batches.
+    max_slots: int
+    dtype: BenchDType
+    vllm_python: Path | None
+    max_num_batched_tokens: int
+    # torch intra-op threads for the in-process systems; vLLM's OpenMP threads are bound to as many cores.
+    threads: int
+
+
+@dataclass
+class SystemRun:
+    # Generated token ids per request, in workload order.
+    outputs: list[list[int]]
+    # Wall time of the timed region: from the first request submitted to the last token out.
+    seconds: float
+    # Model load and warm-up (not counted in tokens/s).
+    setup_seconds: float
+    # The system's own knobs as run (batch sizes, block counts), for the JSON report.
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    description: str
+    # None when the system can run here, else why not (what to install).
+    unavailable: Callable[[BenchSettings], str | None]
+    run: Callable[[BenchSettings], SystemRun]

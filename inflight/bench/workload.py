@@ -1,0 +1,73 @@
+"""The fixed offline workload: random prompts of random lengths, each with an exact output length."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+NUM_REQUESTS = 64
+SEED = 0
+PROMPT_LENGTHS = (16, 256)
+OUTPUT_LENGTHS = (16, 256)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    # Exactly this many tokens are generated (end-of-sequence is ignored).
+    output_len: int
+
+
+def special_token_ids(model_dir: Path) -> set[int]:
+    """Token ids a random prompt must not contain: the tokenizer's added/special tokens and config's ids."""
+    ids: set[int] = set()
+    tokenizer_file = model_dir / "tokenizer.json"
+    if tokenizer_file.is_file():
+        for token in json.loads(tokenizer_file.read_text()).get("added_tokens", []):
+            ids.add(int(token["id"]))
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text())
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = config.get(key)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+    return ids
+
+
+def vocab_size(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+def make_workload(
+    vocab: int,
+    excluded_ids: set[int],
+    num_requests: int = NUM_REQUESTS,
+    seed: int = SEED,
+    prompt_lengths: tuple[int, int] = PROMPT_LENGTHS,
+    output_lengths: tuple[int, int] = OUTPUT_LENGTHS,
+) -> list[BenchRequest]:
+    """`num_requests` requests, lengths uniform in the inclusive ranges, token ids uniform over the vocabulary
+    minus `excluded_ids`. The same arguments give the same requests on every machine."""
+    allowed = [i for i in range(vocab) if i not in excluded_ids]
+    if not allowed:
+        raise ValueError("the vocabulary has no ordinary tokens to build prompts from")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt_len = rng.randint(*prompt_lengths)
+        output_len = rng.randint(*output_lengths)
+        requests.append(BenchRequest([rng.choice(allowed) for _ in range(prompt_len)], output_len))
+    return requests
+
+
+def load_workload(model_dir: Path, num_requests: int = NUM_REQUESTS, seed: int = SEED) -> list[BenchRequest]:
+    """The fixed workload over the vocabulary of the checkpoint in `model_dir`."""
+    return make_workload(vocab_size(model_dir), special_token_ids(model_dir), num_requests, seed)
