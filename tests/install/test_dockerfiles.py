@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,51 @@ def test_dockerignore_keeps_the_context_to_the_package() -> None:
     lines = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
     assert lines[0] == "*"
     assert {"!pyproject.toml", "!README.md", "!inflight/"} <= set(lines)
+
+
+IMPORT_BLOCKER = """
+import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not in the operator image")
+        return None
+sys.meta_path.insert(0, Blocker())
+sys.argv = ["inflight", *sys.argv[2:]]
+from inflight.cli import main
+import inflight.operator.main
+sys.exit(main())
+"""
+
+
+def not_in_operator_image() -> list[str]:
+    """Import names of what the engine and server extras install but the operator image does not."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {
+            re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0].lower().replace("-", "_")
+            for requirement in requirements
+            if not requirement.startswith("inflight")
+        }
+
+    blocked = (names(extras["engine"]) | names(extras["server"])) - names(extras["operator"])
+    blocked -= names(project["dependencies"])
+    assert "torch" in blocked
+    return sorted(blocked)
+
+
+@pytest.mark.parametrize("command", [["operator", "--help"], ["crd"]])
+def test_operator_image_runs_without_the_engine(command: list[str]) -> None:
+    """operator/Dockerfile installs only `.[operator]`: `inflight operator` must not need torch & co."""
+    blocked = not_in_operator_image()
+    run = subprocess.run(
+        [sys.executable, "-c", IMPORT_BLOCKER, ",".join(blocked), *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, f"with {blocked} missing:\n{run.stderr[-3000:]}"
