@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -78,8 +77,9 @@ def _say(message: str) -> None:
 
 def run_offline_command(args: argparse.Namespace) -> int:
     names = _parse_systems(args.compare)
-    if args.num_requests < 1 or args.max_slots < 1 or args.max_num_batched_tokens < 1:
-        raise SystemExit("--num-requests, --max-slots and --max-num-batched-tokens must be >= 1")
+    counts = (args.num_requests, args.max_slots, args.max_num_batched_tokens, args.threads or 1)
+    if min(counts) < 1:
+        raise SystemExit("--num-requests, --max-slots, --max-num-batched-tokens and --threads must be >= 1")
     from inflight.bench.offline import format_table, run_offline, write_outputs
     from inflight.bench.system import BenchSettings
     from inflight.bench.workload import load_workload
@@ -102,7 +102,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         vllm_python=vllm_python,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        threads=args.threads or os.cpu_count() or 1,
+        threads=args.threads,
     )
     report = run_offline(names, settings, _say)
     print(format_table(report))

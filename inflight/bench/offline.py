@@ -111,7 +111,8 @@ def run_system(system: System, settings: BenchSettings, say: Any) -> tuple[Syste
 def run_offline(names: list[str], settings: BenchSettings, say: Any) -> OfflineReport:
     import torch
 
-    torch.set_num_threads(settings.threads)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     results: list[SystemResult] = []
     reference: list[list[int]] | None = None
     runs: dict[str, SystemRun] = {}
@@ -152,7 +153,7 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any) -> OfflineR
     environment = {
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
-        "torch_threads": settings.threads,
+        "torch_threads": torch.get_num_threads(),
         "python": sys.version.split()[0],
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

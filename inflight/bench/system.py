@@ -22,7 +22,8 @@ class BenchSettings:
     vllm_python: Path | None
     max_num_batched_tokens: int
     # torch intra-op threads for the in-process systems; vLLM's OpenMP threads are bound to as many cores.
-    threads: int
+    # None: torch's default (all cores).
+    threads: int | None = None
 
 
 @dataclass

@@ -27,8 +27,9 @@ def unavailable(settings: BenchSettings) -> str | None:
     return None
 
 
-def _env(cache_dir: Path, threads: int) -> dict[str, str]:
+def _env(cache_dir: Path, threads: int | None) -> dict[str, str]:
     env = dict(os.environ)
+    threads = threads or os.cpu_count() or 1
     env.update(
         {
             "VLLM_TARGET_DEVICE": "cpu",
