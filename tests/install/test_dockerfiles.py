@@ -87,48 +87,62 @@ def test_dockerignore_keeps_the_context_to_the_package() -> None:
 
 
 IMPORT_BLOCKER = """
-import importlib.abc, sys
+import importlib, importlib.abc, sys
 BLOCKED = set(sys.argv[1].split(","))
 class Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is not in the operator image")
+            raise ImportError(f"{name} is not in the image")
         return None
 sys.meta_path.insert(0, Blocker())
-sys.argv = ["inflight", *sys.argv[2:]]
+for module in sys.argv[2].split(","):
+    importlib.import_module(module)
 from inflight.cli import main
-import inflight.operator.main
-sys.exit(main())
+sys.exit(main(sys.argv[3:]))
 """
 
 
-def not_in_operator_image() -> list[str]:
-    """Import names of what the engine and server extras install but the operator image does not."""
+def import_names(requirements: list[str]) -> set[str]:
+    return {
+        re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0].lower().replace("-", "_")
+        for requirement in requirements
+        if not requirement.startswith("inflight")
+    }
+
+
+def missing_from_image(extras_in_image: tuple[str, ...]) -> list[str]:
+    """Import names of the project's optional dependencies that an image with only these extras lacks."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]
-
-    def names(requirements: list[str]) -> set[str]:
-        return {
-            re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0].lower().replace("-", "_")
-            for requirement in requirements
-            if not requirement.startswith("inflight")
-        }
-
-    blocked = (names(extras["engine"]) | names(extras["server"])) - names(extras["operator"])
-    blocked -= names(project["dependencies"])
-    assert "torch" in blocked
-    return sorted(blocked)
+    extras: dict[str, list[str]] = project["optional-dependencies"]
+    every = set().union(*(import_names(requirements) for requirements in extras.values()))
+    present = import_names(project["dependencies"])
+    for extra in extras_in_image:
+        present |= import_names(extras[extra])
+    return sorted(every - present)
 
 
-@pytest.mark.parametrize("command", [["operator", "--help"], ["crd"]])
-def test_operator_image_runs_without_the_engine(command: list[str]) -> None:
-    """operator/Dockerfile installs only `.[operator]`: `inflight operator` must not need torch & co."""
-    blocked = not_in_operator_image()
+IMAGES = {
+    # image: (extras its Dockerfile installs, modules it must import, an `inflight` command it runs)
+    "operator": (("operator",), "inflight.operator.main", ["operator", "--help"]),
+    "server": (
+        ("engine", "server"),
+        "inflight.server.app,inflight.server.run,inflight.engine.engine,inflight.engine.async_engine",
+        ["serve", "--help"],
+    ),
+}
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_code_runs_with_only_its_extras(image: str) -> None:
+    """Each Dockerfile installs only its extras: its code must not import what the other extras bring."""
+    extras, modules, command = IMAGES[image]
+    blocked = missing_from_image(extras)
+    assert ("torch" in blocked) == (image == "operator") and ("kopf" in blocked) == (image == "server")
     run = subprocess.run(
-        [sys.executable, "-c", IMPORT_BLOCKER, ",".join(blocked), *command],
+        [sys.executable, "-c", IMPORT_BLOCKER, ",".join(blocked), modules, *command],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
     )
-    assert run.returncode == 0, f"with {blocked} missing:\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"{image} image without {blocked}:\n{run.stderr[-3000:]}"
