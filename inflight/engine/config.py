@@ -20,18 +20,20 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_num_seqs: int = Field(64, ge=1, description="slots: sequences that may run in one step")
+    max_num_seqs: int = Field(default=64, ge=1, description="slots: sequences that may run in one step")
     max_num_batched_tokens: int = Field(
-        2048, ge=1, description="token budget per step (prefill chunks + decodes)"
+        default=2048, ge=1, description="token budget per step (prefill chunks + decodes)"
     )
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; None = derive")
-    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    max_model_len: int | None = Field(None, ge=2, description="prompt + output cap per sequence")
+    num_kv_blocks: int | None = Field(default=None, ge=1, description="KV cache blocks; None = derive")
+    block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
+    max_model_len: int | None = Field(default=None, ge=2, description="prompt + output cap per sequence")
     scheduler: SchedulerPolicy = "continuous"
     enable_prefix_caching: bool = True
-    dtype: DType = Field("auto", description="auto = float32 on CPU, bfloat16 on CUDA")
-    device: str = Field("auto", description="auto = cuda if available, else cpu")
-    max_queue: int | None = Field(None, ge=1, description="cap on waiting requests (back-pressure)")
-    kv_cache_memory_gib: float = Field(1.0, gt=0, description="KV pool size on CPU if num_kv_blocks unset")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory to use")
-    seed: int = Field(0, description="seed for requests without their own")
+    dtype: DType = Field(default="auto", description="auto = float32 on CPU, bfloat16 on CUDA")
+    device: str = Field(default="auto", description="auto = cuda if available, else cpu")
+    max_queue: int | None = Field(default=None, ge=1, description="cap on waiting requests (back-pressure)")
+    kv_cache_memory_gib: float = Field(
+        default=1.0, gt=0, description="KV pool size on CPU if num_kv_blocks unset"
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of GPU memory to use")
+    seed: int = Field(default=0, description="seed for requests without their own")

@@ -46,11 +46,12 @@ class ScheduledSequence:
     num_new_tokens: int
     # Tokens already in the KV cache before this step (the new tokens start at this position).
     num_computed_tokens: int
+    # True if this step computes the sequence's last token, so a next token is sampled (fixed at
+    # schedule time; the sequence grows in `update`).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True if this step computes the sequence's last token, so a next token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass

@@ -1,0 +1,409 @@
+"""LLMEngine: one step = schedule -> run the model -> update sequences; requests in, outputs out.
+
+Outputs carry cumulative state: each `CompletionOutput` holds all token ids and all text generated so
+far, so a streaming consumer computes its delta from the lengths it already sent. A step returns an
+output for every request that gained a token or finished this step (including requests failed because
+they can never fit: finish_reason "error", `RequestOutput.error` says why). Aborted requests produce no
+further output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inflight.engine.config import EngineConfig
+from inflight.engine.kv_cache import KVCacheManager
+from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.llama import allocate_kv_caches
+from inflight.engine.model.loader import load_model
+from inflight.engine.runner import ModelRunner, RunnerOutput
+from inflight.engine.sampler import Sampler
+from inflight.engine.scheduler import SchedulerOutput, create_scheduler
+from inflight.engine.sequence import FinishReason, PositionLogprobs, SamplingParams, Sequence
+from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions, cumulative so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    # The stop string or stop token id that ended it (None for EOS, length, abort, error).
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """time.monotonic() timestamps (arrival as given to add_request)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Why the request failed (finish_reason "error"), else None.
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_prefix_cache_queries: int
+    num_prefix_cache_hits: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_steps: int
+    last_step_num_batched_tokens: int
+    max_num_seqs: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence | None]
+    detokenizers: list[IncrementalDetokenizer]
+    texts: list[str] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_counted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        parent = self.seqs[0]
+        assert parent is not None
+        if parent.num_forks_pending and parent.is_finished:
+            return True
+        return all(s is not None and s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one Llama-family checkpoint folder."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(
+            config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        dtype_name = config.dtype
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = DTYPES[dtype_name]
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.model = load_model(self.model_dir, self.dtype, self.device)
+        self.model_config: ModelConfig = self.model.config
+        self.eos_token_ids = frozenset(self.tokenizer.all_eos_ids) | frozenset(self.model_config.eos_token_id)
+        self.num_kv_blocks = config.num_kv_blocks or self._derive_num_blocks()
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            self.num_kv_blocks * config.block_size,
+        )
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = create_scheduler(
+            config.scheduler,
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_queue=config.max_queue,
+        )
+        kv_caches = allocate_kv_caches(
+            self.model_config, self.num_kv_blocks, config.block_size, self.dtype, self.device
+        )
+        self.runner = ModelRunner(
+            self.model, kv_caches, self.kv_cache, Sampler(config.seed, self.device), self.device
+        )
+        self._requests: dict[str, _Request] = {}
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._last_step_tokens = 0
+        self._num_generate_calls = 0
+
+    @classmethod
+    def from_config(cls, model_dir: str | Path, **overrides: object) -> LLMEngine:
+        return cls(model_dir, EngineConfig.model_validate(overrides))
+
+    def _derive_num_blocks(self) -> int:
+        mc = self.model_config
+        bytes_per_block = (
+            2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.config.block_size
+        ) * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.kv_cache_memory_gib * 2**30
+        max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        enough = self.config.max_num_seqs * math.ceil(max_len / self.config.block_size)
+        blocks = min(int(budget // bytes_per_block), enough)
+        if blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache ({budget / 2**30:.2f} GiB available, one block needs "
+                f"{bytes_per_block} bytes); set num_kv_blocks or free memory"
+            )
+        return blocks
+
+    # ---- requests
+
+    def capacity_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
+        """Why a request of this size can never run on this engine (None if it can); for early 400s."""
+        return self.scheduler.capacity_error(num_prompt_tokens, params.max_tokens)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError for a duplicate id or a token id outside the vocabulary,
+        QueueFullError when the waiting queue is at max_queue."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        self.scheduler.add(seq)
+        self._requests[request_id] = _Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=seq.arrival_time),
+            seqs=[seq] + [None] * (params.n - 1),
+            detokenizers=[
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                for _ in range(params.n)
+            ],
+            texts=[""] * params.n,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; unknown or finished ids are ignored."""
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- one step
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        now = time.monotonic()
+        for item in out.scheduled:
+            request = self._requests[item.seq.request_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        result = self.runner.execute(out)
+        forked = self.scheduler.update(
+            out, {sid: [s.token_id for s in r] for sid, r in result.samples.items()}
+        )
+        for child in forked:
+            self._requests[child.request_id].seqs[child.index] = child
+        self._last_step_tokens = out.num_batched_tokens
+        return self._process(out, result)
+
+    def _process(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        now = time.monotonic()
+        progressed: dict[str, _Request] = {}
+        for seq_id, (first_token, chunk) in result.prompt_logprobs.items():
+            request = self._requests[seq_id]
+            # A recompute after preemption repeats chunks already recorded: keep each position once.
+            if request.prompt_logprobs is not None and len(request.prompt_logprobs) == first_token:
+                request.prompt_logprobs.extend(chunk)
+        for item in out.sampling:
+            parent = item.seq
+            request = self._requests[parent.request_id]
+            samples = result.samples[parent.seq_id]
+            members = [parent] if len(samples) == 1 else [s for s in request.seqs if s is not None]
+            for member, sample in zip(members, samples, strict=True):
+                self._num_generation_tokens += 1
+                if member.params.logprobs is not None:
+                    if member.logprobs is None:
+                        member.logprobs = []
+                    assert sample.top_logprobs is not None
+                    for token_id, logprob in sample.top_logprobs.items():
+                        logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                    member.logprobs.append(sample.top_logprobs)
+                    member.cumulative_logprob += sample.logprob
+                self._detokenize(request, member)
+            if not request.prompt_counted:
+                request.prompt_counted = True
+                self._num_prompt_tokens += len(request.prompt_token_ids)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            progressed[request.request_id] = request
+        for seq in out.failed:
+            if seq.request_id in self._requests:
+                progressed[seq.request_id] = self._requests[seq.request_id]
+        outputs = []
+        for request in progressed.values():
+            finished = request.finished
+            if finished:
+                request.metrics.finished_time = now
+                del self._requests[request.request_id]
+            outputs.append(self._output(request, finished))
+        return outputs
+
+    def _detokenize(self, request: _Request, seq: Sequence) -> None:
+        detok = request.detokenizers[seq.index]
+        before = len(detok.text)
+        detok.add(seq.output_token_ids[-1])
+        if seq.is_finished:
+            detok.flush()
+        stops = seq.params.stop_strings
+        if stops and len(detok.text) > before:
+            # Only text that this token added can complete a stop string.
+            search_from = max(0, before - max(len(s) for s in stops) + 1)
+            found = [(i, s) for s in stops if (i := detok.text.find(s, search_from)) >= 0]
+            if found:
+                index, stop = min(found)
+                detok.text = detok.text[:index]
+                if not seq.is_finished:
+                    self.scheduler.finish(seq.seq_id, "stop", stop_reason=stop)
+                elif seq.finish_reason == "length":
+                    seq.finish("stop", stop_reason=stop)
+        request.texts[seq.index] = detok.text
+
+    def _output(self, request: _Request, finished: bool) -> RequestOutput:
+        parent = request.seqs[0]
+        assert parent is not None
+        completions = []
+        for index, seq in enumerate(request.seqs):
+            if seq is None:  # a sibling not forked yet (the parent failed before its prompt finished)
+                completions.append(CompletionOutput(index, "", [], parent.finish_reason))
+                continue
+            text = request.texts[index]
+            stops = seq.params.stop_strings
+            if stops and not seq.is_finished:
+                # Hold back a tail that may still grow into a stop string.
+                text = text[: max(0, len(text) - max(len(s) for s in stops) + 1)]
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=request.metrics,
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+            error=parent.error,
+        )
+
+    # ---- figures and the offline loop
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache.stats()
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_used_blocks=kv.num_used_blocks,
+            num_blocks=kv.num_blocks,
+            kv_cache_usage=kv.usage,
+            num_preemptions=self.scheduler.num_preemptions_total,
+            num_prefix_cache_queries=kv.prefix_cache_queries,
+            num_prefix_cache_hits=kv.prefix_cache_hits,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_steps=self.scheduler.num_steps,
+            last_step_num_batched_tokens=self._last_step_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; one finished output per prompt, in order.
+
+        `on_progress(num_finished)` is called after every step.
+        """
+        if isinstance(params, SamplingParams) or params is None:
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        self._num_generate_calls += 1
+        ids = [f"generate-{self._num_generate_calls}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    done[output.request_id] = output
+            if on_progress is not None:
+                on_progress(len(done))
+        return [done[i] for i in ids]

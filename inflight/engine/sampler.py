@@ -1,0 +1,153 @@
+"""Next-token choice per row of logits: penalties, greedy or temperature + top-k / top-p / min-p, seeds.
+
+Sampling uses the exponential race (argmax of probs / Exp(1) noise), which draws from the filtered
+distribution. A request with a seed draws its noise from a generator keyed by (seed, sequence index,
+output position) alone, so its tokens are the same whatever else shares the batch, and the same again
+after a preemption recomputes it. Requests without a seed share one engine-wide generator.
+
+Reported logprobs are those of the model's raw distribution (before penalties, temperature and filters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
+
+SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One draw from one row of logits. A forking sequence has n rows sharing one logits row."""
+
+    params: SamplingParams
+    # Prompt + output tokens so far (repetition penalty) and the output tokens (presence/frequency).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    # Sequence index within its request and position of the token being drawn (seeded noise key).
+    index: int
+    output_position: int
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    top_logprobs: PositionLogprobs | None
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        """Draw one token for each row; `logits` is float32 [len(rows), vocab]."""
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._apply_penalties(logits, rows)
+        greedy = all(r.params.greedy for r in rows)
+        chosen = logits.argmax(dim=-1) if greedy else self._sample(logits, rows)
+        token_ids: list[int] = chosen.tolist()
+        if raw_logprobs is None:
+            return [SampleResult(t, 0.0, None) for t in token_ids]
+        return self._with_logprobs(raw_logprobs, chosen, token_ids, rows)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        penalized = [
+            i
+            for i, r in enumerate(rows)
+            if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+        ]
+        if not penalized:
+            return logits
+        logits = logits.clone()
+        for i in penalized:
+            params = rows[i].params
+            row = logits[i]
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(rows[i].token_ids)), dtype=torch.long, device=logits.device)
+                values = row[seen]
+                row[seen] = torch.where(
+                    values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+                )
+            output = rows[i].token_ids[rows[i].num_prompt_tokens :]
+            if output and (params.presence_penalty or params.frequency_penalty):
+                ids = torch.tensor(output, dtype=torch.long, device=logits.device)
+                counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
+                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+                    row.dtype
+                )
+        return logits
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        temperature = torch.tensor(
+            [r.params.temperature if not r.params.greedy else 1.0 for r in rows],
+            dtype=logits.dtype,
+            device=device,
+        )
+        scaled = logits / temperature[:, None]
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
+            scaled = self._top_k_top_p(scaled, rows)
+        probs = torch.softmax(scaled, dim=-1)
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                (len(unseeded), probs.shape[1]), dtype=probs.dtype, device=device
+            ).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                generator = torch.Generator(device=device)
+                generator.manual_seed(hash((r.params.seed, r.index, r.output_position)) & SEED_MASK)
+                noise[i].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def _top_k_top_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        device = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+        above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(above >= top_p[:, None], float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+    def _with_logprobs(
+        self, raw: torch.Tensor, chosen: torch.Tensor, token_ids: list[int], rows: list[SamplingRow]
+    ) -> list[SampleResult]:
+        chosen_logprobs = raw.gather(1, chosen[:, None])[:, 0]
+        ranks = ((raw > chosen_logprobs[:, None]).sum(dim=-1) + 1).tolist()
+        chosen_list: list[float] = chosen_logprobs.tolist()
+        results = []
+        for i, r in enumerate(rows):
+            top: PositionLogprobs | None = None
+            if r.params.logprobs is not None:
+                top = top_logprobs(raw[i], r.params.logprobs)
+                top[token_ids[i]] = Logprob(chosen_list[i], ranks[i])
+            results.append(SampleResult(token_ids[i], chosen_list[i], top))
+        return results
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> PositionLogprobs:
+    """The k most likely tokens of one row of log-probabilities, with ranks 1..k."""
+    if k == 0:
+        return {}
+    values, ids = logprobs.topk(k)
+    pairs = zip(ids.tolist(), values.tolist(), strict=True)
+    return {int(t): Logprob(float(v), rank) for rank, (t, v) in enumerate(pairs, 1)}

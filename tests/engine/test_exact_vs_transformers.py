@@ -1,0 +1,100 @@
+"""Greedy outputs equal transformers' `generate` token for token (float32), under every batching regime.
+
+16 prompts of mixed lengths (some sharing a 2-3 block prefix), 8..24 new tokens each, for the llama and
+qwen2 tiny checkpoints; the transformers reference is computed once per checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from inflight.engine.config import EngineConfig
+from inflight.engine.engine import LLMEngine
+from inflight.engine.sequence import SamplingParams
+
+NUM_PROMPTS = 16
+BLOCK_SIZE = 8
+
+
+def make_prompts(vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(1234)
+    shared = [rng.randrange(3, vocab_size) for _ in range(20)]
+    prompts, max_tokens = [], []
+    for i in range(NUM_PROMPTS):
+        length = rng.randrange(2, 60)
+        tail = [rng.randrange(3, vocab_size) for _ in range(length)]
+        prompts.append(shared + tail if i % 3 == 0 else tail)
+        max_tokens.append(rng.randrange(8, 25))
+    return prompts, max_tokens
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, max_tokens, strict=True):
+            # eos_token_id=None: never stop early, like ignore_eos on our side.
+            config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=n)
+            out = model.generate(torch.tensor([prompt]), generation_config=config)
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+class Reference:
+    def __init__(self, model_dir: Path) -> None:
+        from inflight.engine.model.config import ModelConfig
+
+        self.model_dir = model_dir
+        vocab = ModelConfig.from_dir(model_dir).vocab_size
+        self.prompts, self.max_tokens = make_prompts(vocab)
+        self.expected = hf_greedy(model_dir, self.prompts, self.max_tokens)
+
+    def run(self, **overrides: Any) -> LLMEngine:
+        config = EngineConfig(block_size=BLOCK_SIZE, dtype="float32", device="cpu", **overrides)
+        engine = LLMEngine(self.model_dir, config)
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in self.max_tokens]
+        outputs = engine.generate(self.prompts, params)
+        got = [o.outputs[0].token_ids for o in outputs]
+        for i, (ours, theirs) in enumerate(zip(got, self.expected, strict=True)):
+            assert ours == theirs, f"prompt {i} (length {len(self.prompts[i])}) differs"
+        assert engine.kv_cache.num_used_blocks == 0
+        return engine
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def reference(request: pytest.FixtureRequest) -> Reference:
+    model_dir: Path = request.getfixturevalue(f"tiny_{request.param}_dir")
+    return Reference(model_dir)
+
+
+def test_slots_fewer_than_requests(reference: Reference) -> None:
+    engine = reference.run(max_num_seqs=4, enable_prefix_caching=False)
+    assert engine.stats().num_preemptions == 0
+
+
+def test_small_kv_pool_forces_preemption(reference: Reference) -> None:
+    engine = reference.run(max_num_seqs=8, num_kv_blocks=24, enable_prefix_caching=False)
+    assert engine.stats().num_preemptions > 0
+
+
+def test_prefix_caching_hits(reference: Reference) -> None:
+    engine = reference.run(max_num_seqs=4, enable_prefix_caching=True)
+    assert engine.stats().num_prefix_cache_hits >= 2 * BLOCK_SIZE
+
+
+def test_chunked_prefill_budget_below_longest_prompt(reference: Reference) -> None:
+    longest = max(len(p) for p in reference.prompts)
+    engine = reference.run(max_num_seqs=6, max_num_batched_tokens=longest // 3)
+    assert engine.stats().num_steps > 0
+
+
+def test_static_scheduler(reference: Reference) -> None:
+    reference.run(max_num_seqs=5, scheduler="static", max_num_batched_tokens=40)
