@@ -30,7 +30,7 @@ class CostModel(BaseModel):
 DEFAULT_COST_MODEL = CostModel(
     fixed_s=0.015,
     per_token_s=0.0001,
-    source="default: an 8B-class model on one GPU (15 ms per step + 0.1 ms per token)",
+    source="built-in default, an 8B-class model on one GPU",
 )
 
 

@@ -47,14 +47,20 @@ def render_png(comparison: DemoComparison, out: Path) -> None:
             Patch(color=IDLE_COLOR, label="idle slot"),
         ],
         loc="upper center",
-        bbox_to_anchor=(0.5, 0.935),
+        bbox_to_anchor=(0.5, 1 - 0.55 / fig.get_figheight()),
         ncol=4,
         fontsize=9,
         frameon=False,
     )
     _draw_figures(ax_text, comparison)
-    fig.suptitle("\n".join(textwrap.wrap(comparison.summary, 100)), fontsize=11, fontweight="bold", y=0.99)
-    fig.tight_layout(rect=(0, 0, 1, 0.91))
+    fig.suptitle(
+        "\n".join(textwrap.wrap(comparison.summary, 100)),
+        fontsize=11,
+        fontweight="bold",
+        y=1 - 0.08 / fig.get_figheight(),
+    )
+    height = fig.get_figheight()
+    fig.subplots_adjust(left=0.06, right=0.98, top=1 - 1.05 / height, bottom=0.1 / height, hspace=0.38)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -131,5 +137,8 @@ def _draw_figures(ax: object, comparison: DemoComparison) -> None:
         f"all arriving at t=0."
     )
     if cost is not None:
-        note += f"\nStep cost model: {cost.source}."
+        note += (
+            f"\nEach step costs {1000 * cost.fixed_s:.2f} ms + {1000 * cost.per_token_s:.3f} ms per token"
+            f"\n({cost.source})."
+        )
     ax.text(0.64, 0.5, note, transform=ax.transAxes, fontsize=9, va="center", wrap=True)

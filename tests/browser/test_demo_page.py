@@ -1,0 +1,152 @@
+"""The demo page in headless Chromium against `inflight demo` (real uvicorn on 127.0.0.1, tiny model).
+
+Loads /demo, moves the slider, checks that the page's figures change and equal the JSON endpoint's,
+runs the workload for real with the button and checks the measured figures, and saves screenshots
+under test-artifacts/. Skipped only where no Chromium is installed (`apt-get install chromium`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO_ROOT / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+POLICIES = ("static", "continuous")
+FIGURES = ("throughput_tokens_per_s", "makespan_s", "mean_latency_s", "p95_latency_s", "idle_slot_s", "steps")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (apt-get install -y chromium)"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def demo_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("demo") / "server.log"
+    env = {
+        **os.environ,
+        # No saved calibration: the built-in cost model, as the JSON checks below expect.
+        "INFLIGHT_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "inflight.cli", "demo", "--model", str(tiny_llama_dir)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--max-slots", "4", "--num-kv-blocks", "64"]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _ready(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"`inflight demo` did not become ready; its log:\n{log.read_text()}")
+            time.sleep(0.2)
+        assert f"open {url}/demo" in log.read_text()
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            assert process.wait(30) == 0, log.read_text()
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _page_figures(page: Any, attribute: str) -> dict[str, float]:
+    return {
+        f"{policy}.{key}": float(page.get_attribute(f"[{attribute}='{policy}.{key}']", "data-value"))
+        for policy in POLICIES
+        for key in FIGURES
+    }
+
+
+def _json_figures(body: dict[str, Any]) -> dict[str, float]:
+    return {f"{policy}.{key}": float(body[policy][key]) for policy in POLICIES for key in FIGURES}
+
+
+def test_demo_page_slider_and_real_run(demo_url: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(f"{demo_url}/demo")
+            page.wait_for_selector("body[data-slots='8']")
+            at_8 = _page_figures(page, "data-figure")
+            body_8 = httpx.get(f"{demo_url}/v1/demo/simulate?slots=8").json()
+            assert at_8 == pytest.approx(_json_figures(body_8))
+            assert page.text_content("#ratio") == f"{body_8['throughput_ratio']:.2f}×"
+            assert page.text_content("#summary") == body_8["summary"]
+            assert body_8["throughput_ratio"] >= 2.0
+            # One bar per request in each chart; slots lanes.
+            assert page.locator("#chart-static g.bar").count() == 30
+            page.screenshot(path=str(ARTIFACTS / "demo-page-8-slots.png"), full_page=True)
+
+            for slots in ("3", "16"):
+                page.locator("#slots").fill(slots)
+                page.wait_for_selector(f"body[data-slots='{slots}']")
+                assert page.text_content("#slots-value") == slots
+                figures = _page_figures(page, "data-figure")
+                body = httpx.get(f"{demo_url}/v1/demo/simulate?slots={slots}").json()
+                assert figures == pytest.approx(_json_figures(body))
+                assert figures != at_8
+                assert page.text_content("#ratio") == f"{body['throughput_ratio']:.2f}×"
+
+            with page.expect_response(lambda r: r.url.endswith("/v1/demo/run"), timeout=240_000) as run:
+                page.click("#run")
+            assert run.value.status == 200
+            measured_body = run.value.json()
+            page.wait_for_selector("#measured-summary[data-ratio]")
+            measured = _page_figures(page, "data-measured")
+            assert measured == pytest.approx(_json_figures(measured_body))
+            assert measured_body["kind"] == "measured" and measured_body["slots"] == 16
+            for policy in POLICIES:
+                # Same decisions as the simulation; only the clock differs.
+                assert measured[f"{policy}.steps"] == figures[f"{policy}.steps"]
+                assert measured[f"{policy}.throughput_tokens_per_s"] > 0
+            assert page.is_visible("#measured-static-head")
+            summary = page.text_content("#measured-summary") or ""
+            assert f"{measured_body['throughput_ratio']:.2f}×" in summary
+            page.screenshot(path=str(ARTIFACTS / "demo-page-measured.png"), full_page=True)
+        finally:
+            browser.close()
+    assert errors == []
