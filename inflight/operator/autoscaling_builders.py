@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
+from inflight.operator import builders
 from inflight.operator.autoscaler import ScalingPolicy
 from inflight.operator.pod_metrics import SERIES
-from inflight.operator.spec import AutoscalingMetric
+from inflight.operator.spec import Actuator, AutoscalingMetric, AutoscalingSpec, ModelServer
 
 GROUP_VERSION = "inflight.dev/v1alpha1"
 KIND = "ModelServer"
@@ -26,6 +27,43 @@ HPA_METRIC_NAMES: dict[AutoscalingMetric, str] = {
 }
 """The custom-metrics name the HPA asks for. Two are the server's own series; requests in flight is
 running + waiting, which the README's Prometheus Adapter rule publishes under its name."""
+
+
+def policy_of(autoscaling: AutoscalingSpec) -> ScalingPolicy:
+    """The decision knobs of a ModelServer's ``spec.autoscaling``."""
+    return ScalingPolicy(
+        min_replicas=autoscaling.min_replicas,
+        max_replicas=autoscaling.max_replicas,
+        target=autoscaling.target,
+        scale_up_stabilization_s=autoscaling.scale_up_stabilization_seconds,
+        scale_down_delay_s=autoscaling.scale_down_delay_seconds,
+    )
+
+
+def autoscaler_object(ms: ModelServer) -> dict[str, Any] | None:
+    """The HPA (actuator hpa) or ScaledObject (actuator keda) the ModelServer asks for; else None.
+
+    Raises ValueError with what to change when the spec cannot be expressed (see the builders).
+    """
+    autoscaling = ms.spec.autoscaling
+    if autoscaling is None or autoscaling.actuator is Actuator.BUILTIN:
+        return None
+    name, namespace = ms.metadata.name, ms.metadata.namespace
+    policy = policy_of(autoscaling)
+    owner, labels = builders.owner_reference(ms), builders.labels(ms)
+    if autoscaling.actuator is Actuator.HPA:
+        return build_hpa(name, namespace, policy, autoscaling.metric, owner, labels)
+    prometheus = autoscaling.prometheus
+    return build_scaled_object(
+        name,
+        namespace,
+        policy,
+        autoscaling.metric,
+        owner,
+        labels,
+        server_address=prometheus.server_address if prometheus else "",
+        query=prometheus.query if prometheus else None,
+    )
 
 
 def quantity(value: float) -> str:

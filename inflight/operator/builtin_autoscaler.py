@@ -8,7 +8,7 @@ and records the decision in ``status.autoscaling`` and, when replicas change, as
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -16,19 +16,9 @@ from typing import Any
 import httpx
 
 from inflight.operator.autoscaler import Decision, Direction, Observation, ScalingPolicy, decide
+from inflight.operator.autoscaling_builders import policy_of
 from inflight.operator.pod_metrics import ready_pod_endpoints, scrape
 from inflight.operator.spec import AutoscalingMetric, AutoscalingSpec
-
-
-def policy_of(autoscaling: AutoscalingSpec) -> ScalingPolicy:
-    """The decision knobs of a ModelServer's ``spec.autoscaling``."""
-    return ScalingPolicy(
-        min_replicas=autoscaling.min_replicas,
-        max_replicas=autoscaling.max_replicas,
-        target=autoscaling.target,
-        scale_up_stabilization_s=autoscaling.scale_up_stabilization_seconds,
-        scale_down_delay_s=autoscaling.scale_down_delay_seconds,
-    )
 
 
 @dataclass
@@ -68,7 +58,7 @@ def starting_replicas(
 async def evaluate(
     state: AutoscalerState,
     autoscaling: AutoscalingSpec,
-    pods: list[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
     container: str,
     replicas: int,
     startup_timeout_s: float,

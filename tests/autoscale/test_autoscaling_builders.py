@@ -13,12 +13,13 @@ import yaml
 
 from inflight.operator.autoscaler import ScalingPolicy
 from inflight.operator.autoscaling_builders import (
+    autoscaler_object,
     build_hpa,
     build_scaled_object,
     prometheus_query,
     quantity,
 )
-from inflight.operator.spec import AutoscalingMetric
+from inflight.operator.spec import AutoscalingMetric, ModelServer
 
 KEDA_CRD = Path(__file__).parent / "data" / "keda" / "keda.sh_scaledobjects.yaml"
 OWNER = {
@@ -178,3 +179,37 @@ def test_a_scale_down_delay_beyond_the_hpas_limit_is_an_error() -> None:
     policy = ScalingPolicy(min_replicas=1, max_replicas=2, target=1, scale_down_delay_s=7200)
     with pytest.raises(ValueError, match="at most 3600s; lower it, or use actuator builtin"):
         build_hpa("llama", "serving", policy, AutoscalingMetric.QUEUE_DEPTH, OWNER, LABELS)
+
+
+def modelserver(**autoscaling: Any) -> ModelServer:
+    return ModelServer.model_validate(
+        {
+            "apiVersion": "inflight.dev/v1alpha1",
+            "kind": "ModelServer",
+            "metadata": {"name": "llama", "namespace": "serving", "uid": OWNER["uid"]},
+            "spec": {
+                "model": {"name": "llama", "source": "builtin:tiny"},
+                "autoscaling": {"maxReplicas": 4, "target": 8, **autoscaling},
+            },
+        }
+    )
+
+
+def test_autoscaler_object_follows_the_actuator(scaled_object_schema: dict[str, Any]) -> None:
+    assert autoscaler_object(modelserver()) is None  # builtin: the operator scales, no HPA
+    hpa = autoscaler_object(modelserver(actuator="hpa", metric="queueDepth"))
+    assert hpa is not None and hpa["kind"] == "HorizontalPodAutoscaler"
+    assert hpa["metadata"]["ownerReferences"][0]["uid"] == OWNER["uid"]
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "inflight:num_requests_waiting"
+    kubernetes_validate.validate(hpa, "1.32.0", strict=True)
+
+    prometheus = {"serverAddress": "http://prom:9090", "query": "sum(x)"}
+    scaled = autoscaler_object(modelserver(actuator="keda", prometheus=prometheus))
+    assert scaled is not None and scaled["kind"] == "ScaledObject"
+    assert scaled["spec"]["triggers"][0]["metadata"]["query"] == "sum(x)"
+    jsonschema.validate(scaled, scaled_object_schema)
+
+
+def test_keda_without_prometheus_says_what_is_missing() -> None:
+    with pytest.raises(ValueError, match=r"needs spec\.autoscaling\.prometheus\.serverAddress"):
+        autoscaler_object(modelserver(actuator="keda"))
