@@ -1,0 +1,195 @@
+"""LLMEngine / LLM behaviour on the tiny llama checkpoint: seeds, stops, n > 1, failures, aborts, logprobs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight import LLM, SamplingParams
+from inflight.engine.config import EngineConfig
+from inflight.engine.engine import LLMEngine
+
+PROMPTS = ["def main(", "import os\nimport sys", "class Foo:\n    def", "x = 1", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> LLM:
+    return LLM(tiny_llama_dir, max_slots=8, num_kv_blocks=128, block_size=8, dtype="float32", device="cpu")
+
+
+def greedy(max_tokens: int = 12, **kwargs: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
+
+
+def test_generate_returns_one_output_per_prompt_in_order(llm: LLM) -> None:
+    outputs = llm.generate(PROMPTS, greedy())
+    assert [o.prompt for o in outputs] == PROMPTS
+    for output in outputs:
+        assert output.finished
+        assert output.prompt_token_ids == llm.tokenizer.encode(output.prompt or "")
+        (completion,) = output.outputs
+        assert len(completion.token_ids) == 12 and completion.finish_reason == "length"
+        assert completion.text == llm.tokenizer.decode(completion.token_ids)
+    # Token-id prompts give the same as their text.
+    again = llm.generate([o.prompt_token_ids for o in outputs], greedy())
+    assert [a.outputs[0].token_ids for a in again] == [o.outputs[0].token_ids for o in outputs]
+
+
+def test_seeded_request_is_the_same_alone_and_inside_a_full_batch(llm: LLM) -> None:
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=42, ignore_eos=True)
+    alone = llm.generate(["def main("], seeded)[0].outputs[0].token_ids
+    crowd = [SamplingParams(max_tokens=20, temperature=0.9, ignore_eos=True) for _ in range(7)]
+    batch = llm.generate([*PROMPTS, "a", "b", "def main("], [*crowd, seeded])
+    assert batch[-1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=43, ignore_eos=True)
+    assert llm.generate(["def main("], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_greedy_n_copies_share_the_prompt_blocks_and_match_n_equals_one(llm: LLM) -> None:
+    engine = llm.engine
+    single = llm.generate([PROMPTS[1]], greedy(10))[0].outputs[0].token_ids
+    engine.add_request("fork", PROMPTS[1], greedy(10, n=3))
+    engine.step()  # prefill, then fork into three sequences
+    tables = [engine.kv_cache.block_table(s) for s in ("fork", "fork#1", "fork#2")]
+    assert tables[0][0] == tables[1][0] == tables[2][0]  # the prompt's first block is shared
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
+    # Copy-on-write kept every copy's cache intact: all three equal the single greedy run.
+    assert all(c.token_ids == single for c in final.outputs)
+    assert engine.kv_cache.num_used_blocks == 0
+
+
+def test_sampled_n_gives_different_completions(llm: LLM) -> None:
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=1, ignore_eos=True)
+    completions = llm.generate(["x = 1"], params)[0].outputs
+    assert len({tuple(c.token_ids) for c in completions}) == 3
+
+
+def test_stop_string_truncates_the_text_and_names_the_stop(llm: LLM) -> None:
+    full = llm.generate([PROMPTS[0]], greedy(16))[0].outputs[0]
+    stop = full.text[5:8]
+    assert stop
+    engine = llm.engine
+    engine.add_request("stop", PROMPTS[0], greedy(16, stop=[stop, "never appears \u2603"]))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    got = outputs[-1].outputs[0]
+    assert got.text == full.text[: full.text.index(stop)]
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    assert len(got.token_ids) < 16
+    # Streamed (cumulative) texts only grow and never show a stop string, even partly.
+    texts = [o.outputs[0].text for o in outputs]
+    assert all(got.text.startswith(t) for t in texts)
+
+
+def test_stop_token_id_and_eos_end_the_sequence(llm: LLM) -> None:
+    full = llm.generate([PROMPTS[2]], greedy(12))[0].outputs[0].token_ids
+    third = full[2]
+    first_at = full.index(third)
+    got = llm.generate([PROMPTS[2]], greedy(12, stop_token_ids=[third]))[0].outputs[0]
+    assert got.token_ids == full[: first_at + 1]
+    assert got.finish_reason == "stop" and got.stop_reason == third
+    engine = llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({third})
+    try:
+        eos = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+        ignored = llm.generate([PROMPTS[2]], greedy(12))[0].outputs[0]
+    finally:
+        engine.eos_token_ids = saved
+    assert eos.token_ids == full[: first_at + 1] and eos.finish_reason == "stop" and eos.stop_reason is None
+    assert ignored.token_ids == full
+
+
+def test_request_that_can_never_fit_fails_with_a_reason(tiny_llama_dir: Path) -> None:
+    engine = LLMEngine(tiny_llama_dir, EngineConfig(num_kv_blocks=4, block_size=8, device="cpu"))
+    assert engine.max_model_len == 32
+    assert engine.capacity_error(30, SamplingParams(max_tokens=8)) is not None
+    engine.add_request("big", list(range(5, 35)), SamplingParams(max_tokens=8))
+    engine.add_request("ok", list(range(5, 15)), greedy(4))
+    outputs = {o.request_id: o for o in engine.step()}
+    failed = outputs["big"]
+    assert failed.finished and failed.outputs[0].finish_reason == "error"
+    assert failed.error and "max_model_len 32" in failed.error
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache.num_used_blocks == 0
+
+
+def test_abort_frees_blocks_and_stops_outputs(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[1], greedy(30))
+    engine.add_request("b", PROMPTS[2], greedy(5))
+    engine.step()
+    engine.step()
+    used = engine.kv_cache.num_used_blocks
+    engine.abort("a")
+    assert engine.kv_cache.num_used_blocks < used
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {"b"}
+    assert engine.kv_cache.num_used_blocks == 0
+    engine.abort("unknown")  # ignored
+
+
+def test_logprobs_and_cumulative_logprob(llm: LLM) -> None:
+    completion = llm.generate([PROMPTS[3]], greedy(6, logprobs=3))[0].outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 6
+    total = 0.0
+    for token, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert position[token].rank == 1  # greedy takes the most likely token
+        assert len(position) == 3
+        assert position[token].decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
+        total += position[token].logprob
+    assert completion.cumulative_logprob == pytest.approx(total)
+
+
+def test_prompt_logprobs_match_a_full_forward_and_survive_chunking(tiny_llama_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = "import os\nimport sys\nimport json\nclass Foo:\n    def bar(self):"
+    params = greedy(2, prompt_logprobs=1)
+    chunked = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=8, max_num_batched_tokens=7, device="cpu")
+    whole = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=8, device="cpu")
+    a = chunked.generate([prompt], params)[0]
+    b = whole.generate([prompt], params)[0]
+    ids = a.prompt_token_ids
+    assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+    assert len(a.prompt_logprobs) == len(ids) and a.prompt_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for pos in range(1, len(ids)):
+        for entries in (a.prompt_logprobs[pos], b.prompt_logprobs[pos]):
+            assert entries is not None
+            assert entries[ids[pos]].logprob == pytest.approx(reference[pos - 1, ids[pos]].item(), abs=1e-4)
+            assert math.isfinite(entries[ids[pos]].logprob)
+
+
+def test_bad_requests_raise_value_error(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.engine.add_request("bad", [10**7], greedy())
+    llm.engine.add_request("dup", "x", greedy(1))
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request("dup", "x", greedy(1))
+    llm.engine.abort("dup")
+
+
+def test_stats_count_tokens_and_prefix_hits(tiny_llama_dir: Path) -> None:
+    llm = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=4, max_slots=2, device="cpu")
+    prompt = list(range(10, 30))
+    llm.generate([prompt, prompt, prompt], greedy(3))
+    stats = llm.engine.stats()
+    assert stats.num_generation_tokens == 9
+    assert stats.num_prompt_tokens == 60
+    assert stats.num_prefix_cache_hits >= 16
+    assert stats.num_running == stats.num_waiting == stats.num_used_blocks == 0
+    assert stats.num_blocks == 64 and stats.max_num_seqs == 2

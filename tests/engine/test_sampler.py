@@ -1,0 +1,148 @@
+"""Sampler on hand-made logits: greedy, temperature, top-k/top-p/min-p, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from inflight.engine.sampler import Sampler, SamplingRow
+from inflight.engine.sequence import SamplingParams
+
+# probabilities 0.5, 0.3, 0.2, 0 (token 3 is impossible)
+PROBS = [0.5, 0.3, 0.2]
+LOGITS = [math.log(p) for p in PROBS] + [-1e9]
+
+
+def rows(
+    params: SamplingParams, count: int, context: list[int] | None = None, prompt: int = 0
+) -> list[SamplingRow]:
+    return [SamplingRow(params, context or [], prompt, index=0, output_position=i) for i in range(count)]
+
+
+def draw(params: SamplingParams, count: int = 3000, logits: list[float] = LOGITS) -> list[int]:
+    sampler = Sampler(seed=0)
+    batch = torch.tensor([logits] * count)
+    return [r.token_id for r in sampler(batch, rows(params, count))]
+
+
+def frequencies(tokens: list[int]) -> list[float]:
+    return [tokens.count(t) / len(tokens) for t in range(4)]
+
+
+def test_greedy_takes_the_argmax() -> None:
+    assert set(draw(SamplingParams(temperature=0), 5)) == {0}
+
+
+def test_temperature_one_follows_the_distribution() -> None:
+    freq = frequencies(draw(SamplingParams(temperature=1.0, seed=None)))
+    for got, want in zip(freq, [*PROBS, 0.0], strict=True):
+        assert abs(got - want) < 0.04
+
+
+def test_low_temperature_sharpens() -> None:
+    assert frequencies(draw(SamplingParams(temperature=0.2)))[0] > 0.85
+
+
+def test_top_k_keeps_only_the_k_most_likely() -> None:
+    tokens = draw(SamplingParams(top_k=2))
+    assert set(tokens) == {0, 1}
+    assert abs(frequencies(tokens)[0] - 0.5 / 0.8) < 0.04
+
+
+@pytest.mark.parametrize(("top_p", "allowed"), [(0.5, {0}), (0.7, {0, 1}), (0.85, {0, 1, 2})])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, allowed: set[int]) -> None:
+    assert set(draw(SamplingParams(top_p=top_p), 1000)) == allowed
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_best() -> None:
+    assert set(draw(SamplingParams(min_p=0.5), 1000)) == {0, 1}  # 0.2 < 0.5 * 0.5
+
+
+def test_repetition_penalty_discourages_seen_tokens() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, 1.5, -1.0, 0.0]])
+    plain = sampler(logits, rows(SamplingParams(temperature=0), 1, context=[0, 2]))
+    assert plain[0].token_id == 0
+    penalized = sampler(
+        logits, rows(SamplingParams(temperature=0, repetition_penalty=2.0), 1, context=[0, 2])
+    )
+    assert penalized[0].token_id == 1  # 2.0 / 2 = 1.0 < 1.5
+
+
+def test_presence_and_frequency_penalties_use_output_tokens_only() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, 1.5, 0.0, 0.0]])
+    # Token 0 appears in the prompt only (first 2 context tokens): no penalty.
+    in_prompt = sampler(
+        logits, rows(SamplingParams(temperature=0, presence_penalty=1.0), 1, [0, 0], prompt=2)
+    )
+    assert in_prompt[0].token_id == 0
+    # Twice in the output: 2.0 - 2 * 0.3 = 1.4 < 1.5.
+    in_output = sampler(
+        logits, rows(SamplingParams(temperature=0, frequency_penalty=0.3), 1, [3, 0, 0], prompt=1)
+    )
+    assert in_output[0].token_id == 1
+
+
+def test_seeded_draw_depends_only_on_seed_index_and_position() -> None:
+    params = SamplingParams(seed=7)
+    sampler = Sampler(seed=123)
+    logits = torch.randn(1, 50)
+    alone = sampler(logits, [SamplingRow(params, [], 0, index=0, output_position=5)])[0].token_id
+    crowd = torch.cat([torch.randn(3, 50), logits, torch.randn(2, 50)])
+    crowd_rows = [SamplingRow(SamplingParams(seed=i), [], 0, 0, 5) for i in range(3)]
+    crowd_rows += [SamplingRow(params, [], 0, index=0, output_position=5)]
+    crowd_rows += [SamplingRow(SamplingParams(), [], 0, 0, 5) for _ in range(2)]
+    assert Sampler(seed=999)(crowd, crowd_rows)[3].token_id == alone
+    # Across positions the seeded draws vary (not one fixed token).
+    varied = {sampler(logits, [SamplingRow(params, [], 0, 0, p)])[0].token_id for p in range(40)}
+    assert len(varied) > 5
+
+
+def test_logprobs_report_the_raw_distribution_with_ranks() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([LOGITS])
+    result = sampler(logits, rows(SamplingParams(temperature=0, logprobs=2), 1))[0]
+    assert result.token_id == 0
+    assert result.top_logprobs is not None
+    assert set(result.top_logprobs) == {0, 1}
+    assert result.top_logprobs[1].rank == 2
+    assert result.top_logprobs[1].logprob == pytest.approx(math.log(0.3), rel=1e-5)
+    assert result.logprob == pytest.approx(math.log(0.5), rel=1e-5)
+
+
+def test_sampled_token_outside_top_logprobs_is_added_with_its_rank() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    params = SamplingParams(temperature=0, logprobs=1, repetition_penalty=100.0)
+    result = sampler(logits, rows(params, 1, context=[3, 2]))[0]
+    assert result.token_id == 1  # penalties moved the choice; logprobs stay raw
+    assert result.top_logprobs is not None
+    assert set(result.top_logprobs) == {3, 1}
+    assert result.top_logprobs[1].rank == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("min_p", 1.5, "min_p"),
+        ("n", 0, "n must be"),
+        ("max_tokens", 0, "max_tokens"),
+        ("logprobs", 21, "logprobs"),
+        ("repetition_penalty", 0.0, "repetition_penalty"),
+        ("stop", [""], "stop strings"),
+    ],
+)
+def test_invalid_params_raise_value_error_naming_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_stop_accepts_a_single_string_and_top_k_minus_one_disables() -> None:
+    params = SamplingParams(stop="END", top_k=-1)
+    assert params.stop_strings == ["END"]
+    assert params.top_k == 0
