@@ -78,19 +78,37 @@ def _location(loc: Sequence[int | str]) -> str:
     return "".join(parts)
 
 
+def _common_prefix(locations: list[tuple[int | str, ...]]) -> tuple[int | str, ...]:
+    prefix = locations[0]
+    for loc in locations[1:]:
+        size = 0
+        while size < min(len(prefix), len(loc)) and prefix[size] == loc[size]:
+            size += 1
+        prefix = prefix[:size]
+    return prefix
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
+    if not errors:
+        return bad_request("The request body is invalid.", code="invalid_body")
     if any(error.get("type") == "json_invalid" for error in errors):
         return bad_request("The request body is not valid JSON.", code="invalid_json")
-    messages = []
-    for error in errors[:5]:
-        where = _location(error.get("loc", ()))
+    locations = [tuple(error.get("loc", ())) for error in errors]
+    messages = list(dict.fromkeys(str(error.get("msg", "invalid value")) for error in errors))
+    common = _location(_common_prefix(locations))
+    if len(errors) > 1 and common:
+        # Every alternative of one union-typed field failed: name the field, not pydantic's variant tags.
+        return bad_request(f"{common}: invalid value ({'; '.join(messages[:3])})", param=common)
+    parts = []
+    for loc, error in zip(locations[:5], errors[:5], strict=True):
+        where = _location(loc)
         text = str(error.get("msg", "invalid value"))
-        messages.append(f"{where}: {text}" if where else text)
-    first = _location(errors[0].get("loc", ())) if errors else ""
+        parts.append(f"{where}: {text}" if where else text)
+    first = _location(locations[0])
     if not first:
-        return bad_request("; ".join(messages) or "The request body is invalid.", code="invalid_body")
-    return bad_request("; ".join(messages), param=first)
+        return bad_request("; ".join(parts), code="invalid_body")
+    return bad_request("; ".join(parts), param=first)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,12 @@ def start_server(
         time.sleep(0.1)
     live.stop()
     raise RuntimeError(f"test server did not become ready (engine state {engine.state}: {engine.error})")
+
+
+@pytest.fixture(scope="session")
+def start_server_factory() -> Callable[..., LiveServer]:
+    """`start_server` for modules that need a server configured their own way (stop it yourself)."""
+    return start_server
 
 
 @pytest.fixture(scope="session")

@@ -313,8 +313,10 @@ def test_dropped_streams_are_aborted_and_free_every_block(live: LiveServer) -> N
     for c in clients:
         stream = c.stream("POST", f"{live.url}/v1/completions", json=body)
         streams.append((stream, stream.__enter__()))
-    for _, response in streams[:8]:  # the first eight are running: wait for their first token
-        next(response.iter_lines())
+    lines = [response.iter_lines() for _, response in streams]  # referenced: dropping one disconnects
+    for line_iterator in lines[:8]:  # the first eight are running: wait for their first token
+        next(line_iterator)
+    assert live.engine.num_in_flight == 12
     assert live.metric("inflight:num_requests_running") > 0
     for (stream, _), c in zip(streams, clients, strict=True):
         stream.__exit__(None, None, None)
