@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +61,11 @@ def post_event(body: Mapping[str, Any], type: str, reason: str, message: str) ->
 
 
 async def run(
-    options: OperatorOptions, client: KubeClient | None = None, stop_flag: asyncio.Event | None = None
+    options: OperatorOptions,
+    client: KubeClient | None = None,
+    stop_flag: asyncio.Event | threading.Event | None = None,
 ) -> int:
-    """Run until `stop_flag` is set (0) or leadership is lost (1)."""
+    """Run until `stop_flag` is set (0) or leadership is lost (1); a threading.Event works across threads."""
     client = client or KubeClient.from_environment()
     stop_flag = stop_flag or asyncio.Event()
     controller = Controller(client, post_event)

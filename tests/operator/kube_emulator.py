@@ -18,6 +18,7 @@ Writes are serialized, so the event log has one order, as etcd gives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import uuid
@@ -103,7 +104,7 @@ class LoggedEvent:
 @attrs.define(kw_only=True)
 class KubeEmulator(kmock.KubernetesEmulator):
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
-    _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
+    _appended: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)  # replaced on every append
     _log: list[LoggedEvent] = attrs.field(factory=list, init=False)
     _counter: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
     resource_version: int = attrs.field(default=0, init=False)
@@ -237,9 +238,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 await self._collect_garbage(raw["metadata"]["uid"])
 
     async def _append(self, resource_version: int, key: tuple[Any, ...], event: dict[str, Any]) -> None:
-        async with self._changed:
-            self._log.append(LoggedEvent(resource_version, key[0], key[1], event))
-            self._changed.notify_all()
+        self._log.append(LoggedEvent(resource_version, key[0], key[1], event))
+        self._appended.set()
+        self._appended = asyncio.Event()
 
     # -- reads ---------------------------------------------------------------------------------------
 
@@ -265,35 +266,34 @@ class KubeEmulator(kmock.KubernetesEmulator):
         since = request.params.get("resourceVersion") or ""
         timeout = float(request.params.get("timeoutSeconds") or 3600)
         deadline = asyncio.get_running_loop().time() + timeout
-        async with self._changed:
-            if not since.isdigit() or since == "0":
-                position = len(self._log)
-                initial = [
-                    {"type": "ADDED", "object": copy.deepcopy(obj.raw)}
-                    for (resource, namespace, _), obj in self.objects.items()
-                    if resource == request.resource
-                    and not obj.deleted
-                    and self._visible(request, obj.raw, namespace)
-                ]
-            else:
-                position = next(
-                    (i for i, e in enumerate(self._log) if e.resource_version > int(since)), len(self._log)
-                )
-                initial = []
+        # No await between reading the log's length and the objects: the snapshot is consistent.
+        if not since.isdigit() or since == "0":
+            position = len(self._log)
+            initial = [
+                {"type": "ADDED", "object": copy.deepcopy(obj.raw)}
+                for (resource, namespace, _), obj in self.objects.items()
+                if resource == request.resource
+                and not obj.deleted
+                and self._visible(request, obj.raw, namespace)
+            ]
+        else:
+            position = next(
+                (i for i, e in enumerate(self._log) if e.resource_version > int(since)), len(self._log)
+            )
+            initial = []
         for event in initial:
             yield event
+        raw = request._raw_request  # to notice a client that went away: aiohttp does not cancel handlers
         while True:
-            async with self._changed:
-                while position >= len(self._log):
-                    remaining = deadline - asyncio.get_running_loop().time()
-                    if remaining <= 0:
-                        return
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), remaining)
-                    except TimeoutError:
-                        return
-                batch = self._log[position:]
-                position = len(self._log)
+            while position >= len(self._log):
+                remaining = deadline - asyncio.get_running_loop().time()
+                gone = raw is None or raw.transport is None or raw.transport.is_closing()
+                if remaining <= 0 or gone:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._appended.wait(), min(remaining, 0.1))
+            batch = self._log[position:]
+            position = len(self._log)
             for logged in batch:
                 if logged.resource == request.resource and self._visible(
                     request, logged.event["object"], logged.namespace

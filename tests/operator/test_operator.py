@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,26 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
 
 @contextlib.asynccontextmanager
 async def operator(resync_seconds: float = 60.0) -> AsyncIterator[None]:
-    stop = asyncio.Event()
+    """The operator in a thread with an event loop of its own, as kopf's KopfRunner runs it."""
+    stop = threading.Event()
     options = OperatorOptions(leader_election=False, liveness=None, resync_seconds=resync_seconds)
-    task = asyncio.create_task(run(options, stop_flag=stop))
+    outcome: list[int | BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(asyncio.run(run(options, stop_flag=stop)))
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, name="operator")
+    thread.start()
     try:
         yield
     finally:
         stop.set()
-        await asyncio.wait_for(task, 15)
+        await asyncio.to_thread(thread.join, 15)
+        assert not thread.is_alive(), "the operator did not stop"
+        assert outcome == [0], outcome
 
 
 def tiny(name: str = "tiny", **spec: Any) -> dict[str, Any]:

@@ -1,0 +1,68 @@
+"""Lease leader election against the emulator: one leader, preconditioned writes, takeover after expiry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import kopf
+from emulated import emulated_cluster
+
+from inflight.operator.kube import KubeClient
+from inflight.operator.leader import LeaderElector
+
+LEASES = "coordination.k8s.io/v1/leases"
+
+
+def elector(url: str, identity: str) -> LeaderElector:
+    client = KubeClient(kopf.ConnectionInfo(server=url))
+    return LeaderElector(client, "ops", identity, lease_seconds=1, renew_seconds=0.1, retry_seconds=0.05)
+
+
+async def test_one_leader_renews_and_a_follower_takes_over_after_expiry() -> None:
+    async with emulated_cluster() as cluster:
+        a, b = elector(str(cluster.url), "a"), elector(str(cluster.url), "b")
+        try:
+            assert await a.try_acquire_or_renew()
+            assert not await b.try_acquire_or_renew()
+            assert await a.try_acquire_or_renew()  # renewal
+            lease = cluster.stored(LEASES, "ops", "inflight-operator")
+            assert lease is not None and lease["spec"]["holderIdentity"] == "a"
+
+            await asyncio.sleep(1.2)  # a stops renewing; the lease expires
+            assert await b.try_acquire_or_renew()
+            lease = cluster.stored(LEASES, "ops", "inflight-operator")
+            assert lease["spec"]["holderIdentity"] == "b" and lease["spec"]["leaseTransitions"] == 1
+            assert not await a.try_acquire_or_renew()
+            await asyncio.wait_for(a.hold(), 2)  # the deposed leader notices and steps down
+        finally:
+            await a.client.close()
+            await b.client.close()
+
+
+async def test_concurrent_takeover_has_exactly_one_winner() -> None:
+    async with emulated_cluster() as cluster:
+        electors = [elector(str(cluster.url), name) for name in "abcd"]
+        try:
+            results = await asyncio.gather(*(e.try_acquire_or_renew() for e in electors))
+            assert sum(results) == 1
+            await asyncio.sleep(1.2)
+            results = await asyncio.gather(*(e.try_acquire_or_renew() for e in electors))
+            assert sum(results) == 1
+        finally:
+            for e in electors:
+                await e.client.close()
+
+
+async def test_acquire_waits_for_the_leader_to_go() -> None:
+    async with emulated_cluster() as cluster:
+        a, b = elector(str(cluster.url), "a"), elector(str(cluster.url), "b")
+        try:
+            await a.acquire()
+            waiting = asyncio.create_task(b.acquire())
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # a's lease is fresh
+            await asyncio.wait_for(waiting, 3)  # a never renews: b gets it after expiry
+            assert cluster.stored(LEASES, "ops", "inflight-operator")["spec"]["holderIdentity"] == "b"
+        finally:
+            await a.client.close()
+            await b.client.close()
