@@ -42,10 +42,24 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "--lease-namespace", default=None, help="namespace of the Lease (default: the pod's own namespace)"
     )
     operator.add_argument(
-        "--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint for the pod's probe"
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="liveness endpoint for the pod's probe; empty: none",
     )
     operator.add_argument(
         "--resync-seconds", type=float, default=60.0, help="re-check every ModelServer this often"
+    )
+    operator.add_argument(
+        "--autoscale-seconds",
+        type=float,
+        default=15.0,
+        help="builtin autoscaling: scrape the pods' /metrics and decide this often",
+    )
+    operator.add_argument(
+        "--scrape-timeout-seconds",
+        type=float,
+        default=2.0,
+        help="builtin autoscaling: a pod slower than this to answer /metrics counts as unknown",
     )
     operator.add_argument("--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_run_operator)
@@ -54,6 +68,9 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     crd.add_argument("--out", type=Path, default=None, help="write to this file instead of stdout")
     crd.add_argument(
         "--check", type=Path, default=None, help="exit 1 when this file differs from the rendered CRD"
+    )
+    crd.add_argument(
+        "--reference", action="store_true", help="print the field reference (Markdown) instead of the YAML"
     )
     crd.set_defaults(func=_run_crd)
 
@@ -89,17 +106,19 @@ def _run_operator(args: argparse.Namespace) -> int:
         namespaces=tuple(args.namespace or ()),
         leader_election=not args.no_leader_election,
         lease_namespace=args.lease_namespace,
-        liveness=args.liveness,
+        liveness=args.liveness or None,
         resync_seconds=args.resync_seconds,
+        autoscale_seconds=args.autoscale_seconds,
+        scrape_timeout_seconds=args.scrape_timeout_seconds,
         verbose=args.verbose,
     )
     return run_operator(options)
 
 
 def _run_crd(args: argparse.Namespace) -> int:
-    from inflight.operator.crd import render_crd_yaml
+    from inflight.operator.crd import render_crd_yaml, render_reference_markdown
 
-    text = render_crd_yaml()
+    text = render_reference_markdown() if args.reference else render_crd_yaml()
     if args.check is not None:
         current = args.check.read_text() if args.check.exists() else ""
         if current != text:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import copy
 import itertools
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -108,6 +109,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _log: list[LoggedEvent] = attrs.field(factory=list, init=False)
     _counter: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
     resource_version: int = attrs.field(default=0, init=False)
+    # time.perf_counter() of every create, by (resource, namespace, name): for latency measurements.
+    created_at: dict[tuple[Any, ...], float] = attrs.field(factory=dict, init=False)
 
     def declare(
         self, key: str, kind: str, namespaced: bool = True, subresources: tuple[str, ...] = ()
@@ -216,6 +219,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         raw = stored.raw
         if request.action == action.DELETE:  # finalizers keep it: deletionTimestamp was set
             raw["metadata"]["resourceVersion"] = str(self._next_version())
+        if request.action == action.CREATE:
+            self.created_at[key] = time.perf_counter()
         kind = "ADDED" if request.action == action.CREATE else "MODIFIED"
         await self._append(
             int(raw["metadata"]["resourceVersion"]), key, {"type": kind, "object": copy.deepcopy(raw)}

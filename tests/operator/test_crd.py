@@ -11,7 +11,7 @@ import yaml
 from crd_check import admission_errors, apply_defaults, cel_errors, structural_errors
 
 from inflight.cli import main
-from inflight.operator.crd import render_crd, render_crd_yaml
+from inflight.operator.crd import render_crd, render_crd_yaml, render_reference_markdown
 from inflight.operator.spec import ModelServerSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,3 +131,17 @@ def test_cel_rules_accept_the_boundaries() -> None:
         "autoscaling": {"maxReplicas": 4, "target": 8, "actuator": "hpa"},
     }
     assert cel_errors(spec_schema, apply_defaults(spec_schema, hpa_with_replicas)) == []
+
+
+def test_readme_reference_is_current() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert render_reference_markdown() in readme, (
+        "README's CRD reference is stale: paste `inflight crd --reference`"
+    )
+
+
+def test_operator_command_is_registered(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["operator", "--help"])
+    assert exit_info.value.code == 0
+    assert "--no-leader-election" in capsys.readouterr().out
