@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from inflight.engine.engine import LLMEngine
 
 WARMUP_REQUEST_ID = "demo-warmup"
+PROGRESS_EVERY_S = 5.0
 
 
 @dataclass
@@ -59,8 +60,12 @@ def run_live_policy(
     requests: Sequence[DemoRequest],
     settings: DemoEngineSettings,
     base_config: EngineConfig | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> LiveRun:
-    """All `requests` (arriving together) through a fresh engine with `policy`, stepped to the end."""
+    """All `requests` (arriving together) through a fresh engine with `policy`, stepped to the end.
+
+    `progress` (if given) hears about the run every few seconds.
+    """
     from inflight.engine.engine import LLMEngine
 
     engine = LLMEngine(model_dir, demo_engine_config(policy, settings, base_config))
@@ -73,7 +78,8 @@ def run_live_policy(
     for request in requests:
         engine.add_request(request.request_id, list(request.prompt_token_ids), sampling_params(request))
     step_times: list[tuple[int, float]] = []
-    begin = time.perf_counter()
+    begin = last_report = time.perf_counter()
+    finished = 0
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         outputs = engine.step()
@@ -84,7 +90,11 @@ def run_live_policy(
         for record in records:
             recorder.record_step(start - begin, end - begin, record)
             step_times.append((sum(tokens for _, tokens in record.scheduled), end - start))
+            finished += len(record.finished)
         records.clear()
+        if progress is not None and end - last_report >= PROGRESS_EVERY_S:
+            last_report = end
+            progress(f"  {policy}: {len(step_times)} steps, {finished}/{len(requests)} requests done")
     return LiveRun(recorder, step_times)
 
 
@@ -112,7 +122,7 @@ def run_live(
     for policy in POLICIES:
         if progress is not None:
             progress(f"running {len(workload)} requests with {policy} batching at {slots} slots")
-        runs[policy] = run_live_policy(model_dir, policy, workload, settings, base_config)
+        runs[policy] = run_live_policy(model_dir, policy, workload, settings, base_config, progress)
     comparison = compare(
         "measured", runs["static"].recorder.result(), runs["continuous"].recorder.result(), cost_model=None
     )

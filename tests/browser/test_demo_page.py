@@ -146,7 +146,14 @@ def test_demo_page_slider_and_real_run(demo_url: str) -> None:
             assert page.is_visible("#measured-static-head")
             summary = page.text_content("#measured-summary") or ""
             assert f"{measured_body['throughput_ratio']:.2f}×" in summary
+            # The charts now draw the measured timelines; the toggle switches back to the simulated ones.
+            assert (page.text_content("#static-caption") or "").startswith("measured:")
             page.screenshot(path=str(ARTIFACTS / "demo-page-measured.png"), full_page=True)
+            page.check("input[name=view][value=simulated]")
+            assert (page.text_content("#static-caption") or "").startswith("simulated:")
+            page.locator("#slots").fill("8")
+            page.wait_for_selector("body[data-slots='8']")
+            assert page.is_disabled("#view-measured")
         finally:
             browser.close()
     assert errors == []
