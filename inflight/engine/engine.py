@@ -116,7 +116,15 @@ class _Request:
 class LLMEngine:
     """Continuous batching over a paged KV cache for one Llama-family checkpoint folder."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        share_model_of: LLMEngine | None = None,
+    ) -> None:
+        """`share_model_of`: reuse that engine's loaded weights and tokenizer (same model_dir, device, dtype)
+        instead of loading them again; this engine still has its own scheduler and KV cache."""
         self.config = config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.device = torch.device(
@@ -126,8 +134,12 @@ class LLMEngine:
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = DTYPES[dtype_name]
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.model = load_model(self.model_dir, self.dtype, self.device)
+        donor = share_model_of
+        if donor is None or donor.device != self.device or donor.dtype != self.dtype:
+            self.tokenizer = Tokenizer.from_dir(self.model_dir)
+            self.model = load_model(self.model_dir, self.dtype, self.device)
+        else:
+            self.tokenizer, self.model = donor.tokenizer, donor.model
         self.model_config: ModelConfig = self.model.config
         self.eos_token_ids = frozenset(self.tokenizer.all_eos_ids) | frozenset(self.model_config.eos_token_id)
         self.num_kv_blocks = config.num_kv_blocks or self._derive_num_blocks()

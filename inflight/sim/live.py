@@ -2,8 +2,9 @@
 
 Each policy gets its own `LLMEngine` (scheduler + KV cache) with the same settings the simulator uses,
 so a real run and a simulated one make the same scheduling decisions; only the step times differ
-(measured here, priced by the cost model there). Steps are timed around `LLMEngine.step()`; the
-scheduler reports each step's decisions through its `on_step` hook.
+(measured here, priced by the cost model there). On the server, the demo engines share the live
+engine's loaded weights. Steps are timed around `LLMEngine.step()`; the scheduler reports each step's
+decisions through its `on_step` hook.
 """
 
 from __future__ import annotations
@@ -61,14 +62,17 @@ def run_live_policy(
     settings: DemoEngineSettings,
     base_config: EngineConfig | None = None,
     progress: Callable[[str], None] | None = None,
+    share_model_of: LLMEngine | None = None,
 ) -> LiveRun:
     """All `requests` (arriving together) through a fresh engine with `policy`, stepped to the end.
 
-    `progress` (if given) hears about the run every few seconds.
+    `progress` (if given) hears about the run every few seconds. `share_model_of`: an engine whose
+    loaded weights to use (the server's live engine) instead of loading them again.
     """
     from inflight.engine.engine import LLMEngine
 
-    engine = LLMEngine(model_dir, demo_engine_config(policy, settings, base_config))
+    config = demo_engine_config(policy, settings, base_config)
+    engine = LLMEngine(model_dir, config, share_model_of=share_model_of)
     _warm_up(engine)
     recorder = TimelineRecorder(policy, settings.slots, requests)
     records: list[StepRecord] = []
@@ -113,6 +117,7 @@ def run_live(
     base_config: EngineConfig | None = None,
     requests: Sequence[DemoRequest] | None = None,
     progress: Callable[[str], None] | None = None,
+    share_model_of: LLMEngine | None = None,
 ) -> tuple[DemoComparison, list[tuple[int, float]]]:
     """Both policies for real at `slots` slots; the comparison and every step's (tokens, seconds)."""
     validate_slots(slots)
@@ -122,7 +127,9 @@ def run_live(
     for policy in POLICIES:
         if progress is not None:
             progress(f"running {len(workload)} requests with {policy} batching at {slots} slots")
-        runs[policy] = run_live_policy(model_dir, policy, workload, settings, base_config, progress)
+        runs[policy] = run_live_policy(
+            model_dir, policy, workload, settings, base_config, progress, share_model_of
+        )
     comparison = compare(
         "measured", runs["static"].recorder.result(), runs["continuous"].recorder.result(), cost_model=None
     )
@@ -131,5 +138,5 @@ def run_live(
 
 def run_live_demo(live_engine: LLMEngine, slots: int) -> DemoComparison:
     """What `POST /v1/demo/run` answers: both policies on the live engine's model and device."""
-    comparison, _ = run_live(live_engine.model_dir, slots, live_engine.config)
+    comparison, _ = run_live(live_engine.model_dir, slots, live_engine.config, share_model_of=live_engine)
     return comparison

@@ -41,3 +41,17 @@ def test_simulated_steps_equal_the_real_engine_steps(
     assert len(admitting_steps) >= 2
     assert finish_order != [r.request_id for r in requests]
     assert sorted(finish_order) == sorted(r.request_id for r in requests)
+
+
+def test_demo_engines_share_the_live_engine_weights(tiny_llama_dir: Path) -> None:
+    from inflight.engine.config import EngineConfig
+    from inflight.engine.engine import LLMEngine
+    from inflight.sim.live import demo_engine_config
+
+    live = LLMEngine(tiny_llama_dir, EngineConfig(num_kv_blocks=16, max_model_len=256))
+    config = demo_engine_config("static", DemoEngineSettings(slots=2), live.config)
+    demo = LLMEngine(tiny_llama_dir, config, share_model_of=live)
+    assert demo.model is live.model and demo.tokenizer is live.tokenizer
+    # Its own scheduler and KV cache: a demo run never touches the live engine's blocks.
+    assert demo.kv_cache is not live.kv_cache and demo.scheduler.policy == "static"
+    assert demo.runner.kv_caches[0][0].data_ptr() != live.runner.kv_caches[0][0].data_ptr()
