@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from inflight.operator import builders, kube
+from inflight.operator.autoscaling_builders import autoscaler_object
 from inflight.operator.placement import Placement, SizingError, place
 from inflight.operator.replicas import desired_replicas
 from inflight.operator.spec import HFTokenSecretRef, ModelServer, SecretKeyRef
@@ -173,6 +174,30 @@ class Controller:
             return patched, None
         return live, None
 
+    async def _ensure_autoscaler(self, ms: ModelServer) -> Problem | None:
+        """The HPA (actuator hpa) or KEDA ScaledObject (actuator keda): then it alone writes spec.replicas."""
+        try:
+            desired = autoscaler_object(ms)
+        except ValueError as error:
+            return Problem("InvalidAutoscaling", str(error))
+        if desired is None:
+            return None
+        keda = desired["kind"] == "ScaledObject"
+        resource = kube.SCALED_OBJECTS if keda else kube.HORIZONTAL_POD_AUTOSCALERS
+        try:
+            _, problem = await self._ensure(ms, resource, desired)
+        except kube.KubeError as error:
+            if error.status != 404:
+                raise
+            api = f"{resource.group}/{resource.version} {resource.plural}"
+            return Problem(
+                "AutoscalerAPIMissing",
+                f"autoscaling.actuator needs {api}, which this cluster does not serve; "
+                + ("install KEDA or " if keda else "")
+                + "use actuator builtin",
+            )
+        return problem
+
     async def _reconcile(self, body: dict[str, Any]) -> None:
         meta = body["metadata"]
         try:
@@ -196,7 +221,7 @@ class Controller:
             # Leave a running Deployment as it is: the previous, working spec keeps serving.
             deployment = await self.kube.get(kube.DEPLOYMENTS.path(ms.metadata.namespace, ms.metadata.name))
         _, service_problem = await self._ensure(ms, kube.SERVICES, builders.service(ms))
-        problem = problem or service_problem
+        problem = problem or service_problem or await self._ensure_autoscaler(ms)
 
         observed = Observed(placement, problem, deployment, replicas, template_hash)
         status = build_status(ms, observed, now_rfc3339())

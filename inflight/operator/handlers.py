@@ -44,12 +44,14 @@ def build_registry() -> kopf.OperatorRegistry:
         return kube.login()  # the same credentials as the controller's own client
 
     @kopf.on.startup(registry=registry)
-    async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    async def start_loops(memo: kopf.Memo, **_: Any) -> None:
         memo.resync_task = asyncio.create_task(resync_forever(memo.controller, memo.resync_seconds))
+        memo.autoscaling_task = asyncio.create_task(memo.autoscaling.run_forever())
 
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: kopf.Memo, **_: Any) -> None:
         memo.resync_task.cancel()
+        memo.autoscaling_task.cancel()
         await memo.controller.kube.close()
 
     @kopf.on.event(spec.GROUP, spec.VERSION, spec.PLURAL, registry=registry)

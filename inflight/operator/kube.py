@@ -46,6 +46,8 @@ DEPLOYMENTS = Resource("apps", "v1", "deployments")
 SERVICES = Resource("", "v1", "services")
 SECRETS = Resource("", "v1", "secrets")
 NODES = Resource("", "v1", "nodes", namespaced=False)
+HORIZONTAL_POD_AUTOSCALERS = Resource("autoscaling", "v2", "horizontalpodautoscalers")
+SCALED_OBJECTS = Resource("keda.sh", "v1alpha1", "scaledobjects")
 
 
 class KubeError(Exception):

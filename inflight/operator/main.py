@@ -13,6 +13,7 @@ from typing import Any
 
 import kopf
 
+from inflight.operator.autoscaling_loop import BuiltinAutoscaling
 from inflight.operator.controller import Controller
 from inflight.operator.handlers import build_registry
 from inflight.operator.kube import KubeClient
@@ -30,6 +31,8 @@ class OperatorOptions:
     lease_namespace: str | None = None
     liveness: str | None = "http://0.0.0.0:8080/healthz"
     resync_seconds: float = 60.0
+    autoscale_seconds: float = 15.0  # builtin autoscaling: scrape and decide this often
+    scrape_timeout_seconds: float = 2.0  # a pod slower than this to answer /metrics counts as unknown
     verbose: bool = False
 
 
@@ -80,7 +83,13 @@ async def run(
             standalone=True,  # the Lease, not kopf peering, keeps replicas from fighting
             clusterwide=not options.namespaces,
             namespaces=list(options.namespaces),
-            memo=kopf.Memo(controller=controller, resync_seconds=options.resync_seconds),
+            memo=kopf.Memo(
+                controller=controller,
+                resync_seconds=options.resync_seconds,
+                autoscaling=BuiltinAutoscaling(
+                    controller, options.autoscale_seconds, options.scrape_timeout_seconds
+                ),
+            ),
             liveness_endpoint=options.liveness,
             stop_flag=stop_flag,
         )

@@ -39,6 +39,19 @@ PERMISSIONS: tuple[Permission, ...] = (
         "check that the API-key and HF-token Secrets exist (values are never read out)",
     ),
     Permission("", "nodes", ("list",), "read GPU feature discovery labels for sizing", scope="cluster"),
+    Permission("", "pods", ("list",), "find the ready server pods whose /metrics builtin autoscaling reads"),
+    Permission(
+        "autoscaling",
+        "horizontalpodautoscalers",
+        ("get", "create", "patch"),
+        "create and repair the HPA of autoscaling.actuator hpa",
+    ),
+    Permission(
+        "keda.sh",
+        "scaledobjects",
+        ("get", "create", "patch"),
+        "create and repair the KEDA ScaledObject of actuator keda",
+    ),
     Permission("", "events", ("create",), "Events for sizing decisions and failures (posted by kopf)"),
     Permission(
         "coordination.k8s.io",

@@ -31,6 +31,18 @@
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+# find the ready server pods whose /metrics builtin autoscaling reads
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+# create and repair the HPA of autoscaling.actuator hpa
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "create", "patch"]
+# create and repair the KEDA ScaledObject of actuator keda
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "create", "patch"]
 # Events for sizing decisions and failures (posted by kopf)
 - apiGroups: [""]
   resources: ["events"]

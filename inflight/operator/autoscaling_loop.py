@@ -1,0 +1,138 @@
+"""The builtin actuator's loop: every interval, each builtin-autoscaled ModelServer is scraped and decided.
+
+One round per ModelServer: read its Deployment and pods, scrape the ready pods' ``/metrics`` (with a
+timeout), decide, and record the decision in ``status.autoscaling``. ``desiredReplicas`` there is what the
+operator's one replica-count function (``replicas.desired_replicas``) carries to the Deployment, so a
+scale goes through the same reconcile as every other change. Scale-ups and scale-downs are also posted as
+Events, through the API (kopf's ``kopf.event`` works only inside its handlers, not in this loop).
+ModelServers without builtin autoscaling get their stale ``status.autoscaling`` removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from inflight.operator import builders, kube
+from inflight.operator.builtin_autoscaler import (
+    AutoscalerState,
+    autoscaling_status,
+    evaluate,
+    rfc3339,
+    scaled,
+    scaling_event,
+)
+from inflight.operator.controller import Controller, is_subset
+from inflight.operator.spec import Actuator, ModelServer
+
+log = logging.getLogger("inflight.operator.autoscaling")
+
+PODS = kube.Resource("", "v1", "pods")
+EVENTS = kube.Resource("", "v1", "events")
+SERVER_CONTAINER = "server"
+
+
+class BuiltinAutoscaling:
+    """Scrapes, decides and records for every ModelServer whose ``spec.autoscaling.actuator`` is builtin."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        interval_s: float,
+        scrape_timeout_s: float,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.controller = controller
+        self.interval_s = interval_s
+        self.scrape_timeout_s = scrape_timeout_s
+        self.states: dict[tuple[str, str], AutoscalerState] = {}
+        self.http = http or httpx.AsyncClient()
+
+    async def run_forever(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                try:
+                    await self.round()
+                except Exception:  # the API may be briefly unreachable; the next round tries again
+                    log.exception("autoscaling round failed")
+        finally:
+            await self.http.aclose()
+
+    async def round(self) -> None:
+        """One decision for each builtin-autoscaled ModelServer (concurrently)."""
+        bodies = await self.controller.kube.list(kube.MODELSERVERS.path())
+        active: list[tuple[dict[str, Any], ModelServer]] = []
+        for body in bodies:
+            try:
+                ms = ModelServer.model_validate(body)
+            except ValidationError:
+                continue  # the reconcile reports it as an outdated CRD
+            autoscaling = ms.spec.autoscaling
+            if autoscaling is not None and autoscaling.actuator is Actuator.BUILTIN:
+                active.append((body, ms))
+            elif ms.status.autoscaling is not None:
+                await self._patch_status(ms, None)
+        keys = {(ms.metadata.namespace, ms.metadata.name) for _, ms in active}
+        for key in set(self.states) - keys:
+            del self.states[key]
+        results = await asyncio.gather(*(self.autoscale(*pair) for pair in active), return_exceptions=True)
+        for (_, ms), result in zip(active, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("autoscaling %s/%s failed: %s", ms.metadata.namespace, ms.metadata.name, result)
+
+    async def autoscale(self, body: Mapping[str, Any], ms: ModelServer) -> None:
+        autoscaling = ms.spec.autoscaling
+        assert autoscaling is not None
+        namespace, name = ms.metadata.namespace, ms.metadata.name
+        deployment = await self.controller.kube.get(kube.DEPLOYMENTS.path(namespace, name))
+        if deployment is None:
+            return  # not created yet (or the spec is Degraded): nothing to scale
+        replicas = int((deployment.get("spec") or {}).get("replicas", 1))
+        selector = builders.selector_labels(ms)
+        pods = [
+            pod
+            for pod in await self.controller.kube.list(PODS.path(namespace), label_selector=selector)
+            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
+        ]
+        state = self.states.get((namespace, name))
+        if state is None:
+            last = ms.status.autoscaling.last_scale_time if ms.status.autoscaling else None
+            state = self.states[(namespace, name)] = AutoscalerState(last_scale_time=last)
+        now = time.time()
+        decision = await evaluate(
+            state,
+            autoscaling,
+            pods,
+            SERVER_CONTAINER,
+            replicas,
+            ms.spec.startup_timeout_seconds,
+            self.http,
+            self.scrape_timeout_s,
+            now,
+        )
+        changed = scaled(decision, replicas)
+        if changed:
+            state.last_scale_time = rfc3339(now)
+            log.info(
+                "%s/%s: %d -> %d replicas: %s", namespace, name, replicas, decision.desired, decision.reason
+            )
+            message = f"{replicas} -> {decision.desired} replicas: {decision.reason}"
+            event = scaling_event(body, decision.direction, message, now)
+            await self.controller.kube.create(EVENTS.path(namespace), event)
+        await self._patch_status(ms, autoscaling_status(decision, state.last_scale_time))
+        if changed:
+            await self.controller.reconcile_named(namespace, name)
+
+    async def _patch_status(self, ms: ModelServer, status: Mapping[str, Any] | None) -> None:
+        current = ms.status.autoscaling.model_dump(by_alias=True) if ms.status.autoscaling else None
+        if current == status:
+            return
+        path = kube.MODELSERVERS.path(ms.metadata.namespace, ms.metadata.name, "status")
+        await self.controller.kube.merge_patch(path, {"status": {"autoscaling": status}})

@@ -1,0 +1,325 @@
+"""Builtin autoscaling end to end: real `inflight serve` processes are the pods, the real kopf operator runs
+against the emulator, concurrent requests raise the Deployment's replicas, and quiet lowers them again.
+
+The test plays the Deployment controller and the kubelet: for replica i it creates the Pod `tiny-i` from
+the Deployment's template with podIP 127.0.0.1 and the server container's `http` port set to server i's
+port (the operator finds a pod's server the same way in a cluster: pod IP + the container port named
+`http`), marks it Ready once its server answers `/ready`, and keeps the Deployment's status counts current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock
+import pytest
+from emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
+from kube_emulator import KubeEmulator
+
+from inflight.operator.main import OperatorOptions, run
+
+pytestmark = pytest.mark.timeout(150)
+
+NS = "ns"
+NAME = "tiny"
+SERVERS = 2  # the pods; 2 cores run them, the operator and the load
+PODS = "v1/pods"
+POD_URL = f"/api/v1/namespaces/{NS}/pods"
+MERGE = {"Content-Type": "application/merge-patch+json"}
+POD_STARTUP_S = 1.0  # how long a new "pod" takes to become Ready
+SCALE_DOWN_DELAY_S = 3
+CLIENTS = 6  # concurrent request loops
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Servers:
+    ports: list[int]
+    processes: list[subprocess.Popen[bytes]]
+    logs: Path
+
+    def check_alive(self) -> None:
+        for port, process in zip(self.ports, self.processes, strict=True):
+            if process.poll() is not None:
+                log = (self.logs / f"server-{port}.log").read_text()
+                raise AssertionError(f"server on port {port} exited ({process.returncode}):\n{log[-3000:]}")
+
+
+@pytest.fixture
+def servers(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[Servers]:
+    """Real servers of the tiny model, started at once; a pod turns Ready when its server's /ready does."""
+    ports = [free_port() for _ in range(SERVERS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for port in ports:
+            command = [sys.executable, "-m", "inflight.cli", "serve", "--model", str(tiny_llama_dir)]
+            command += ["--served-model-name", NAME, "--port", str(port), "--max-slots", "4"]
+            with open(tmp_path / f"server-{port}.log", "wb") as log:
+                processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+        yield Servers(ports, processes, tmp_path)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
+    async with emulated_cluster() as emulator:
+        emulator.declare(PODS, "Pod")
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
+        yield emulator
+
+
+@contextlib.asynccontextmanager
+async def background(coroutine: Any) -> AsyncIterator[None]:
+    task = asyncio.create_task(coroutine)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@contextlib.asynccontextmanager
+async def operator() -> AsyncIterator[None]:
+    """The real operator (1 s autoscaling rounds) in a thread with an event loop of its own."""
+    stop = threading.Event()
+    options = OperatorOptions(
+        leader_election=False, liveness=None, autoscale_seconds=1.0, scrape_timeout_seconds=1.0
+    )
+    outcome: list[int | BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(asyncio.run(run(options, stop_flag=stop)))
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, name="operator")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 15)
+        assert not thread.is_alive(), "the operator did not stop"
+        assert outcome == [0], outcome
+
+
+def pods(cluster: KubeEmulator) -> dict[str, dict[str, Any]]:
+    resource = kmock.resource(PODS)
+    return {
+        key[2]: copy.deepcopy(obj.raw)
+        for key, obj in cluster.objects.items()
+        if key[0] == resource and key[1] == NS and not obj.deleted
+    }
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"]["conditions"])
+
+
+def served_port(pod: dict[str, Any]) -> int:
+    (container,) = [c for c in pod["spec"]["containers"] if c["name"] == "server"]
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "http"]
+    return int(port)
+
+
+def pod_for(deployment: dict[str, Any], index: int, port: int) -> dict[str, Any]:
+    template = copy.deepcopy(deployment["spec"]["template"])
+    for container in template["spec"]["containers"]:
+        if container["name"] == "server":
+            container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{NAME}-{index}", "labels": template["metadata"]["labels"]},
+        "spec": template["spec"],
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "False"}],
+        },
+    }
+
+
+async def server_ready(http: httpx.AsyncClient, port: int) -> bool:
+    """The readiness probe: GET /ready on the pod's server port."""
+    with contextlib.suppress(httpx.HTTPError):
+        return (await http.get(f"http://127.0.0.1:{port}/ready", timeout=1)).status_code == 200
+    return False
+
+
+async def play_controllers(cluster: KubeEmulator, servers: Servers) -> None:
+    """The Deployment controller and kubelet: pods follow spec.replicas (pod i runs on server i), a pod is
+    Ready once POD_STARTUP_S passed and its server answers /ready, status counts follow the pods."""
+    born: dict[str, float] = {}
+    reported: dict[str, int] = {}
+    async with httpx.AsyncClient() as http:
+        while True:
+            servers.check_alive()
+            deployment = cluster.stored(DEPLOYMENTS, NS, NAME)
+            if deployment is not None:
+                wanted = min(int(deployment["spec"]["replicas"]), len(servers.ports))
+                live = pods(cluster)
+                for index in range(wanted):
+                    name, port = f"{NAME}-{index}", servers.ports[index]
+                    if name not in live:
+                        response = await cluster.post(POD_URL, json=pod_for(deployment, index, port))
+                        assert response.status in (200, 201), await response.text()
+                        born[name] = time.monotonic()
+                    elif (
+                        not ready(live[name])
+                        and time.monotonic() - born.get(name, 0.0) >= POD_STARTUP_S
+                        and await server_ready(http, port)
+                    ):
+                        status = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+                        await cluster.patch(f"{POD_URL}/{name}", data=json.dumps(status), headers=MERGE)
+                for name in live:
+                    if int(name.rsplit("-", 1)[1]) >= wanted:
+                        await cluster.delete(f"{POD_URL}/{name}")
+                live = pods(cluster)
+                ready_count = sum(1 for pod in live.values() if ready(pod))
+                counts = {
+                    "observedGeneration": deployment["metadata"]["generation"],
+                    "replicas": len(live),
+                    "updatedReplicas": len(live),
+                    "readyReplicas": ready_count,
+                    "availableReplicas": ready_count,
+                }
+                if counts != reported:
+                    url = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}/status"
+                    await cluster.patch(url, data=json.dumps({"status": counts}), headers=MERGE)
+                    reported = counts
+            await asyncio.sleep(0.2)
+
+
+async def send_load(cluster: KubeEmulator, clients: int) -> None:
+    """`clients` loops, each sending one completion after another to the ready pods (as a Service would)."""
+    async with httpx.AsyncClient(timeout=60) as http:
+
+        async def client(k: int) -> None:
+            while True:
+                ports = sorted(served_port(p) for p in pods(cluster).values() if ready(p))
+                if not ports:
+                    await asyncio.sleep(0.1)
+                    continue
+                body = {"model": NAME, "prompt": "the quick brown fox", "max_tokens": 48, "ignore_eos": True}
+                response = await http.post(
+                    f"http://127.0.0.1:{ports[k % len(ports)]}/v1/completions", json=body
+                )
+                assert response.status_code == 200, response.text
+
+        await asyncio.gather(*(client(k) for k in range(clients)))
+
+
+def replicas(cluster: KubeEmulator) -> int | None:
+    deployment = cluster.stored(DEPLOYMENTS, NS, NAME)
+    return None if deployment is None else int(deployment["spec"]["replicas"])
+
+
+def autoscaling_status(cluster: KubeEmulator) -> dict[str, Any]:
+    ms = cluster.stored(MODELSERVERS, NS, NAME) or {}
+    return dict(ms.get("status", {}).get("autoscaling") or {})
+
+
+def scaling_events(cluster: KubeEmulator) -> list[tuple[str, str]]:
+    """(reason, message) of the autoscaler's Events, oldest first."""
+    resource = kmock.resource("v1/events")
+    found = [
+        obj.raw
+        for key, obj in cluster.objects.items()
+        if key[0] == resource and not obj.deleted and obj.raw.get("reason") in ("ScaledUp", "ScaledDown")
+    ]
+    found.sort(key=lambda event: int(event["metadata"]["resourceVersion"]))
+    return [(event["reason"], event["message"]) for event in found]
+
+
+async def test_load_raises_replicas_and_quiet_lowers_them(cluster: KubeEmulator, servers: Servers) -> None:
+    modelserver = {
+        "apiVersion": "inflight.dev/v1alpha1",
+        "kind": "ModelServer",
+        "metadata": {"name": NAME},
+        "spec": {
+            "model": {"name": NAME, "source": "builtin:tiny", "maxModelLen": 512},
+            "resources": {"gpu": {"count": 0}, "cpu": "1", "memory": "2Gi"},
+            "autoscaling": {
+                "minReplicas": 1,
+                "maxReplicas": SERVERS,
+                "metric": "requestsInFlight",
+                "target": 2,
+                "scaleDownDelaySeconds": SCALE_DOWN_DELAY_S,
+            },
+        },
+    }
+    async with operator(), background(play_controllers(cluster, servers)):
+        response = await cluster.post(
+            f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers", json=modelserver
+        )
+        assert response.status in (200, 201), await response.text()
+        await eventually(lambda: replicas(cluster) == 1, timeout=15, what="the Deployment with 1 replica")
+        # the servers load the model meanwhile (slow on a busy 2-core machine)
+        await eventually(
+            lambda: any(ready(p) for p in pods(cluster).values()), timeout=100, what="pod 0 ready"
+        )
+        await eventually(lambda: autoscaling_status(cluster).get("currentValue") == 0, what="an idle round")
+        assert replicas(cluster) == 1
+        assert autoscaling_status(cluster)["desiredReplicas"] == 1
+
+        async with background(send_load(cluster, CLIENTS)):
+            # ~6 requests in flight at target 2 ask for 3 replicas: capped at maxReplicas
+            await eventually(lambda: replicas(cluster) == SERVERS, timeout=30, what="the scale-up")
+            status = autoscaling_status(cluster)
+            assert status["desiredReplicas"] == SERVERS
+            scaled_up_at = status["lastScaleTime"]
+            await eventually(
+                lambda: sum(ready(p) for p in pods(cluster).values()) == SERVERS,
+                timeout=60,
+                what="all pods ready",
+            )
+            await asyncio.sleep(3)  # the load is spread over the replicas now: they stay
+            assert replicas(cluster) == SERVERS
+            load_stopped = time.monotonic()
+
+        await eventually(lambda: replicas(cluster) == 1, timeout=30, what="the scale-down")
+        assert time.monotonic() - load_stopped >= SCALE_DOWN_DELAY_S
+        status = autoscaling_status(cluster)
+        assert status["desiredReplicas"] == 1
+        assert status["lastScaleTime"] >= scaled_up_at
+
+        scaling = await eventually(
+            lambda: (e := scaling_events(cluster)) and e[-1][0] == "ScaledDown" and e,
+            timeout=10,
+            what="the scaling Events",
+        )
+        assert [reason for reason, _ in scaling] == ["ScaledUp", "ScaledDown"], scaling
+        assert scaling[0][1].startswith(f"1 -> {SERVERS} replicas")
+        assert scaling[1][1].startswith(f"{SERVERS} -> 1 replicas")
+        assert f"for {SCALE_DOWN_DELAY_S}s" in scaling[1][1]
