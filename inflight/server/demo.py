@@ -57,10 +57,11 @@ async def demo_page() -> HTMLResponse:
     responses=error_responses(400),
     summary="Both scheduling policies on the demo workload, on a virtual clock",
 )
-async def simulate_endpoint(
+def simulate_endpoint(
     request: Request,
     slots: Annotated[int, Query(ge=MIN_SLOTS, le=MAX_SLOTS, description="slots (max running sequences)")] = 8,
 ) -> DemoComparison:
+    # A plain def: FastAPI runs it in its thread pool, so a first-time simulation never blocks the loop.
     return simulate_demo(slots, demo_cost_model(request))
 
 

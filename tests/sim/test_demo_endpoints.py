@@ -116,3 +116,28 @@ def test_run_measures_both_policies_for_real_with_the_simulated_decisions(demo_s
         assert real.output_tokens == sim.output_tokens
         assert real.throughput_tokens_per_s > 0
     assert measured.static.steps == measured.continuous.steps
+
+
+def test_with_an_api_key_only_the_real_run_needs_it(demo_server: DemoServer) -> None:
+    demo_server.app.state.api_key = "sekrit"
+    try:
+        assert httpx.get(f"{demo_server.url}/demo").status_code == 200
+        assert httpx.get(f"{demo_server.url}/v1/demo/simulate?slots=2").status_code == 200
+        response = httpx.post(f"{demo_server.url}/v1/demo/run", json={"slots": 2})
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    finally:
+        demo_server.app.state.api_key = None
+
+
+def test_a_second_concurrent_run_gets_429(demo_server: DemoServer) -> None:
+    from inflight.server import demo
+
+    assert demo._run_lock.acquire(blocking=False)  # as if a run were in progress
+    try:
+        response = httpx.post(f"{demo_server.url}/v1/demo/run", json={"slots": 2})
+    finally:
+        demo._run_lock.release()
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "10"
+    assert "already in progress" in response.json()["error"]["message"]
