@@ -100,7 +100,13 @@ def test_there_are_examples_for_cpu_gpu_multi_gpu_and_autoscaling() -> None:
     assert {"tiny-cpu.yaml", "llama-3.1-8b-l4.yaml", "llama-3.1-70b-h100.yaml", "autoscaling.yaml"} <= names
 
 
-@pytest.mark.parametrize(("name", "obj"), example_model_servers(), ids=lambda value: str(value)[:40])
+@pytest.mark.parametrize(
+    ("name", "obj"),
+    [
+        pytest.param(name, obj, id=f"{name}:{obj['metadata']['name']}")
+        for name, obj in example_model_servers()
+    ],
+)
 def test_examples_are_admitted_by_the_chart_crd(name: str, obj: dict[str, Any]) -> None:
     assert CRD_CHECK.admission_errors(chart_schema(), obj) == [], name
 
