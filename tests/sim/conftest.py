@@ -21,10 +21,13 @@ from inflight.engine.engine import LLMEngine
 from inflight.server.app import ServerSettings, create_app
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_torch_thread() -> None:
-    # Up to 8 test sessions share 2 cores here; more intra-op threads only contend.
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # Test sessions share 2 cores here; more intra-op threads only contend. Restored for other areas.
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @dataclass
