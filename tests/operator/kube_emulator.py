@@ -11,7 +11,9 @@ has no garbage collector. This adapter supplies, over the same real HTTP:
 - 422 when a JSON patch's `test` op fails, 409 when a merge patch carries a stale `resourceVersion`;
 - list with `labelSelector`, `kind` and the current `resourceVersion`; watch that resumes after the
   `resourceVersion` it is given (from an event log) and ends after `timeoutSeconds`;
-- garbage collection of objects whose owner reference points at a deleted object (cascading).
+- garbage collection of objects whose owner reference points at a deleted object (cascading), also
+  when such an object is created after its owner was deleted;
+- constant time per request: kmock's log of served requests is cut to the current one.
 Writes are serialized, so the event log has one order, as etcd gives.
 """
 
@@ -132,6 +134,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
     # -- writes --------------------------------------------------------------------------------------
 
     async def _handle(self, request: rendering.Request) -> Any:
+        # kmock decides which reaction serves a request by scanning its log of every request served so
+        # far (O(n) per request); the tests assert on stored objects instead, so only the current one is kept.
+        del self._requests[:-1]
         if request.resource is None or request.action not in (action.CREATE, action.UPDATE, action.DELETE):
             return await super()._handle(request)
         async with self._write_lock:
@@ -225,11 +230,23 @@ class KubeEmulator(kmock.KubernetesEmulator):
         await self._append(
             int(raw["metadata"]["resourceVersion"]), key, {"type": kind, "object": copy.deepcopy(raw)}
         )
+        if request.action == action.CREATE and self._owner_gone(raw):
+            # The garbage collector deletes dependents whose owner no longer exists (a create that raced
+            # with the owner's deletion).
+            stored.delete()
+            await self._log_deleted(key, raw)
 
     async def _log_deleted(self, key: tuple[Any, ...], raw: dict[str, Any]) -> None:
         raw = copy.deepcopy(raw)
         raw["metadata"]["resourceVersion"] = str(self._next_version())
         await self._append(int(raw["metadata"]["resourceVersion"]), key, {"type": "DELETED", "object": raw})
+
+    def _owner_gone(self, raw: Mapping[str, Any]) -> bool:
+        owners = {ref.get("uid") for ref in raw.get("metadata", {}).get("ownerReferences") or []}
+        if not owners:
+            return False
+        alive = {obj.raw["metadata"].get("uid") for obj in self.objects.values() if not obj.deleted}
+        return not owners & alive
 
     async def _collect_garbage(self, owner_uid: str) -> None:
         for key, obj in list(self.objects.items()):

@@ -124,3 +124,19 @@ async def test_owner_references_are_garbage_collected() -> None:
         await asyncio.sleep(0)
         assert cluster.stored(DEPLOYMENTS, "ns", "a") is None
         assert cluster.stored(DEPLOYMENTS, "ns", "other") is not None
+
+
+async def test_a_dependent_created_after_its_owner_is_collected() -> None:
+    async with emulated_cluster() as cluster:
+        ref = {
+            "apiVersion": "inflight.dev/v1alpha1",
+            "kind": "ModelServer",
+            "name": "a",
+            "uid": "gone",
+            "controller": True,
+        }
+        await cluster.post(
+            "/apis/apps/v1/namespaces/ns/deployments",
+            json={"metadata": {"name": "a", "ownerReferences": [ref]}, "spec": {}},
+        )
+        assert cluster.stored(DEPLOYMENTS, "ns", "a") is None
