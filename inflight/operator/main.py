@@ -6,12 +6,14 @@ import asyncio
 import logging
 import os
 import threading
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import kopf
+from aiohttp import web
 
 from inflight.operator.autoscaling_loop import BuiltinAutoscaling
 from inflight.operator.controller import Controller
@@ -63,6 +65,25 @@ def post_event(body: Mapping[str, Any], type: str, reason: str, message: str) ->
     kopf.event(dict(body), type=type, reason=reason, message=message)  # type: ignore[arg-type]
 
 
+async def serve_standby_health(url: str) -> web.AppRunner:
+    """Answer the liveness URL while this replica waits for the Lease (kopf serves it once leading).
+
+    Without it a standby replica fails its probes: kubelet restarts it, and a rolling update never
+    completes because the new pod never becomes Ready behind the old leader.
+    """
+    parts = urllib.parse.urlsplit(url)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"leader": False, "status": "standing by for the Lease"})
+
+    app = web.Application()
+    app.router.add_get(parts.path or "/", healthz)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, parts.hostname, parts.port or 80).start()
+    return runner
+
+
 async def run(
     options: OperatorOptions,
     client: KubeClient | None = None,
@@ -75,7 +96,12 @@ async def run(
     elector = None
     if options.leader_election:
         elector = LeaderElector(client, operator_namespace(options.lease_namespace), default_identity())
-        await elector.acquire()
+        standby = await serve_standby_health(options.liveness) if options.liveness else None
+        try:
+            await elector.acquire()
+        finally:
+            if standby is not None:
+                await standby.cleanup()  # frees the port for kopf's liveness endpoint
     operator = asyncio.create_task(
         kopf.operator(
             registry=build_registry(),
