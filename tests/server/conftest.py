@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -104,7 +105,17 @@ def start_server_factory() -> Callable[..., LiveServer]:
     return start_server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread while these modules run: on a busy 2-core machine, OpenMP threads spinning
+    against each other make a tiny model's step ~20x slower. Restored afterwards for other test areas."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
 def live(tiny_llama_dir: Path) -> Iterator[LiveServer]:
     """The shared server: no API key, 8 slots, 128 KV blocks of 16 tokens, max_model_len 256."""
     server = start_server(tiny_llama_dir)
