@@ -100,6 +100,8 @@ def test_default_operator_deployment(helm: Any) -> None:
         "--all-namespaces",
         "--liveness=http://0.0.0.0:8080/healthz",
         "--resync-seconds=60",
+        "--autoscale-seconds=15",
+        "--scrape-timeout-seconds=2",
     ]
     env = {item["name"]: item["valueFrom"]["fieldRef"]["fieldPath"] for item in container["env"]}
     assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
@@ -153,6 +155,7 @@ def test_existing_service_account_is_used_not_created(helm: Any) -> None:
         (("--set", "image.digest=sha256:abc"), "/image/digest"),
         (("--set", "replicas=2"), "additional properties 'replicas' not allowed"),
         (("--set", "healthPort=80"), "/healthPort"),
+        (("--set", "builtinAutoscaling.intervalSeconds=0"), "/builtinAutoscaling/intervalSeconds"),
         (
             ("--set", "serviceAccount.create=false"),
             "serviceAccount.name must name an existing ServiceAccount",

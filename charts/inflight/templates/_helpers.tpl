@@ -60,6 +60,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end }}
 - --liveness=http://0.0.0.0:{{ .Values.healthPort }}/healthz
 - --resync-seconds={{ .Values.resyncSeconds }}
+- --autoscale-seconds={{ .Values.builtinAutoscaling.intervalSeconds }}
+- --scrape-timeout-seconds={{ .Values.builtinAutoscaling.scrapeTimeoutSeconds }}
 {{- if .Values.verbose }}
 - --verbose
 {{- end }}
