@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kmock
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "operator"))
 
 from emulated import emulated_cluster, write_kubeconfig
@@ -35,6 +37,7 @@ from kube_emulator import KubeEmulator
 from inflight.operator.main import OperatorOptions, run
 
 URL = "/apis/inflight.dev/v1alpha1/namespaces/bench/modelservers"
+DEPLOYMENTS = kmock.resource("apps/v1/deployments")
 
 
 def model_server(name: str) -> dict[str, Any]:
@@ -50,10 +53,7 @@ def model_server(name: str) -> dict[str, Any]:
 
 
 def deployment_created(cluster: KubeEmulator, name: str) -> float | None:
-    for (resource, namespace, obj_name), when in cluster.created_at.items():
-        if resource.plural == "deployments" and namespace == "bench" and obj_name == name:
-            return when
-    return None
+    return cluster.created_at.get((DEPLOYMENTS, "bench", name))
 
 
 async def wait_for(cluster: KubeEmulator, names: list[str], timeout: float) -> dict[str, float]:

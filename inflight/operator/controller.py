@@ -80,30 +80,23 @@ class Controller:
     def forget(self, namespace: str, name: str) -> None:
         self._locks.pop((namespace, name), None)
 
-    async def reconcile_named(self, namespace: str, name: str) -> None:
-        """Reconcile the ModelServer `namespace/name` (after one of its children changed)."""
-        body = await self.kube.get(kube.MODELSERVERS.path(namespace, name))
-        if body is not None and not body.get("metadata", {}).get("deletionTimestamp"):
-            await self.reconcile(body)
-
     async def resync(self) -> None:
         """Reconcile every ModelServer once (repairs drift no watch event reported)."""
         for body in await self.kube.list(kube.MODELSERVERS.path()):
+            meta = body.get("metadata", {})
             try:
-                await self.reconcile(body)
+                await self.reconcile(meta.get("namespace", "default"), meta["name"])
             except Exception:  # one broken object must not stop the others
-                meta = body.get("metadata", {})
                 log.exception("resync of %s/%s failed", meta.get("namespace"), meta.get("name"))
 
-    async def reconcile(self, body: Mapping[str, Any]) -> None:
-        meta = body.get("metadata", {})
-        key = (meta.get("namespace", "default"), meta["name"])
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            fresh = await self.kube.get(kube.MODELSERVERS.path(*key))
-            if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+    async def reconcile(self, namespace: str, name: str) -> None:
+        """Reconcile the ModelServer `namespace/name` as it is now (read fresh: triggers may be stale)."""
+        key = (namespace, name)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            body = await self.kube.get(kube.MODELSERVERS.path(namespace, name))
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                 return
-            await self._reconcile(fresh)
+            await self._reconcile(body)
 
     async def _node_labels(self) -> list[dict[str, str]]:
         if self._nodes is None or time.monotonic() - self._nodes[0] > NODE_CACHE_SECONDS:

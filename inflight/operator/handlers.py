@@ -55,22 +55,20 @@ def build_registry() -> kopf.OperatorRegistry:
         await memo.controller.kube.close()
 
     @kopf.on.event(spec.GROUP, spec.VERSION, spec.PLURAL, registry=registry)
-    async def modelserver_changed(
-        type: str, body: kopf.Body, name: str, namespace: str | None, memo: Any, **_: Any
-    ) -> None:
+    async def modelserver_changed(type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
         if type == "DELETED":
             memo.controller.forget(namespace or "", name)
             return
-        await memo.controller.reconcile(body)
+        await memo.controller.reconcile(namespace or "", name)
 
     @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS, registry=registry)
     async def deployment_changed(
         labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
     ) -> None:
-        await memo.controller.reconcile_named(namespace or "", labels[builders.LABEL_MODELSERVER])
+        await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
 
     @kopf.on.event("", "v1", "services", labels=CHILD_LABELS, registry=registry)
     async def service_changed(labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any) -> None:
-        await memo.controller.reconcile_named(namespace or "", labels[builders.LABEL_MODELSERVER])
+        await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
 
     return registry
