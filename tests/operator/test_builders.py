@@ -230,3 +230,16 @@ def test_parse_quantity() -> None:
     assert parse_quantity("100m") == 1
     with pytest.raises(ValueError, match="not a Kubernetes quantity"):
         parse_quantity("lots")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_the_server_cli_accepts_the_deployment_command(path: Path) -> None:
+    from inflight.cli import build_parser
+
+    _, deployment, _ = built(example(path.name), [H100_NODE])
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][0] == "inflight"
+    parsed = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert parsed.command == "serve"
+    assert parsed.max_slots == int(flags(deployment)["--max-slots"])
+    assert parsed.num_kv_blocks == int(flags(deployment)["--num-kv-blocks"])

@@ -1,0 +1,104 @@
+"""Status conditions from what a reconcile observed (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inflight.operator.placement import place
+from inflight.operator.spec import ModelServer
+from inflight.operator.status import Observed, Problem, build_status, status_patch
+
+NOW = "2026-01-01T00:00:00Z"
+LATER = "2026-01-01T00:05:00Z"
+
+
+def ms(generation: int = 2, conditions: list[dict[str, Any]] | None = None) -> ModelServer:
+    return ModelServer.model_validate(
+        {
+            "metadata": {"name": "m", "namespace": "ns", "generation": generation},
+            "spec": {
+                "model": {"name": "m", "source": "builtin:tiny"},
+                "resources": {"gpu": {"count": 0}, "memory": "2Gi"},
+            },
+            "status": {"conditions": conditions} if conditions else {},
+        }
+    )
+
+
+def deployment(hash_: str, generation: int, observed: int, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"template": {"metadata": {"annotations": {"inflight.dev/template-hash": hash_}}}},
+        "status": {"observedGeneration": observed, **status},
+    }
+
+
+def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def observed(dep: dict[str, Any] | None, problem: Problem | None = None, replicas: int = 2) -> Observed:
+    return Observed(place(ms().spec, []), problem, dep, replicas, "h2")
+
+
+def test_ready_needs_the_current_template_observed_and_every_replica_ready() -> None:
+    done = deployment("h2", 3, 3, replicas=2, updatedReplicas=2, readyReplicas=2)
+    assert conditions(build_status(ms(), observed(done), NOW))["Ready"] == ("True", "Ready")
+    cases = {
+        "old template": deployment("h1", 3, 3, replicas=2, updatedReplicas=2, readyReplicas=2),
+        "not observed": deployment("h2", 4, 3, replicas=2, updatedReplicas=2, readyReplicas=2),
+        "half updated": deployment("h2", 3, 3, replicas=2, updatedReplicas=1, readyReplicas=2),
+        "old pod left": deployment("h2", 3, 3, replicas=3, updatedReplicas=2, readyReplicas=2),
+        "loading": deployment("h2", 3, 3, replicas=2, updatedReplicas=2, readyReplicas=1),
+    }
+    for what, dep in cases.items():
+        status = conditions(build_status(ms(), observed(dep), NOW))
+        assert status["Ready"][0] == "False", what
+        assert status["Progressing"][0] == "True", what
+        assert status["Degraded"] == ("False", "AsExpected"), what
+
+
+def test_problems_degrade_and_block_progress() -> None:
+    problem = Problem("SecretNotFound", "create the Secret")
+    status = conditions(build_status(ms(), observed(None, problem), NOW))
+    assert status["Degraded"] == ("True", "SecretNotFound")
+    assert status["Ready"] == ("False", "SecretNotFound")
+    assert status["Progressing"] == ("False", "Blocked")
+    stuck = deployment(
+        "h2",
+        3,
+        3,
+        replicas=2,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "timed out",
+            }
+        ],
+    )
+    assert conditions(build_status(ms(), observed(stuck), NOW))["Degraded"] == ("True", "RolloutStuck")
+
+
+def test_transition_time_moves_only_when_the_status_changes() -> None:
+    first = build_status(ms(), observed(None), NOW)
+    again = build_status(ms(conditions=first["conditions"]), observed(None), LATER)
+    assert all(c["lastTransitionTime"] == NOW for c in again["conditions"])
+    assert all(c["observedGeneration"] == 2 for c in again["conditions"])
+    done = deployment("h2", 3, 3, replicas=2, updatedReplicas=2, readyReplicas=2)
+    ready = {
+        c["type"]: c
+        for c in build_status(ms(conditions=first["conditions"]), observed(done), LATER)["conditions"]
+    }
+    assert ready["Ready"]["lastTransitionTime"] == LATER and ready["Sized"]["lastTransitionTime"] == NOW
+
+
+def test_status_patch_is_empty_when_nothing_changed() -> None:
+    status = build_status(ms(), observed(None), NOW)
+    assert status_patch(status, status) == {}
+    assert status_patch({**status, "autoscaling": {"desiredReplicas": 3}}, status) == {}  # not ours to touch
+    assert (
+        status_patch({"sizing": {"fits": True}}, {k: v for k, v in status.items() if k != "sizing"})["sizing"]
+        is None
+    )
