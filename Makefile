@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve clean k8s-tools chart-crds install-yaml chart-rbac
+.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve bench-operator clean k8s-tools chart-crds install-yaml chart-rbac
 
 venv: $(STAMP)
 
@@ -52,13 +52,16 @@ test: lint typecheck pytest
 demo: $(STAMP)
 	$(VENV)/bin/inflight demo
 
-bench: bench-offline bench-serve
+bench: bench-offline bench-serve bench-operator
 
 bench-offline: $(STAMP)
 	$(VENV)/bin/inflight bench offline --out bench-results
 
 bench-serve: $(STAMP)
 	$(VENV)/bin/inflight bench serve --out bench-results
+
+bench-operator: $(STAMP)
+	$(PY) benchmarks/operator_reconcile.py --count 100 --out bench-results
 
 # vLLM's CPU build in its own virtualenv (it pins its own torch), then every system side by side.
 VLLM_VENV := .venv-vllm
