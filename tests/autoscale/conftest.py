@@ -1,4 +1,4 @@
-"""Autoscaling tests reuse the operator tests' emulator helpers (`emulated`, `kube_emulator`)."""
+"""Import paths: the operator tests' emulator helpers (`emulated`, `kube_emulator`) and our `harness`."""
 
 from __future__ import annotations
 
@@ -6,3 +6,4 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
+sys.path.insert(0, str(Path(__file__).parent))

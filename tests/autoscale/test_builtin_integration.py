@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -28,9 +27,8 @@ import httpx
 import kmock
 import pytest
 from emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
+from harness import running_operator
 from kube_emulator import KubeEmulator
-
-from inflight.operator.main import OperatorOptions, run
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -105,32 +103,6 @@ async def background(coroutine: Any) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-@contextlib.asynccontextmanager
-async def operator() -> AsyncIterator[None]:
-    """The real operator (1 s autoscaling rounds) in a thread with an event loop of its own."""
-    stop = threading.Event()
-    options = OperatorOptions(
-        leader_election=False, liveness=None, autoscale_seconds=1.0, scrape_timeout_seconds=1.0
-    )
-    outcome: list[int | BaseException] = []
-
-    def target() -> None:
-        try:
-            outcome.append(asyncio.run(run(options, stop_flag=stop)))
-        except BaseException as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=target, name="operator")
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 15)
-        assert not thread.is_alive(), "the operator did not stop"
-        assert outcome == [0], outcome
 
 
 def pods(cluster: KubeEmulator) -> dict[str, dict[str, Any]]:
@@ -279,7 +251,7 @@ async def test_load_raises_replicas_and_quiet_lowers_them(cluster: KubeEmulator,
             },
         },
     }
-    async with operator(), background(play_controllers(cluster, servers)):
+    async with running_operator(), background(play_controllers(cluster, servers)):
         response = await cluster.post(
             f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers", json=modelserver
         )
