@@ -86,12 +86,13 @@ def test_install_yaml_is_a_complete_restricted_install() -> None:
         "Role",
         "RoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
     } <= set(kinds)
     namespace = objects[0]
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     for obj in objects:
         kubernetes_validate.validate(obj, "1.32.0", strict=True)
-        if obj["kind"] in ("ServiceAccount", "Deployment", "Role", "RoleBinding"):
+        if obj["kind"] in ("ServiceAccount", "Deployment", "Role", "RoleBinding", "PodDisruptionBudget"):
             assert obj["metadata"]["namespace"] == namespace["metadata"]["name"]
 
 

@@ -63,7 +63,7 @@ def test_namespaced_objects_go_to_the_release_namespace(helm: Any, variant: str)
     values = VARIANTS[variant]
     watched = {"team-a", "team-b"} if variant == "watch-namespaces" else set()
     for obj in helm.render(*values):
-        if obj["kind"] in ("ServiceAccount", "Deployment"):
+        if obj["kind"] in ("ServiceAccount", "Deployment", "PodDisruptionBudget"):
             assert obj["metadata"]["namespace"] == helm.namespace, obj["metadata"]
         if obj["kind"] in ("Role", "RoleBinding"):
             assert obj["metadata"]["namespace"] in {helm.namespace} | watched, obj["metadata"]
@@ -180,3 +180,13 @@ def test_notes_say_what_to_apply_next(helm: Any) -> None:
     name = yaml.safe_load(example.read_text())["metadata"]["name"]
     assert f"kubectl describe modelserver {name} " in notes
     assert "kubectl apply --server-side -f crds/modelserver.yaml" in notes
+
+
+def test_disruption_budget_only_with_standbys(helm: Any) -> None:
+    objects = helm.render()
+    (budget,) = by_kind(objects, "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    pod_labels = operator_deployment(objects)["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert by_kind(helm.render(*VARIANTS["no-leader-election"]), "PodDisruptionBudget") == []
+    assert by_kind(helm.render("--set", "podDisruptionBudget.enabled=false"), "PodDisruptionBudget") == []
