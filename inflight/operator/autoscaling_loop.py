@@ -128,7 +128,7 @@ class BuiltinAutoscaling:
             await self.controller.kube.create(EVENTS.path(namespace), event)
         await self._patch_status(ms, autoscaling_status(decision, state.last_scale_time))
         if changed:
-            await self.controller.reconcile_named(namespace, name)
+            await self.controller.reconcile(namespace, name)
 
     async def _patch_status(self, ms: ModelServer, status: Mapping[str, Any] | None) -> None:
         current = ms.status.autoscaling.model_dump(by_alias=True) if ms.status.autoscaling else None

@@ -66,7 +66,7 @@ class RecordingController:
             if path.endswith("/events")
         ]
 
-    async def reconcile_named(self, namespace: str, name: str) -> None:
+    async def reconcile(self, namespace: str, name: str) -> None:
         ms = ModelServer.model_validate(self.kube.objects[MODELSERVERS.path(namespace, name)])
         deployment = self.kube.objects[DEPLOYMENTS.path(namespace, name)]
         deployment["spec"]["replicas"] = desired_replicas(ms.spec, ms.status)
