@@ -108,7 +108,21 @@ def node_gpu(spec: ModelServerSpec, node_labels: Iterable[Mapping[str, str]]) ->
     """Per-GPU memory of the smallest GPU the pods may land on."""
     gpu = spec.resources.gpu
     eligible = [labels for labels in node_labels if matches(spec.node_selector, labels)]
-    from_nodes = sizing.gpu_from_node_labels(eligible)
+    counts = [int(c) for labels in eligible if (c := labels.get(sizing.LABEL_GPU_COUNT, "")).isdigit()]
+    if counts and max(counts) < gpu.count:
+        raise SizingError(
+            "NotEnoughGPUsPerNode",
+            f"resources.gpu.count is {gpu.count} but the nodes the pods may land on have at most "
+            f"{max(counts)} GPUs each, so the pods would stay Pending: lower resources.gpu.count, choose "
+            "nodes with more GPUs (nodeSelector), or add such nodes",
+        )
+    big_enough = [
+        labels
+        for labels in eligible
+        if not labels.get(sizing.LABEL_GPU_COUNT, "").isdigit()
+        or int(labels[sizing.LABEL_GPU_COUNT]) >= gpu.count
+    ]
+    from_nodes = sizing.gpu_from_node_labels(big_enough)
     if from_nodes is not None:
         return from_nodes
     if gpu.type is not None:

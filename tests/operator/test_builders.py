@@ -243,3 +243,17 @@ def test_the_server_cli_accepts_the_deployment_command(path: Path) -> None:
     assert parsed.command == "serve"
     assert parsed.max_slots == int(flags(deployment)["--max-slots"])
     assert parsed.num_kv_blocks == int(flags(deployment)["--num-kv-blocks"])
+
+
+def test_nodes_with_too_few_gpus_are_not_counted_and_none_is_an_error() -> None:
+    ms = tiny(resources={"gpu": {"count": 4}})
+    small = {
+        "nvidia.com/gpu.memory": "23034",
+        "nvidia.com/gpu.product": "NVIDIA-L4",
+        "nvidia.com/gpu.count": "1",
+    }
+    big = {**H100_NODE, "nvidia.com/gpu.count": "8"}
+    assert place(ms.spec, [small, big]).gpu_memory_mib == 81559  # the 1-GPU L4 node cannot host 4 GPUs
+    with pytest.raises(SizingError) as error:
+        place(ms.spec, [small])
+    assert error.value.reason == "NotEnoughGPUsPerNode" and "at most 1 GPUs" in error.value.message
