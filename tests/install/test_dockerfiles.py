@@ -147,3 +147,23 @@ def test_image_code_runs_with_only_its_extras(image: str) -> None:
         cwd=ROOT,
     )
     assert run.returncode == 0, f"{image} image without {blocked}:\n{run.stderr[-3000:]}"
+
+
+def test_images_ship_every_data_file_of_the_package() -> None:
+    """The images `pip install .` (not editable): files under inflight/ reach them only via package-data."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "inflight"
+    ]
+    package = ROOT / "inflight"
+    data_files = [
+        path.relative_to(package)
+        for path in package.rglob("*")
+        if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts
+    ]
+    assert data_files, "expected at least py.typed and the demo page"
+    missing = [
+        str(path)
+        for path in data_files
+        if not any(path.match(pattern) or path.match(pattern.removeprefix("**/")) for pattern in patterns)
+    ]
+    assert missing == [], f"add these to [tool.setuptools.package-data] in pyproject.toml: {missing}"
