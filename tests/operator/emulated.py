@@ -44,7 +44,7 @@ def write_kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+async def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

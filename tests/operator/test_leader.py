@@ -13,9 +13,11 @@ from inflight.operator.leader import LeaderElector
 LEASES = "coordination.k8s.io/v1/leases"
 
 
-def elector(url: str, identity: str) -> LeaderElector:
+def elector(url: str, identity: str, lease_seconds: int = 1) -> LeaderElector:
     client = KubeClient(kopf.ConnectionInfo(server=url))
-    return LeaderElector(client, "ops", identity, lease_seconds=1, renew_seconds=0.1, retry_seconds=0.05)
+    return LeaderElector(
+        client, "ops", identity, lease_seconds=lease_seconds, renew_seconds=0.1, retry_seconds=0.05
+    )
 
 
 async def test_one_leader_renews_and_a_follower_takes_over_after_expiry() -> None:
@@ -55,13 +57,16 @@ async def test_concurrent_takeover_has_exactly_one_winner() -> None:
 
 async def test_acquire_waits_for_the_leader_to_go() -> None:
     async with emulated_cluster() as cluster:
-        a, b = elector(str(cluster.url), "a"), elector(str(cluster.url), "b")
+        a, b = (
+            elector(str(cluster.url), "a", lease_seconds=3),
+            elector(str(cluster.url), "b", lease_seconds=3),
+        )
         try:
             await a.acquire()
             waiting = asyncio.create_task(b.acquire())
             await asyncio.sleep(0.5)
             assert not waiting.done()  # a's lease is fresh
-            await asyncio.wait_for(waiting, 3)  # a never renews: b gets it after expiry
+            await asyncio.wait_for(waiting, 10)  # a never renews: b gets it after expiry
             assert cluster.stored(LEASES, "ops", "inflight-operator")["spec"]["holderIdentity"] == "b"
         finally:
             await a.client.close()
