@@ -77,14 +77,14 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self, name: str) -> None:
         in_flight = self.engine.num_in_flight
         logger.info(
-            "%s: draining (%d requests in flight, up to %.0fs); new requests get 503",
+            "%s: draining (%d requests in flight, up to %gs); new requests get 503",
             name,
             in_flight,
             self.drain_timeout,
         )
         cut = await self.engine.drain(self.drain_timeout)
         if cut:
-            logger.warning("drain timeout: cut %d unfinished requests short", cut)
+            logger.warning("drain timeout: cut %d unfinished request(s) short", cut)
         else:
             logger.info("drained; shutting down")
         self.should_exit = True

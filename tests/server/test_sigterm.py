@@ -1,0 +1,110 @@
+"""`inflight serve` in a subprocess: SIGTERM drains (in-flight stream completes, new requests 503, exit 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def serve(tiny_llama_dir: Path) -> Iterator[object]:
+    processes: list[subprocess.Popen[str]] = []
+
+    def start(*extra: str) -> tuple[subprocess.Popen[str], str]:
+        port = free_port()
+        command = [
+            sys.executable, "-m", "inflight.cli", "serve", "--model", str(tiny_llama_dir),
+            "--served-model-name", "tiny", "--port", str(port), "--max-slots", "2",
+            "--num-kv-blocks", "64", "--max-model-len", "1024", *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        processes.append(process)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    return process, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("inflight serve did not become ready")
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def wait_until_draining(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/ready").status_code == 200:
+        assert time.monotonic() < deadline, "SIGTERM did not start a drain"
+        time.sleep(0.02)
+
+
+def test_sigterm_finishes_in_flight_streams_refuses_new_requests_and_exits_0(serve: object) -> None:
+    process, url = serve("--drain-timeout", "60")  # type: ignore[operator]
+    body = {"model": "tiny", "prompt": "def f():", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as stream,
+    ):
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        process.send_signal(signal.SIGTERM)
+        wait_until_draining(url)
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "service_unavailable_error"
+        assert httpx.get(f"{url}/health").status_code == 200
+        events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all("error" not in chunk for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert process.wait(timeout=60) == 0
+    log = process.stdout.read() if process.stdout else ""
+    assert "SIGTERM: draining" in log
+    assert '"path": "/v1/completions", "status": 503' in log
+
+
+def test_the_drain_timeout_cuts_what_is_left_and_still_exits_0(serve: object) -> None:
+    process, url = serve("--drain-timeout", "0.5")  # type: ignore[operator]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as stream,
+    ):
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        process.send_signal(signal.SIGTERM)
+        events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    assert process.wait(timeout=60) == 0
+    assert "drain timeout: cut 1 unfinished request(s) short" in (
+        process.stdout.read() if process.stdout else ""
+    )
