@@ -61,14 +61,20 @@ def build_registry() -> kopf.OperatorRegistry:
             return
         await memo.controller.reconcile(namespace or "", name)
 
+    # A child's creation (ADDED, or listed at start: type None) needs no reconcile: whoever created it
+    # reconciled already, and the ModelServer's own events and the resync cover the rest.
     @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS, registry=registry)
     async def deployment_changed(
-        labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+        type: str | None, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
     ) -> None:
-        await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
+        if type in ("MODIFIED", "DELETED"):
+            await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
 
     @kopf.on.event("", "v1", "services", labels=CHILD_LABELS, registry=registry)
-    async def service_changed(labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any) -> None:
-        await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
+    async def service_changed(
+        type: str | None, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+    ) -> None:
+        if type in ("MODIFIED", "DELETED"):
+            await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
 
     return registry
