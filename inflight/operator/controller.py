@@ -3,8 +3,9 @@
 Every trigger (a ModelServer event, an event of one of its children, the periodic resync) runs the same
 idempotent `reconcile`: it reads the ModelServer, the nodes' GPU labels, the Secrets it references and the
 live children, then creates what is missing, merge-patches what drifted, and merge-patches `status` when
-it changed. It never writes `spec`, never PUTs and never deletes: the children carry owner references,
-so the garbage collector removes them with the ModelServer. Reconciles of one ModelServer never overlap.
+it changed. It never writes `spec` and never PUTs; the children carry owner references, so the garbage
+collector removes them with the ModelServer. The one deletion: an HPA or ScaledObject of an actuator no
+longer in use (it would be a second writer of replicas). Reconciles of one ModelServer never overlap.
 """
 
 from __future__ import annotations
@@ -173,10 +174,12 @@ class Controller:
             desired = autoscaler_object(ms)
         except ValueError as error:
             return Problem("InvalidAutoscaling", str(error))
+        keda = desired is not None and desired["kind"] == "ScaledObject"
+        resource = kube.SCALED_OBJECTS if keda else kube.HORIZONTAL_POD_AUTOSCALERS
+        if ms.status.observed_generation != ms.metadata.generation:  # the spec changed: the actuator may have
+            await self._remove_autoscalers(ms, keep=resource if desired is not None else None)
         if desired is None:
             return None
-        keda = desired["kind"] == "ScaledObject"
-        resource = kube.SCALED_OBJECTS if keda else kube.HORIZONTAL_POD_AUTOSCALERS
         try:
             _, problem = await self._ensure(ms, resource, desired)
         except kube.KubeError as error:
@@ -190,6 +193,22 @@ class Controller:
                 + "use actuator builtin",
             )
         return problem
+
+    async def _remove_autoscalers(self, ms: ModelServer, keep: kube.Resource | None) -> None:
+        """Delete our HPA / ScaledObject but `keep`: one left from an earlier actuator would scale on."""
+        for resource in (kube.HORIZONTAL_POD_AUTOSCALERS, kube.SCALED_OBJECTS):
+            path = resource.path(ms.metadata.namespace, ms.metadata.name)
+            if resource == keep:
+                continue
+            live = await self.kube.get(path)
+            if live is not None and controlled_by(live, ms.metadata.uid):
+                await self.kube.delete(path)
+                log.info(
+                    "deleted %s %s/%s (actuator changed)",
+                    live.get("kind"),
+                    ms.metadata.namespace,
+                    ms.metadata.name,
+                )
 
     async def _reconcile(self, body: dict[str, Any]) -> None:
         meta = body["metadata"]

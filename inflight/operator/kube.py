@@ -1,7 +1,8 @@
-"""A small Kubernetes API client for the operator's own calls: get, list, create and merge-patch only.
+"""A small Kubernetes API client for the operator's own calls: get, list, create, merge-patch, delete.
 
 Kopf watches and posts Events with its own client; this one reads and writes the ModelServer's children
-and status. It never PUTs and never deletes (children go away through owner references). Credentials come
+and status. It never PUTs; children go away through owner references, and the one thing it deletes is an
+HPA or ScaledObject left from an autoscaling actuator no longer in use. Credentials come
 from `kopf.login_with_service_account()` in a pod, else `kopf.login_with_kubeconfig()`; a 401 logs in again
 once (projected service-account tokens rotate).
 """
@@ -114,7 +115,7 @@ class KubeClient:
                         self._info = self._relogin()
                         await self.close()
                     continue
-                if resp.status == 404 and method in ("GET", "PATCH"):
+                if resp.status == 404 and method in ("GET", "PATCH", "DELETE"):
                     return None
                 text = await resp.text()
                 if resp.status >= 400:
@@ -147,3 +148,7 @@ class KubeClient:
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any] | None:
         """JSON merge patch (RFC 7386); None when the object does not exist."""
         return await self._request("PATCH", path, body=patch)
+
+    async def delete(self, path: str) -> None:
+        """DELETE (background propagation); an object already gone is fine."""
+        await self._request("DELETE", path)

@@ -1,7 +1,8 @@
 """Every API call the operator makes, as RBAC rules: the Helm chart and README are built from this list.
 
-The operator only gets, lists, watches, creates and merge-patches; it never PUTs (`update`) and never
-deletes (children carry owner references and are garbage-collected with their ModelServer).
+The operator gets, lists, watches, creates and merge-patches; it never PUTs (`update`). Children carry
+owner references and are garbage-collected with their ModelServer; the one deletion is an HPA or
+ScaledObject of an autoscaling actuator no longer in use.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission(
         "autoscaling",
         "horizontalpodautoscalers",
-        ("get", "create", "patch"),
-        "create and repair the HPA of autoscaling.actuator hpa",
+        ("get", "create", "patch", "delete"),
+        "create and repair the HPA of autoscaling.actuator hpa; delete it when the actuator changes",
     ),
     Permission(
         "keda.sh",
         "scaledobjects",
-        ("get", "create", "patch"),
-        "create and repair the KEDA ScaledObject of actuator keda",
+        ("get", "create", "patch", "delete"),
+        "create and repair the KEDA ScaledObject of actuator keda; delete it when the actuator changes",
     ),
     Permission("", "events", ("create",), "Events for sizing decisions and failures (posted by kopf)"),
     Permission(

@@ -97,6 +97,14 @@ async def test_hpa_actuator_creates_the_hpa_and_replicas_follow_the_scale_subres
         assert "autoscaling" not in ms.get("status", {})  # the builtin autoscaler stays out of it
         assert not degraded(cluster, "llama")
 
+        # autoscaling off: the HPA goes (it would be a second writer), spec.replicas rules alone
+        response = await cluster.patch(
+            f"{MS_URL}/llama", data=json.dumps({"spec": {"autoscaling": None}}), headers=MERGE
+        )
+        assert response.status == 200, await response.text()
+        await eventually(lambda: cluster.stored(HPAS, NS, "llama") is None, what="the HPA deleted")
+        assert replicas(cluster, "llama") == 4
+
 
 class ClusterWithoutKeda:
     """The API calls `_ensure` makes, for a cluster that does not serve keda.sh (a real API server: 404)."""

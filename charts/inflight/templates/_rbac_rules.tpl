@@ -35,14 +35,14 @@
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
-# create and repair the HPA of autoscaling.actuator hpa
+# create and repair the HPA of autoscaling.actuator hpa; delete it when the actuator changes
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["get", "create", "patch"]
-# create and repair the KEDA ScaledObject of actuator keda
+  verbs: ["get", "create", "patch", "delete"]
+# create and repair the KEDA ScaledObject of actuator keda; delete it when the actuator changes
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 # Events for sizing decisions and failures (posted by kopf)
 - apiGroups: [""]
   resources: ["events"]
