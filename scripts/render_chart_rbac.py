@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     relative = OUTPUT.relative_to(ROOT)
     if args.check:
         if not OUTPUT.is_file() or OUTPUT.read_text() != rendered:
-            print(f"{relative} is stale: run `make chart-rbac`", file=sys.stderr)
+            print(
+                f"{relative} is stale: run `make install-yaml` (it also renders the chart RBAC and CRD copy)",
+                file=sys.stderr,
+            )
             return 1
         print(f"{relative} is current")
         return 0

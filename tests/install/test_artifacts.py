@@ -60,7 +60,8 @@ def tiny() -> dict[str, Any]:
 
 def test_chart_crd_is_the_generated_crd() -> None:
     assert CHART_CRD.read_bytes() == (ROOT / "crds" / "modelserver.yaml").read_bytes(), (
-        "charts/inflight/crds/modelserver.yaml differs from crds/modelserver.yaml: run `make chart-crds`"
+        "charts/inflight/crds/modelserver.yaml differs from crds/modelserver.yaml: "
+        "run `make install-yaml` (copies it, renders install.yaml)"
     )
 
 
