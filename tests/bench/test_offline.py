@@ -1,0 +1,101 @@
+"""The offline benchmark harness: skipping, validation, ratios, outputs, and real systems on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from inflight.bench import offline
+from inflight.bench.commands import run_offline_command
+from inflight.bench.system import BenchSettings, System, SystemRun
+from inflight.bench.workload import BenchRequest, load_workload, make_workload
+
+
+def settings_for(requests: list[BenchRequest], model_dir: Path = Path("unused")) -> BenchSettings:
+    return BenchSettings(
+        model_dir=model_dir,
+        requests=requests,
+        max_slots=4,
+        dtype="float32",
+        vllm_python=None,
+        max_num_batched_tokens=256,
+        threads=1,
+    )
+
+
+def fake(name: str, seconds: float, *, short_by: int = 0, error: str = "", missing: str = "") -> System:
+    def run(settings: BenchSettings) -> SystemRun:
+        if error:
+            raise RuntimeError(error)
+        outputs = [[7] * r.output_len for r in settings.requests]
+        outputs[0] = outputs[0][: len(outputs[0]) - short_by]
+        return SystemRun(outputs, seconds, 0.5)
+
+    return System(name, f"fake {name}", lambda _settings: missing or None, run)
+
+
+def test_ratios_validation_skips_and_failures(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    systems = {
+        "hf-naive": fake("hf-naive", 8.0),
+        "hf-static": fake("hf-static", 1.0, short_by=1),
+        "hf-continuous": fake("hf-continuous", 1.0, error="boom"),
+        "vllm": fake("vllm", 1.0, missing="not installed"),
+        "inflight-continuous": fake("inflight-continuous", 2.0),
+    }
+    monkeypatch.setattr(offline, "SYSTEMS", systems)
+    requests = make_workload(vocab=100, excluded_ids=set(), num_requests=3, output_lengths=(4, 6))
+    report = offline.run_offline(list(systems), settings_for(requests), lambda _message: None)
+
+    status = {r.name: r.status for r in report.results}
+    assert status == {
+        "hf-naive": "ok",
+        "hf-static": "invalid",
+        "hf-continuous": "failed",
+        "vllm": "skipped",
+        "inflight-continuous": "ok",
+    }
+    assert report.ratios == {"inflight-continuous/hf-naive": pytest.approx(4.0)}
+    naive = report.results[0]
+    assert naive.generated_tokens == sum(r.output_len for r in requests)
+    assert naive.identical_to_reference == 3
+
+    paths = offline.write_outputs(report, tmp_path)
+    assert [p.name for p in paths] == ["offline.json", "offline.txt", "offline.png"]
+    saved = json.loads((tmp_path / "offline.json").read_text())
+    assert saved["ratios"]["inflight-continuous/hf-naive"] == pytest.approx(4.0)
+    assert (tmp_path / "offline.png").read_bytes()[:4] == b"\x89PNG"
+    table = (tmp_path / "offline.txt").read_text()
+    assert "4.00x" in table and "not installed" in table and "boom" in table
+
+
+def test_vllm_without_an_environment_is_skipped_with_the_fix() -> None:
+    from inflight.bench.vllm_cpu import SYSTEM
+
+    requests = make_workload(vocab=100, excluded_ids=set(), num_requests=1)
+    reason = SYSTEM.unavailable(settings_for(requests))
+    assert reason is not None and "make bench-vllm" in reason
+
+
+def test_cli_rejects_unknown_systems() -> None:
+    from inflight.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "offline", "--compare", "hf-naive,bogus"])
+    with pytest.raises(SystemExit, match="bogus"):
+        run_offline_command(args)
+
+
+def test_real_systems_agree_token_for_token_on_a_tiny_model(tiny_llama_dir: Path) -> None:
+    """transformers (one at a time, padded batches, its continuous batching) and both inflight schedulers
+    run the harness end to end and produce the same greedy tokens with the exact requested lengths."""
+    requests = [
+        BenchRequest(r.prompt_token_ids[:12], r.output_len % 7 + 3) for r in load_workload(tiny_llama_dir, 3)
+    ]
+    names = ["hf-naive", "hf-static", "hf-continuous", "inflight-static", "inflight-continuous"]
+    report = offline.run_offline(names, settings_for(requests, tiny_llama_dir), lambda _message: None)
+    for result in report.results:
+        assert result.status == "ok", (result.name, result.message)
+        assert result.identical_to_reference == len(requests), result.name
+        assert result.tokens_per_s > 0
+    assert set(report.ratios) == {f"inflight-continuous/{name}" for name in names[:-1]}
