@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import jsonpatch
 import kmock
-from kmock._internal import rendering  # Request/Payload types of the handler hooks we override
+from kmock._internal import k8s_dicts, rendering  # types of the handler hooks we override
 from kmock._internal.enums import action
 
 STATUS_SUBRESOURCE = {"modelservers", "deployments"}
@@ -113,6 +113,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     resource_version: int = attrs.field(default=0, init=False)
     # time.perf_counter() of every create, by (resource, namespace, name): for latency measurements.
     created_at: dict[tuple[Any, ...], float] = attrs.field(factory=dict, init=False)
+    _alive_uids: set[str] = attrs.field(factory=set, init=False)
 
     def declare(
         self, key: str, kind: str, namespaced: bool = True, subresources: tuple[str, ...] = ()
@@ -226,6 +227,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raw["metadata"]["resourceVersion"] = str(self._next_version())
         if request.action == action.CREATE:
             self.created_at[key] = time.perf_counter()
+            self._alive_uids.add(raw["metadata"]["uid"])
         kind = "ADDED" if request.action == action.CREATE else "MODIFIED"
         await self._append(
             int(raw["metadata"]["resourceVersion"]), key, {"type": kind, "object": copy.deepcopy(raw)}
@@ -237,16 +239,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
             await self._log_deleted(key, raw)
 
     async def _log_deleted(self, key: tuple[Any, ...], raw: dict[str, Any]) -> None:
+        self._alive_uids.discard(raw["metadata"].get("uid"))
         raw = copy.deepcopy(raw)
         raw["metadata"]["resourceVersion"] = str(self._next_version())
         await self._append(int(raw["metadata"]["resourceVersion"]), key, {"type": "DELETED", "object": raw})
 
     def _owner_gone(self, raw: Mapping[str, Any]) -> bool:
         owners = {ref.get("uid") for ref in raw.get("metadata", {}).get("ownerReferences") or []}
-        if not owners:
-            return False
-        alive = {obj.raw["metadata"].get("uid") for obj in self.objects.values() if not obj.deleted}
-        return not owners & alive
+        return bool(owners) and not owners & self._alive_uids
 
     async def _collect_garbage(self, owner_uid: str) -> None:
         for key, obj in list(self.objects.items()):
@@ -270,6 +270,31 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if request.namespace is not None and namespace != request.namespace:
             return False
         return selected(obj, parse_selector(request.params.get("labelSelector")))
+
+    # kmock finds the object of a fetch/create/patch/delete response by scanning all objects (O(n)); the
+    # key is known, so look it up.
+    def _current(self, request: rendering.Request) -> k8s_dicts.Object:
+        name = request.name or (request.data or {}).get("metadata", {}).get("name")
+        namespace = request.namespace or (request.data or {}).get("metadata", {}).get("namespace")
+        found = self._find((request.resource, namespace, name))
+        if found is None:
+            raise kmock.KubernetesObjectNotFoundError()
+        return found
+
+    async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
+        found = self._current(request)
+        if found.deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        return found.raw
+
+    async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
+        return self._current(request).last.raw
+
+    async def _serve_update(self, request: rendering.Request) -> rendering.Payload:
+        return self._current(request).last.raw
+
+    async def _serve_delete(self, request: rendering.Request) -> rendering.Payload:
+        return self._current(request).last.raw
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         if request.resource not in self._get_resources():
