@@ -8,6 +8,8 @@ SDPA each with a causal mask offset by the cached length.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -81,10 +83,38 @@ def paged_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[..., num_blocks * block_size, num_kv_heads, head_dim]: the first `num_blocks` blocks of a table."""
-    blocks = cache[block_table[..., :num_blocks]]
-    return blocks.flatten(-4, -3)
+class _Workspace(threading.local):
+    """Reused gather buffers, one per (name, dtype, device) and thread.
+
+    A fresh multi-megabyte tensor per layer and step costs more than the copy into it on CPU
+    (the allocator hands large blocks back to the OS, so every step page-faults them in again).
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self.buffers[key] = buffer
+        return buffer[:numel]
+
+
+_WORKSPACE = _Workspace()
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
+    """[..., num_blocks * block_size, num_kv_heads, head_dim]: the first `num_blocks` blocks of a table.
+
+    The result lives in the `name` workspace buffer: valid until the next gather with that name.
+    """
+    ids = block_table[..., :num_blocks]
+    rows = cache.view(cache.shape[0], -1)
+    out = _WORKSPACE.get(name, ids.numel() * rows.shape[1], cache.dtype, cache.device)
+    torch.index_select(rows, 0, ids.reshape(-1), out=out.view(ids.numel(), rows.shape[1]))
+    return out.view(*ids.shape[:-1], num_blocks * cache.shape[1], *cache.shape[2:])
 
 
 def _decode(
@@ -101,8 +131,8 @@ def _decode(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-max_seq_len // block_size)
-    keys = _gather(k_cache, block_tables, num_blocks).transpose(1, 2)  # [B, Hkv, L, D]
-    values = _gather(v_cache, block_tables, num_blocks).transpose(1, 2)
+    keys = _gather(k_cache, block_tables, num_blocks, "k").transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather(v_cache, block_tables, num_blocks, "v").transpose(1, 2)
     key_pos = torch.arange(keys.shape[2], device=query.device)
     lens = seq_lens.to(torch.int64)[:, None]
     mask = key_pos[None, :] < lens
@@ -126,8 +156,8 @@ def _prefill(
     """The last `query_len` tokens of one sequence: query [Q, Hq, D] -> [Q, Hq, D]."""
     query_len = query.shape[0]
     num_blocks = -(-seq_len // k_cache.shape[1])
-    keys = _gather(k_cache, block_table, num_blocks)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-    values = _gather(v_cache, block_table, num_blocks)[:seq_len].transpose(0, 1)
+    keys = _gather(k_cache, block_table, num_blocks, "k")[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+    values = _gather(v_cache, block_table, num_blocks, "v")[:seq_len].transpose(0, 1)
     q = query.transpose(0, 1)  # [Hq, Q, D]
     if query_len == seq_len and sliding_window is None:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
