@@ -339,8 +339,8 @@ def _plan_one(
     else:
         fits = True
         reason = (
-            f"{kv_blocks} KV blocks ({kv_tokens} tokens) per GPU after {weights / GIB:.1f} GiB of weights "
-            f"within {budget}; {slots} slots"
+            f"{kv_blocks} KV blocks ({kv_tokens} tokens) {'per GPU' if on_gpu else 'on CPU'} after "
+            f"{weights / GIB:.1f} GiB of weights within {budget}; {slots} slots"
         )
     return SizingPlan(
         model=shape.name,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Any
 
 from inflight.operator.placement import Placement
@@ -25,6 +26,7 @@ SERVER_UID = 10001  # the `inflight` user of server/Dockerfile
 AWS_CLI_IMAGE = "public.ecr.aws/aws-cli/aws-cli:2.22.35"
 
 LABEL_MODELSERVER = "inflight.dev/modelserver"
+LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 ANNOTATION_TEMPLATE_HASH = "inflight.dev/template-hash"
 MANAGED_BY = "inflight-operator"
 
@@ -33,14 +35,26 @@ def selector_labels(ms: ModelServer) -> dict[str, str]:
     return {"app.kubernetes.io/name": "inflight-server", LABEL_MODELSERVER: ms.metadata.name}
 
 
+def image_version(image: str) -> str | None:
+    """The tag of `repo/name:tag` as a label value (None for digests, no tag, or an invalid value)."""
+    if "@" in image:
+        return None
+    tag = image.rpartition("/")[2].partition(":")[2]
+    return tag if tag and LABEL_VALUE.match(tag) else None
+
+
 def labels(ms: ModelServer) -> dict[str, str]:
-    return {
+    result = {
         **selector_labels(ms),
         "app.kubernetes.io/instance": ms.metadata.name,
         "app.kubernetes.io/component": "model-server",
         "app.kubernetes.io/part-of": "inflight",
         "app.kubernetes.io/managed-by": MANAGED_BY,
     }
+    version = image_version(ms.spec.image)
+    if version is not None:
+        result["app.kubernetes.io/version"] = version
+    return result
 
 
 def selector_string(ms: ModelServer) -> str:

@@ -257,3 +257,11 @@ def test_nodes_with_too_few_gpus_are_not_counted_and_none_is_an_error() -> None:
     with pytest.raises(SizingError) as error:
         place(ms.spec, [small])
     assert error.value.reason == "NotEnoughGPUsPerNode" and "at most 1 GPUs" in error.value.message
+
+
+def test_version_label_from_the_image_tag() -> None:
+    assert builders.image_version("ghcr.io/inflight-dev/inflight-server:0.1.0") == "0.1.0"
+    assert builders.image_version("registry:5000/inflight-server") is None  # a port is not a tag
+    assert builders.image_version("inflight@sha256:" + "a" * 64) is None
+    _, deployment, _ = built(example("tiny-cpu.yaml"))
+    assert deployment["metadata"]["labels"]["app.kubernetes.io/version"] == "0.1.0"
