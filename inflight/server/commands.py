@@ -54,7 +54,8 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "rate to a server (started here, or --url), measure request throughput, output tokens/s, "
         "time to first token and inter-token latency, and compare with the offline engine in the same run.",
     )
-    add_engine_arguments(bench_serve, default_model="builtin:tiny")
+    add_engine_arguments(bench_serve, default_model="builtin:small")
+    bench_serve.set_defaults(dtype="float32")
     bench_serve.add_argument("--url", help="benchmark this running server instead of starting one")
     bench_serve.add_argument(
         "--request-rate", type=float, default=16.0, help="requests per second, Poisson arrivals (default: 16)"
@@ -63,6 +64,12 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     bench_serve.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
     bench_serve.add_argument(
         "--skip-offline", action="store_true", help="do not run the offline engine for the ratio"
+    )
+    bench_serve.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for the server's and the offline engine's torch (default: torch's; "
+        "on a busy machine 1 can be much faster)",
     )
     bench_serve.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     bench_serve.set_defaults(func=_bench_serve)

@@ -1,0 +1,337 @@
+"""`inflight bench serve`: the offline benchmark's workload as streaming HTTP requests at a fixed rate.
+
+Each request is a streaming /v1/completions call with the workload's prompt token ids, greedy,
+ignore_eos and max_tokens = the request's output length, so the server generates exactly the tokens the
+offline engine does. Measured per request: time to first token (TTFT), the gaps between streamed chunks
+(inter-token latency, ITL: one chunk per engine step), end-to-end latency, and output tokens (from the
+stream's usage). Then the same workload runs through the offline engine in this process with the same
+engine settings, and the report gives served output tokens/s divided by offline tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inflight.bench.workload import BenchRequest, load_workload
+
+BLOCK_SIZE = 16
+READY_TIMEOUT_S = 600.0
+
+
+def _say(message: str) -> None:
+    print(f"bench serve: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens: int
+    output_tokens: int
+    expected_output_tokens: int
+    start: float
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+async def _one_request(
+    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest, delay: float, t0: float
+) -> RequestResult:
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    start = time.perf_counter()
+    result = RequestResult(len(request.prompt_token_ids), 0, request.output_len, start - t0)
+    body = {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    last = start
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if result.ttft is None:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+    except httpx.HTTPError as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.e2e = time.perf_counter() - start
+    if result.output_tokens != request.output_len:
+        result.error = f"got {result.output_tokens} output tokens, wanted {request.output_len}"
+    return result
+
+
+async def run_clients(
+    url: str, model: str, requests: list[BenchRequest], request_rate: float, seed: int
+) -> tuple[list[RequestResult], float]:
+    """Send `requests` with Poisson arrivals at `request_rate`/s (inf = all at once); wall time too."""
+    rng = random.Random(seed)
+    delays, at = [], 0.0
+    for _ in requests:
+        delays.append(at)
+        if math.isfinite(request_rate):
+            at += rng.expovariate(request_rate)
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(_one_request(client, url, model, r, d, t0) for r, d in zip(requests, delays, strict=True))
+        )
+        duration = time.perf_counter() - t0
+    return list(results), duration
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [gap for r in ok for gap in r.itls]
+    e2es = [r.e2e for r in ok if r.e2e is not None]
+    output_tokens = sum(r.output_tokens for r in ok)
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(value * 1000, 2)
+
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": round(duration, 3),
+        "output_tokens": output_tokens,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "request_throughput_per_s": len(ok) / duration,
+        "output_tokens_per_s": output_tokens / duration,
+        "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p99": ms(percentile(ttfts, 99))},
+        "itl_ms": {"p50": ms(percentile(itls, 50)), "p99": ms(percentile(itls, 99))},
+        "e2e_ms": {"p50": ms(percentile(e2es, 50)), "p99": ms(percentile(e2es, 99))},
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _server_command(args: argparse.Namespace, model_dir: Path, port: int, num_kv_blocks: int) -> list[str]:
+    command = [
+        sys.executable, "-m", "inflight.cli", "serve", "--model", str(model_dir), "--port", str(port),
+        "--served-model-name", "bench", "--dtype", args.dtype, "--max-slots", str(args.max_slots),
+        "--num-kv-blocks", str(num_kv_blocks), "--block-size", str(BLOCK_SIZE),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--scheduler", args.scheduler,
+        "--max-queue", str(args.num_requests),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    if not args.enable_prefix_caching:
+        command.append("--no-enable-prefix-caching")
+    return command
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with code {process.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server was not ready after {READY_TIMEOUT_S:.0f} s")
+
+
+def _offline_tokens_per_s(
+    args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]
+) -> dict[str, Any]:
+    import torch
+
+    from inflight.bench.inflight_engine import CONTINUOUS, STATIC
+    from inflight.bench.system import BenchSettings
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    settings = BenchSettings(
+        model_dir=model_dir,
+        requests=requests,
+        max_slots=args.max_slots,
+        dtype="float32" if args.dtype == "auto" else args.dtype,
+        vllm_python=None,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        threads=args.threads,
+    )
+    run = (STATIC if args.scheduler == "static" else CONTINUOUS).run(settings)
+    generated = sum(len(tokens) for tokens in run.outputs)
+    return {
+        "output_tokens": generated,
+        "seconds": round(run.seconds, 3),
+        "output_tokens_per_s": generated / run.seconds,
+    }
+
+
+def plot(report: dict[str, Any], results: list[RequestResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.error is None]
+    figure, (ttft_axis, itl_axis, bar_axis) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ttfts = sorted(r.ttft * 1000 for r in ok if r.ttft is not None)
+    ttft_axis.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], drawstyle="steps-post")
+    ttft_axis.set(title="Time to first token (CDF)", xlabel="ms", ylabel="fraction of requests")
+    itls = [gap * 1000 for r in ok for gap in r.itls]
+    itl_axis.hist(itls, bins=50, color="tab:orange")
+    itl_axis.set(title="Inter-token latency", xlabel="ms", ylabel="token gaps")
+    served = report["served"]["output_tokens_per_s"]
+    bars = {"served (HTTP, streaming)": served}
+    if report.get("offline"):
+        bars["offline engine"] = report["offline"]["output_tokens_per_s"]
+    bar_axis.bar(list(bars), list(bars.values()), color=["tab:blue", "tab:gray"][: len(bars)])
+    for i, value in enumerate(bars.values()):
+        bar_axis.text(i, value, f"{value:.0f}", ha="center", va="bottom")
+    ratio = report.get("ratio_served_to_offline")
+    bar_axis.set(
+        title="Output tokens/s" + (f" (served/offline = {ratio:.2f})" if ratio else ""), ylabel="tokens/s"
+    )
+    w = report["workload"]
+    figure.suptitle(
+        f"inflight bench serve: {w['num_requests']} requests at {w['request_rate']} req/s, "
+        f"{w['model']} ({report['server'].get('dtype', '?')})"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def run_serve_benchmark(args: argparse.Namespace) -> int:
+    from inflight.server.run import resolve_model
+
+    if args.num_requests < 1 or args.request_rate <= 0 or (args.threads is not None and args.threads < 1):
+        raise SystemExit("--num-requests and --threads must be >= 1, --request-rate > 0 (inf = all at once)")
+    model_dir = resolve_model(args.model)
+    requests = load_workload(model_dir, args.num_requests, args.seed)
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
+    server: subprocess.Popen[bytes] | None = None
+    if args.url:
+        url = args.url.rstrip("/")
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    else:
+        url, model = f"http://127.0.0.1:{_free_port()}", "bench"
+        command = _server_command(args, model_dir, int(url.rsplit(":", 1)[1]), num_kv_blocks)
+        _say(f"starting the server: {' '.join(command[2:])}")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if args.threads:
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        server = subprocess.Popen(command, env=env)
+    try:
+        if server is not None:
+            _wait_ready(url, server)
+        _say(f"{len(requests)} streaming requests at {args.request_rate} req/s against {url}")
+        results, duration = asyncio.run(run_clients(url, model, requests, args.request_rate, args.seed))
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    served = summarize(results, duration)
+    _say(
+        f"served: {served['completed']}/{served['requests']} ok in {served['duration_s']} s, "
+        f"{served['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {served['ttft_ms']['p50']} ms, "
+        f"ITL p50 {served['itl_ms']['p50']} ms"
+    )
+    offline = None
+    if not args.skip_offline:
+        _say("running the same workload through the offline engine (same settings)")
+        offline = _offline_tokens_per_s(args, model_dir, requests)
+        _say(f"offline: {offline['output_tokens_per_s']:.1f} output tokens/s")
+    report: dict[str, Any] = {
+        "workload": {
+            "model": args.model,
+            "model_dir": str(model_dir),
+            "num_requests": len(requests),
+            "seed": args.seed,
+            "request_rate": args.request_rate,
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+            "output_tokens": sum(r.output_len for r in requests),
+            "sampling": "greedy, ignore_eos, streaming /v1/completions with token-id prompts",
+        },
+        "server": {
+            "url": args.url or "started by the benchmark",
+            "dtype": args.dtype,
+            "max_slots": args.max_slots,
+            "num_kv_blocks": num_kv_blocks,
+            "block_size": BLOCK_SIZE,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "scheduler": args.scheduler,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "threads": args.threads or "torch default",
+        },
+        "environment": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "served": served,
+        "offline": offline,
+        "ratio_served_to_offline": (served["output_tokens_per_s"] / offline["output_tokens_per_s"])
+        if offline
+        else None,
+        "requests": [asdict(r) | {"itls": [round(g, 5) for g in r.itls]} for r in results],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out / "serve.json", args.out / "serve.png"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, results, png_path)
+    if report["ratio_served_to_offline"] is not None:
+        _say(f"served / offline output tokens/s = {report['ratio_served_to_offline']:.2f}")
+    _say(f"wrote {json_path} and {png_path}")
+    return 0 if served["failed"] == 0 else 1
