@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inflight.operator.autoscaler import Decision, Direction, Observation, ScalingPolicy, decide
 
@@ -177,3 +179,34 @@ def test_metric_value_is_the_average_per_readable_pod() -> None:
 def test_policy_rejects_impossible_settings(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ScalingPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+rounds = st.lists(
+    st.lists(st.one_of(st.none(), st.floats(min_value=0, max_value=100)), min_size=1, max_size=4),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=rounds,
+    replicas=st.integers(min_value=1, max_value=6),
+    starting=st.integers(min_value=0, max_value=2),
+    delay=st.integers(min_value=0, max_value=10),
+)
+def test_invariants_on_any_input(
+    loads: list[list[float | None]], replicas: int, starting: int, delay: int
+) -> None:
+    policy = ScalingPolicy(min_replicas=2, max_replicas=5, target=4.0, scale_down_delay_s=float(delay))
+    history = [Observation(float(t), {f"p{i}": v for i, v in enumerate(r)}) for t, r in enumerate(loads)]
+    now = float(len(loads) - 1)
+    decision = decide(history, replicas, starting, policy, now)
+    assert policy.min_replicas <= decision.desired <= policy.max_replicas
+    inside = policy.min_replicas <= replicas <= policy.max_replicas
+    if inside and decision.desired < replicas:  # a scale-down saw only readable pods for the whole delay
+        window = [o for o in history if o.time >= now - delay] or history[-1:]
+        assert not any(o.unknown_pods for o in window)
+        assert history[0].time <= now - delay
+    if inside and decision.desired > replicas:  # a scale-up never happens while replicas are starting
+        assert starting == 0
