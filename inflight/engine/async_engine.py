@@ -343,7 +343,10 @@ class AsyncEngine:
             self._engine = engine
             self._warm_up(engine)
         except Exception as error:
-            logger.exception("the engine failed to load or warm up")
+            # The message says what is wrong (missing weights, bad config...); traceback at debug level.
+            logger.error(
+                "the engine failed to load or warm up: %s", error, exc_info=logger.isEnabledFor(logging.DEBUG)
+            )
             self._post(self._set_failed, error)
             return
         self._post(self._set_ready)

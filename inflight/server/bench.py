@@ -21,9 +21,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -59,8 +61,43 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+class HTTPStatusError(Exception):
+    pass
+
+
+async def _sse_payloads(host: str, port: int, path: str, body: bytes) -> AsyncIterator[bytes]:
+    """POST `body` and yield each SSE event's data. A bare asyncio HTTP/1.1 client: the benchmark's
+    client shares the machine with the server, so it spends as little CPU as it can (no JSON parsing
+    per token, no HTTP library layers)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if status != 200:
+            raise HTTPStatusError(f"HTTP {status}: {(await reader.read(300)).decode(errors='replace')}")
+        if headers.get("transfer-encoding") != "chunked":
+            raise HTTPStatusError("expected a chunked event stream")
+        pending = b""
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: "):
+                    yield event[6:]
+    finally:
+        writer.close()
+
+
 async def _one_request(
-    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest, delay: float, t0: float
+    host: str, port: int, model: str, request: BenchRequest, delay: float, t0: float
 ) -> RequestResult:
     await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
     start = time.perf_counter()
@@ -76,29 +113,22 @@ async def _one_request(
     }
     last = start
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+        async for payload in _sse_payloads(host, port, "/v1/completions", json.dumps(body).encode()):
+            if payload.startswith(b'{"error"'):
+                result.error = json.loads(payload)["error"]["message"]
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
-                if result.ttft is None:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
-    except httpx.HTTPError as error:
+            if b'"choices":[]' in payload:  # the closing usage chunk
+                result.output_tokens = json.loads(payload)["usage"]["completion_tokens"]
+                continue
+            if payload == b"[DONE]":
+                continue
+            now = time.perf_counter()
+            if result.ttft is None:
+                result.ttft = now - start
+            else:
+                result.itls.append(now - last)
+            last = now
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError, HTTPStatusError) as error:
         result.error = f"{type(error).__name__}: {error}"
         return result
     result.e2e = time.perf_counter() - start
@@ -111,21 +141,21 @@ async def run_clients(
     url: str, model: str, requests: list[BenchRequest], request_rate: float, seed: int
 ) -> tuple[list[RequestResult], float]:
     """Send `requests` with Poisson arrivals at `request_rate`/s (inf = all at once); wall time too."""
+    parsed = urlsplit(url)
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise SystemExit(f"--url {url}: the benchmark client speaks plain http://HOST:PORT only")
+    host, port = parsed.hostname, parsed.port or 80
     rng = random.Random(seed)
     delays, at = [], 0.0
     for _ in requests:
         delays.append(at)
         if math.isfinite(request_rate):
             at += rng.expovariate(request_rate)
-    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
-    timeout = httpx.Timeout(None, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(_one_request(client, url, model, r, d, t0) for r, d in zip(requests, delays, strict=True))
-        )
-        duration = time.perf_counter() - t0
-    return list(results), duration
+    t0 = time.perf_counter()
+    results = await asyncio.gather(
+        *(_one_request(host, port, model, r, d, t0) for r, d in zip(requests, delays, strict=True))
+    )
+    return list(results), time.perf_counter() - t0
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:

@@ -44,9 +44,11 @@ def resolve_model(model: str) -> Path:
         return path
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise SystemExit(f"--model {model}: no such directory (or use builtin:tiny)")
+        raise SystemExit(f"inflight serve: --model {model}: no such directory (or use builtin:tiny)")
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {model}: no config.json there; expected a Hugging Face checkpoint folder")
+        raise SystemExit(
+            f"inflight serve: --model {model}: no config.json there; expected a Hugging Face checkpoint"
+        )
     return path
 
 
