@@ -29,6 +29,7 @@ from inflight.operator.builtin_autoscaler import (
     scaling_event,
 )
 from inflight.operator.controller import Controller, is_subset
+from inflight.operator.replicas import desired_replicas
 from inflight.operator.spec import Actuator, ModelServer
 
 log = logging.getLogger("inflight.operator.autoscaling")
@@ -94,7 +95,7 @@ class BuiltinAutoscaling:
         deployment = await self.controller.kube.get(kube.DEPLOYMENTS.path(namespace, name))
         if deployment is None:
             return  # not created yet (or the spec is Degraded): nothing to scale
-        replicas = int((deployment.get("spec") or {}).get("replicas", 1))
+        replicas = desired_replicas(ms.spec, ms.status)  # what the reconcile holds the Deployment at
         selector = builders.selector_labels(ms)
         pods = [
             pod
