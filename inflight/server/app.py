@@ -30,7 +30,8 @@ class ServerContext:
     metrics: ServerMetrics
 
 
-def get_context(request: Request) -> ServerContext:
+async def get_context(request: Request) -> ServerContext:
+    """A FastAPI dependency (async, so FastAPI does not hop to a worker thread for it)."""
     ctx: ServerContext = request.app.state.ctx
     return ctx
 

@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from inflight.bench.workload import BenchRequest, load_workload
 
 BLOCK_SIZE = 16
 READY_TIMEOUT_S = 600.0
+WARMUP_TOKENS = 4
 
 
 def _say(message: str) -> None:
@@ -286,8 +288,10 @@ def plot(report: dict[str, Any], results: list[RequestResult], path: Path) -> No
 def run_serve_benchmark(args: argparse.Namespace) -> int:
     from inflight.server.run import resolve_model
 
-    if args.num_requests < 1 or args.request_rate <= 0 or (args.threads is not None and args.threads < 1):
-        raise SystemExit("--num-requests and --threads must be >= 1, --request-rate > 0 (inf = all at once)")
+    if min(args.num_requests, args.rounds, args.threads or 1) < 1 or args.request_rate <= 0:
+        raise SystemExit(
+            "--num-requests, --rounds and --threads must be >= 1, --request-rate > 0 (inf = all at once)"
+        )
     model_dir = resolve_model(args.model)
     requests = load_workload(model_dir, args.num_requests, args.seed)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
@@ -304,11 +308,30 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
         server = subprocess.Popen(command, env=env)
+    rounds: list[tuple[dict[str, Any], list[RequestResult], dict[str, Any] | None]] = []
     try:
         if server is not None:
             _wait_ready(url, server)
-        _say(f"{len(requests)} streaming requests at {args.request_rate} req/s against {url}")
-        results, duration = asyncio.run(run_clients(url, model, requests, args.request_rate, args.seed))
+        # Untimed, like the offline runner's warm-up: two short requests through the HTTP path.
+        warmup = [BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)] * 2
+        asyncio.run(run_clients(url, model, warmup, math.inf, args.seed))
+        for round_number in range(1, args.rounds + 1):
+            # Served and offline alternate, so a machine whose load drifts affects both alike.
+            _say(f"round {round_number}/{args.rounds}: {len(requests)} streaming requests at "
+                 f"{args.request_rate} req/s against {url}")  # fmt: skip
+            results, duration = asyncio.run(run_clients(url, model, requests, args.request_rate, args.seed))
+            summary = summarize(results, duration)
+            _say(
+                f"served: {summary['completed']}/{summary['requests']} ok in {summary['duration_s']} s, "
+                f"{summary['output_tokens_per_s']:.1f} output tokens/s, "
+                f"TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms"
+            )
+            offline = None
+            if not args.skip_offline:
+                _say("the same workload through the offline engine (same engine settings)")
+                offline = _offline_tokens_per_s(args, model_dir, requests)
+                _say(f"offline: {offline['output_tokens_per_s']:.1f} output tokens/s")
+            rounds.append((summary, results, offline))
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
@@ -316,17 +339,19 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
                 server.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 server.kill()
-    served = summarize(results, duration)
-    _say(
-        f"served: {served['completed']}/{served['requests']} ok in {served['duration_s']} s, "
-        f"{served['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {served['ttft_ms']['p50']} ms, "
-        f"ITL p50 {served['itl_ms']['p50']} ms"
-    )
+    served_rates = [summary["output_tokens_per_s"] for summary, _, _ in rounds]
+    offline_rates = [offline["output_tokens_per_s"] for _, _, offline in rounds if offline]
+    median_round = sorted(range(len(rounds)), key=lambda i: served_rates[i])[len(rounds) // 2]
+    served, results, _ = rounds[median_round]
     offline = None
-    if not args.skip_offline:
-        _say("running the same workload through the offline engine (same settings)")
-        offline = _offline_tokens_per_s(args, model_dir, requests)
-        _say(f"offline: {offline['output_tokens_per_s']:.1f} output tokens/s")
+    if offline_rates:
+        offline = {
+            "output_tokens_per_s": statistics.median(offline_rates),
+            "rounds_output_tokens_per_s": [round(rate, 1) for rate in offline_rates],
+            "seconds": [run["seconds"] for _, _, run in rounds if run],
+        }
+    served = {**served, "rounds_output_tokens_per_s": [round(rate, 1) for rate in served_rates]}
+    served["output_tokens_per_s"] = statistics.median(served_rates)
     report: dict[str, Any] = {
         "workload": {
             "model": args.model,
@@ -334,6 +359,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
             "num_requests": len(requests),
             "seed": args.seed,
             "request_rate": args.request_rate,
+            "rounds": args.rounds,
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
             "output_tokens": sum(r.output_len for r in requests),
             "sampling": "greedy, ignore_eos, streaming /v1/completions with token-id prompts",

@@ -66,6 +66,12 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "--skip-offline", action="store_true", help="do not run the offline engine for the ratio"
     )
     bench_serve.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="served and offline runs alternate this many times; medians are reported (default: 1)",
+    )
+    bench_serve.add_argument(
         "--threads",
         type=int,
         help="CPU threads for the server's and the offline engine's torch (default: torch's; "

@@ -12,7 +12,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-EXAMPLES_PER_MODE = 10
+EXAMPLES_PER_MODE = 8
 # Generation length is not what is fuzzed here; cap it so the run stays short.
 MAX_TOKENS_CAP = 4
 # The demo's real run takes minutes by design (the whole demo workload, twice); tests/sim covers it.
