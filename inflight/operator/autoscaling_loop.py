@@ -2,8 +2,9 @@
 
 One round per ModelServer: read its Deployment and pods, scrape the ready pods' ``/metrics`` (with a
 timeout), decide, and record the decision in ``status.autoscaling``. ``desiredReplicas`` there is what the
-operator's one replica-count function (``replicas.desired_replicas``) carries to the Deployment, so a
-scale goes through the same reconcile as every other change. Scale-ups and scale-downs are also posted as
+operator's one replica-count function (``replicas.desired_replicas``) carries to the Deployment: the
+status write is a ModelServer event, so a scale goes through the same reconcile as every other change
+(with the periodic resync as the backstop). Scale-ups and scale-downs are also posted as
 Events, through the API (kopf's ``kopf.event`` works only inside its handlers, not in this loop).
 ModelServers without builtin autoscaling get their stale ``status.autoscaling`` removed.
 """
@@ -128,8 +129,6 @@ class BuiltinAutoscaling:
             event = scaling_event(body, decision.direction, message, now)
             await self.controller.kube.create(EVENTS.path(namespace), event)
         await self._patch_status(ms, autoscaling_status(decision, state.last_scale_time))
-        if changed:
-            await self.controller.reconcile(namespace, name)
 
     async def _patch_status(self, ms: ModelServer, status: Mapping[str, Any] | None) -> None:
         current = ms.status.autoscaling.model_dump(by_alias=True) if ms.status.autoscaling else None

@@ -203,7 +203,7 @@ async def send_load(cluster: KubeEmulator, clients: int) -> None:
                 if not ports:
                     await asyncio.sleep(0.1)
                     continue
-                body = {"model": NAME, "prompt": "the quick brown fox", "max_tokens": 48, "ignore_eos": True}
+                body = {"model": NAME, "prompt": "the quick brown fox", "max_tokens": 512, "ignore_eos": True}
                 response = await http.post(
                     f"http://127.0.0.1:{ports[k % len(ports)]}/v1/completions", json=body
                 )
