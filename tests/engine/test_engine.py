@@ -193,3 +193,20 @@ def test_stats_count_tokens_and_prefix_hits(tiny_llama_dir: Path) -> None:
     assert stats.num_prefix_cache_hits >= 16
     assert stats.num_running == stats.num_waiting == stats.num_used_blocks == 0
     assert stats.num_blocks == 64 and stats.max_num_seqs == 2
+
+
+def test_preempted_and_forked_sequences_recompute_to_the_same_tokens(tiny_llama_dir: Path) -> None:
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    params = [
+        SamplingParams(n=2, max_tokens=20, temperature=0.0, ignore_eos=True),
+        *[SamplingParams(max_tokens=20, temperature=0.9, seed=i, ignore_eos=True) for i in range(5)],
+    ]
+    roomy = LLM(tiny_llama_dir, num_kv_blocks=128, block_size=8, max_slots=8, device="cpu")
+    tight = LLM(tiny_llama_dir, num_kv_blocks=16, block_size=8, max_slots=8, device="cpu")
+    expected = roomy.generate(prompts, params)
+    got = tight.generate(prompts, params)
+    assert roomy.engine.stats().num_preemptions == 0
+    assert tight.engine.stats().num_preemptions > 0
+    for want, have in zip(expected, got, strict=True):
+        assert [c.token_ids for c in have.outputs] == [c.token_ids for c in want.outputs]
+    assert expected[0].outputs[0].token_ids == expected[0].outputs[1].token_ids  # greedy copies agree
