@@ -132,3 +132,16 @@ def test_backend_uses_triton_on_cuda_and_torch_elsewhere() -> None:
     cuda = get_attention_backend(torch.device("cuda"))
     assert cuda.name == "triton"
     assert cuda.paged_attention is triton_paged.paged_attention
+
+
+def test_torch_paged_gather_buffers_work_in_and_out_of_inference_mode() -> None:
+    from inflight.engine.attention import torch_paged
+
+    case = make_case([40, 9], [1, 1], num_heads=4, num_kv_heads=2, seed=6)
+    args = (case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    with torch.inference_mode():
+        inside = torch_paged.paged_attention(*args).clone()
+    with torch.no_grad():
+        outside = torch_paged.paged_attention(*args)
+    assert torch.equal(inside, outside)
+    assert_close(outside, dense_reference(case), torch.float32)

@@ -84,17 +84,18 @@ def paged_attention(
 
 
 class _Workspace(threading.local):
-    """Reused gather buffers, one per (name, dtype, device) and thread.
+    """Reused gather buffers, one per (name, dtype, device, inference mode) and thread.
 
     A fresh multi-megabyte tensor per layer and step costs more than the copy into it on CPU
     (the allocator hands large blocks back to the OS, so every step page-faults them in again).
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self.buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (name, dtype, device)
+        # A buffer made under inference mode cannot be written outside it: one set for each mode.
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=dtype, device=device)
