@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from inflight.engine.config import EngineConfig
+from inflight.engine.cpu_linear import can_prepack, prepack_linears
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import allocate_kv_caches
@@ -138,6 +139,8 @@ class LLMEngine:
         if donor is None or donor.device != self.device or donor.dtype != self.dtype:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
             self.model = load_model(self.model_dir, self.dtype, self.device)
+            if can_prepack(self.device, self.dtype):
+                prepack_linears(self.model, batch_size_hint=config.max_num_seqs)
         else:
             self.tokenizer, self.model = donor.tokenizer, donor.model
         self.model_config: ModelConfig = self.model.config
