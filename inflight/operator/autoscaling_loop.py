@@ -21,13 +21,13 @@ import httpx
 from pydantic import ValidationError
 
 from inflight.operator import builders, kube
+from inflight.operator.autoscaler import Direction
 from inflight.operator.builtin_autoscaler import (
     AutoscalerState,
     autoscaling_status,
     evaluate,
     rfc3339,
     scaled,
-    scaling_event,
 )
 from inflight.operator.controller import Controller, is_subset
 from inflight.operator.replicas import desired_replicas
@@ -36,7 +36,6 @@ from inflight.operator.spec import Actuator, ModelServer
 log = logging.getLogger("inflight.operator.autoscaling")
 
 PODS = kube.Resource("", "v1", "pods")
-EVENTS = kube.Resource("", "v1", "events")
 SERVER_CONTAINER = "server"
 
 
@@ -125,9 +124,10 @@ class BuiltinAutoscaling:
             log.info(
                 "%s/%s: %d -> %d replicas: %s", namespace, name, replicas, decision.desired, decision.reason
             )
+            reason = "ScaledUp" if decision.direction is Direction.UP else "ScaledDown"
             message = f"{replicas} -> {decision.desired} replicas: {decision.reason}"
-            event = scaling_event(body, decision.direction, message, now)
-            await self.controller.kube.create(EVENTS.path(namespace), event)
+            event = kube.event_body(body, "Normal", reason, message, state.last_scale_time)
+            await self.controller.kube.create(kube.EVENTS.path(namespace), event)
         await self._patch_status(ms, autoscaling_status(decision, state.last_scale_time))
 
     async def _patch_status(self, ms: ModelServer, status: Mapping[str, Any] | None) -> None:

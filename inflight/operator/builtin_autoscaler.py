@@ -90,32 +90,6 @@ def scaled(decision: Decision, replicas: int) -> bool:
     return decision.direction is not Direction.HOLD and decision.desired != replicas
 
 
-def scaling_event(body: Mapping[str, Any], direction: Direction, message: str, now: float) -> dict[str, Any]:
-    """A core/v1 Event on the ModelServer for a scale-up or scale-down (posted by the operator itself)."""
-    metadata = body.get("metadata", {})
-    stamp = rfc3339(now)
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"generateName": f"{metadata.get('name')}.", "namespace": metadata.get("namespace")},
-        "involvedObject": {
-            "apiVersion": body.get("apiVersion"),
-            "kind": body.get("kind"),
-            "name": metadata.get("name"),
-            "namespace": metadata.get("namespace"),
-            "uid": metadata.get("uid"),
-        },
-        "type": "Normal",
-        "reason": "ScaledUp" if direction is Direction.UP else "ScaledDown",
-        "message": message[:1024],
-        "source": {"component": "inflight-operator"},
-        "reportingComponent": "inflight-operator",
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
-
-
 def rfc3339(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

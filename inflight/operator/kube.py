@@ -47,6 +47,7 @@ DEPLOYMENTS = Resource("apps", "v1", "deployments")
 SERVICES = Resource("", "v1", "services")
 SECRETS = Resource("", "v1", "secrets")
 NODES = Resource("", "v1", "nodes", namespaced=False)
+EVENTS = Resource("", "v1", "events")
 HORIZONTAL_POD_AUTOSCALERS = Resource("autoscaling", "v2", "horizontalpodautoscalers")
 SCALED_OBJECTS = Resource("keda.sh", "v1alpha1", "scaledobjects")
 
@@ -152,3 +153,30 @@ class KubeClient:
     async def delete(self, path: str) -> None:
         """DELETE (background propagation); an object already gone is fine."""
         await self._request("DELETE", path)
+
+
+def event_body(
+    involved: Mapping[str, Any], type: str, reason: str, message: str, time: str
+) -> dict[str, Any]:
+    """A core/v1 Event about `involved` (an object as read from the API), for `create` on EVENTS."""
+    metadata = involved.get("metadata", {})
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{metadata.get('name')}.", "namespace": metadata.get("namespace")},
+        "involvedObject": {
+            "apiVersion": involved.get("apiVersion"),
+            "kind": involved.get("kind"),
+            "name": metadata.get("name"),
+            "namespace": metadata.get("namespace"),
+            "uid": metadata.get("uid"),
+        },
+        "type": type,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": "inflight-operator"},
+        "reportingComponent": "inflight-operator",
+        "firstTimestamp": time,
+        "lastTimestamp": time,
+        "count": 1,
+    }

@@ -7,8 +7,9 @@ import logging
 import os
 import threading
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from aiohttp import web
 from inflight.operator.autoscaling_loop import BuiltinAutoscaling
 from inflight.operator.controller import Controller
 from inflight.operator.handlers import build_registry
-from inflight.operator.kube import KubeClient
+from inflight.operator.kube import EVENTS, KubeClient, event_body
 from inflight.operator.leader import LeaderElector, default_identity
 
 log = logging.getLogger("inflight.operator")
@@ -61,8 +62,27 @@ def operator_settings() -> kopf.OperatorSettings:
     return settings
 
 
-def post_event(body: Mapping[str, Any], type: str, reason: str, message: str) -> None:
-    kopf.event(dict(body), type=type, reason=reason, message=message)  # type: ignore[arg-type]
+def event_poster(client: KubeClient) -> Callable[[Mapping[str, Any], str, str, str], None]:
+    """Events through kopf inside its handlers; elsewhere (the periodic resync, which kopf's poster does not
+    serve: it raises LookupError there) created through the operator's own client in the background."""
+    posting: set[asyncio.Task[Any]] = set()
+
+    def post_event(body: Mapping[str, Any], type: str, reason: str, message: str) -> None:
+        try:
+            kopf.event(dict(body), type=type, reason=reason, message=message)  # type: ignore[arg-type]
+        except LookupError:
+            namespace = body.get("metadata", {}).get("namespace")
+            event = event_body(body, type, reason, message, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            task = asyncio.get_running_loop().create_task(client.create(EVENTS.path(namespace), event))
+            posting.add(task)
+            task.add_done_callback(posted)
+
+    def posted(task: asyncio.Task[Any]) -> None:
+        posting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("could not post the Event: %s", task.exception())
+
+    return post_event
 
 
 async def serve_standby_health(url: str) -> web.AppRunner:
@@ -92,7 +112,7 @@ async def run(
     """Run until `stop_flag` is set (0) or leadership is lost (1); a threading.Event works across threads."""
     client = client or KubeClient.from_environment()
     stop_flag = stop_flag or asyncio.Event()
-    controller = Controller(client, post_event)
+    controller = Controller(client, event_poster(client))
     elector = None
     if options.leader_election:
         elector = LeaderElector(client, operator_namespace(options.lease_namespace), default_identity())
