@@ -349,6 +349,17 @@ class AsyncEngine:
             )
             self._post(self._set_failed, error)
             return
+        logger.info(
+            "engine ready: %s on %s (%s), %d slots, %d KV blocks of %d tokens, max_model_len %d, %s",
+            engine.model_dir,
+            engine.device,
+            str(engine.dtype).removeprefix("torch."),
+            engine.config.max_num_seqs,
+            engine.num_kv_blocks,
+            engine.config.block_size,
+            engine.max_model_len,
+            f"{engine.config.scheduler} scheduler",
+        )
         self._post(self._set_ready)
         try:
             self._serve(engine)

@@ -88,7 +88,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
         default=default_model,
         help="checkpoint folder, or builtin:tiny / builtin:small (made once into $INFLIGHT_CACHE_DIR)",
     )
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and KV cache (default: auto = float32 on CPU, bfloat16 on CUDA)",
+    )
     parser.add_argument("--max-slots", type=int, default=64, help="sequences running at once (default: 64)")
     parser.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: sized from memory)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")

@@ -16,6 +16,7 @@ from inflight.engine.async_engine import (
     RequestAbortedError,
     RequestFailedError,
 )
+from inflight.engine.config import EngineConfig
 from inflight.engine.engine import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from inflight.engine.sequence import SamplingParams
 
@@ -33,6 +34,13 @@ class ScriptedEngine:
     """Each step appends token 7 to every request; a request finishes at its max_tokens."""
 
     tokenizer: ScriptedTokenizer = field(default_factory=ScriptedTokenizer)
+    # What the async engine logs once the engine is ready.
+    model_dir: str = "scripted"
+    device: str = "cpu"
+    dtype: str = "float32"
+    config: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=2))
+    num_kv_blocks: int = 16
+    max_model_len: int = 64
     requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = field(default_factory=dict)
     gate: threading.Event = field(default_factory=threading.Event)
     steps: int = 0
