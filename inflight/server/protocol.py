@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_LOGPROBS = 20
+from inflight.engine.sequence import MAX_LOGPROBS
+
 MAX_N = 64
 MAX_STOP_SEQUENCES = 16
 
