@@ -202,8 +202,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the rows of `hidden` that need sampling."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            # Through the module: on CPU the engine may have swapped in a prepacked projection.
+            logits: torch.Tensor = self.lm_head(hidden)
+            return logits.float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every tensor name a Hugging Face checkpoint of this model must hold, and where it goes."""
