@@ -412,8 +412,14 @@ class LLMEngine:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
         self._num_generate_calls += 1
         ids = [f"generate-{self._num_generate_calls}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(request_id, prompt, p)
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+                self.add_request(request_id, prompt, p)
+        except Exception:
+            # All or nothing: a bad prompt leaves none of this call's requests behind.
+            for request_id in ids:
+                self.abort(request_id)
+            raise
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for output in self.step():

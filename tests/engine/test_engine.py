@@ -210,3 +210,10 @@ def test_preempted_and_forked_sequences_recompute_to_the_same_tokens(tiny_llama_
     for want, have in zip(expected, got, strict=True):
         assert [c.token_ids for c in have.outputs] == [c.token_ids for c in want.outputs]
     assert expected[0].outputs[0].token_ids == expected[0].outputs[1].token_ids  # greedy copies agree
+
+
+def test_generate_with_a_bad_prompt_leaves_nothing_behind(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(["fine", [10**7]], greedy(2))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache.num_used_blocks == 0
