@@ -47,6 +47,8 @@ class SystemResult:
     tokens_per_s: float = 0.0
     # Requests whose tokens equal the reference system's (greedy), when both ran.
     identical_to_reference: int | None = None
+    # The machine's 1-minute load average when the system started (others' work skews shared-CPU figures).
+    load_average: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -79,7 +81,8 @@ def run_system(system: System, settings: BenchSettings, say: Any) -> tuple[Syste
     if reason:
         say(f"[{system.name}] skipped: {reason}")
         return SystemResult(system.name, system.description, "skipped", reason), None
-    say(f"[{system.name}] running: {system.description}")
+    load = os.getloadavg()[0]
+    say(f"[{system.name}] running: {system.description} (load average {load:.1f})")
     try:
         run = system.run(settings)
     except Exception as error:
@@ -99,6 +102,7 @@ def run_system(system: System, settings: BenchSettings, say: Any) -> tuple[Syste
         seconds=run.seconds,
         setup_seconds=run.setup_seconds,
         tokens_per_s=generated / run.seconds if run.seconds > 0 else 0.0,
+        load_average=load,
         config=run.config,
     )
     say(
@@ -162,7 +166,8 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any) -> OfflineR
 
 def format_table(report: OfflineReport) -> str:
     header = (
-        f"{'system':<22}{'tokens/s':>10}{'time s':>9}{'setup s':>9}{'tokens':>8}{'same as hf':>12}  {OURS} is"
+        f"{'system':<22}{'tokens/s':>10}{'time s':>9}{'setup s':>9}{'tokens':>8}{'same as hf':>12}{'load':>6}"
+        f"  {OURS} is"
     )
     lines = [header, "-" * len(header)]
     ours = next((r for r in report.results if r.name == OURS and r.status == "ok"), None)
@@ -175,7 +180,7 @@ def format_table(report: OfflineReport) -> str:
         ratio = f"{ours.tokens_per_s / r.tokens_per_s:.2f}x" if ours and r is not ours else ""
         lines.append(
             f"{r.name:<22}{r.tokens_per_s:>10.1f}{r.seconds:>9.1f}{r.setup_seconds:>9.1f}"
-            f"{r.generated_tokens:>8}{same:>12}  {ratio}"
+            f"{r.generated_tokens:>8}{same:>12}{r.load_average:>6.1f}  {ratio}"
         )
     return "\n".join(lines)
 
