@@ -62,19 +62,20 @@ def build_registry() -> kopf.OperatorRegistry:
         await memo.controller.reconcile(namespace or "", name)
 
     # A child's creation (ADDED, or listed at start: type None) needs no reconcile: whoever created it
-    # reconciled already, and the ModelServer's own events and the resync cover the rest.
-    @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS, registry=registry)
-    async def deployment_changed(
+    # reconciled already, and the ModelServer's own events and the resync cover the rest. A change to or
+    # the deletion of a child is drift: reconcile its ModelServer at once. (ScaledObjects are not watched:
+    # KEDA may not be installed; the resync repairs their drift.)
+    async def child_changed(
         type: str | None, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
     ) -> None:
         if type in ("MODIFIED", "DELETED"):
             await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
 
-    @kopf.on.event("", "v1", "services", labels=CHILD_LABELS, registry=registry)
-    async def service_changed(
-        type: str | None, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
-    ) -> None:
-        if type in ("MODIFIED", "DELETED"):
-            await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
+    for group, version, plural in (
+        ("apps", "v1", "deployments"),
+        ("", "v1", "services"),
+        ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ):
+        kopf.on.event(group, version, plural, labels=CHILD_LABELS, registry=registry)(child_changed)
 
     return registry

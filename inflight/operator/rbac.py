@@ -44,8 +44,8 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission(
         "autoscaling",
         "horizontalpodautoscalers",
-        ("get", "create", "patch", "delete"),
-        "create and repair the HPA of autoscaling.actuator hpa; delete it when the actuator changes",
+        ("get", "list", "watch", "create", "patch", "delete"),
+        "create and repair (watch) the HPA of actuator hpa; delete it when the actuator changes",
     ),
     Permission(
         "keda.sh",

@@ -35,10 +35,10 @@
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
-# create and repair the HPA of autoscaling.actuator hpa; delete it when the actuator changes
+# create and repair (watch) the HPA of actuator hpa; delete it when the actuator changes
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # create and repair the KEDA ScaledObject of actuator keda; delete it when the actuator changes
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
