@@ -9,6 +9,7 @@ further output.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import SchedulerOutput, create_scheduler
 from inflight.engine.sequence import FinishReason, PositionLogprobs, SamplingParams, Sequence
 from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("inflight.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,7 +148,7 @@ class LLMEngine:
             self.tokenizer, self.model = donor.tokenizer, donor.model
         self.model_config: ModelConfig = self.model.config
         self.eos_token_ids = frozenset(self.tokenizer.all_eos_ids) | frozenset(self.model_config.eos_token_id)
-        self.num_kv_blocks = config.num_kv_blocks or self._derive_num_blocks()
+        self.num_kv_blocks = self._plan_num_blocks()
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -176,7 +179,12 @@ class LLMEngine:
     def from_config(cls, model_dir: str | Path, **overrides: object) -> LLMEngine:
         return cls(model_dir, EngineConfig.model_validate(overrides))
 
-    def _derive_num_blocks(self) -> int:
+    def _plan_num_blocks(self) -> int:
+        """The KV pool size: `num_kv_blocks` if given, else what fits the memory budget.
+
+        On a GPU the budget is re-measured (free memory x gpu_memory_utilization); a requested pool larger
+        than that (a plan made from node labels, say) is cut to what fits, and the log says so.
+        """
         mc = self.model_config
         bytes_per_block = (
             2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.config.block_size
@@ -187,13 +195,28 @@ class LLMEngine:
         else:
             budget = self.config.kv_cache_memory_gib * 2**30
         max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        enough = self.config.max_num_seqs * math.ceil(max_len / self.config.block_size)
-        blocks = min(int(budget // bytes_per_block), enough)
+        blocks = choose_num_kv_blocks(
+            requested=self.config.num_kv_blocks,
+            fit=int(budget // bytes_per_block),
+            enough=self.config.max_num_seqs * math.ceil(max_len / self.config.block_size),
+            measured=self.device.type == "cuda",
+        )
         if blocks < 1:
             raise ValueError(
                 f"no memory left for the KV cache ({budget / 2**30:.2f} GiB available, one block needs "
                 f"{bytes_per_block} bytes); set num_kv_blocks or free memory"
             )
+        if self.config.num_kv_blocks is not None and blocks < self.config.num_kv_blocks:
+            logger.warning(
+                "asked for %d KV blocks, but only %d fit in free GPU memory (gpu_memory_utilization %.2f); "
+                "using %d",
+                self.config.num_kv_blocks,
+                blocks,
+                self.config.gpu_memory_utilization,
+                blocks,
+            )
+        else:
+            logger.info("KV cache: %d blocks of %d tokens", blocks, self.config.block_size)
         return blocks
 
     # ---- requests
@@ -428,3 +451,11 @@ class LLMEngine:
             if on_progress is not None:
                 on_progress(len(done))
         return [done[i] for i in ids]
+
+
+def choose_num_kv_blocks(requested: int | None, fit: int, enough: int, measured: bool) -> int:
+    """Blocks for the KV pool: the request if given (cut to `fit` when `fit` was measured on the device),
+    else what fits, capped at `enough` (every slot at full length)."""
+    if requested is None:
+        return min(fit, enough)
+    return min(requested, fit) if measured else requested
