@@ -1,35 +1,12 @@
-"""The real operator for the autoscaling integration tests: in a thread with an event loop of its own."""
+"""The real operator for the autoscaling integration tests, with short autoscaling rounds."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import threading
-from collections.abc import AsyncIterator
+from typing import Any
 
-from inflight.operator.main import OperatorOptions, run
+from emulated import running_operator as _running_operator
 
 
-@contextlib.asynccontextmanager
-async def running_operator(autoscale_seconds: float = 1.0) -> AsyncIterator[None]:
-    stop = threading.Event()
-    options = OperatorOptions(
-        leader_election=False, liveness=None, autoscale_seconds=autoscale_seconds, scrape_timeout_seconds=1.0
-    )
-    outcome: list[int | BaseException] = []
-
-    def target() -> None:
-        try:
-            outcome.append(asyncio.run(run(options, stop_flag=stop)))
-        except BaseException as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=target, name="operator")
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 15)
-        assert not thread.is_alive(), "the operator did not stop"
-        assert outcome == [0], outcome
+def running_operator(autoscale_seconds: float = 1.0) -> contextlib.AbstractAsyncContextManager[Any]:
+    return _running_operator(autoscale_seconds=autoscale_seconds, scrape_timeout_seconds=1.0)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import kmock
 from kube_emulator import KubeEmulator
+
+from inflight.operator.main import OperatorOptions, run
 
 MODELSERVERS = "inflight.dev/v1alpha1/modelservers"
 DEPLOYMENTS = "apps/v1/deployments"
@@ -65,3 +68,30 @@ def posted_events(cluster: KubeEmulator) -> list[dict[str, Any]]:
         if resource.plural == "events" and not obj.deleted
     ]
     return sorted(events, key=lambda e: int(e["metadata"]["resourceVersion"]))
+
+
+@contextlib.asynccontextmanager
+async def running_operator(**options: Any) -> AsyncIterator[None]:
+    """The real operator in a thread with an event loop of its own, as kopf's KopfRunner runs it.
+
+    `options` override OperatorOptions (leader election and the liveness endpoint are off).
+    """
+    stop = threading.Event()
+    settings = OperatorOptions(leader_election=False, liveness=None, **options)
+    outcome: list[int | BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(asyncio.run(run(settings, stop_flag=stop)))
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, name="operator")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 15)
+        assert not thread.is_alive(), "the operator did not stop"
+        assert outcome == [0], outcome

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +16,10 @@ from emulated import (
     emulated_cluster,
     eventually,
     posted_events,
+    running_operator,
     write_kubeconfig,
 )
 from kube_emulator import KubeEmulator
-
-from inflight.operator.main import OperatorOptions, run
 
 NS = "ns"
 MS_URL = f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers"
@@ -40,30 +37,6 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
     async with emulated_cluster() as emulator:
         monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
         yield emulator
-
-
-@contextlib.asynccontextmanager
-async def operator(resync_seconds: float = 60.0) -> AsyncIterator[None]:
-    """The operator in a thread with an event loop of its own, as kopf's KopfRunner runs it."""
-    stop = threading.Event()
-    options = OperatorOptions(leader_election=False, liveness=None, resync_seconds=resync_seconds)
-    outcome: list[int | BaseException] = []
-
-    def target() -> None:
-        try:
-            outcome.append(asyncio.run(run(options, stop_flag=stop)))
-        except BaseException as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=target, name="operator")
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 15)
-        assert not thread.is_alive(), "the operator did not stop"
-        assert outcome == [0], outcome
 
 
 def tiny(name: str = "tiny", **spec: Any) -> dict[str, Any]:
@@ -112,7 +85,7 @@ def args_of(dep: dict[str, Any] | None) -> list[str]:
 
 
 async def test_lifecycle_create_ready_scale_update_repair_delete(cluster: KubeEmulator) -> None:
-    async with operator():
+    async with running_operator():
         created = await (await cluster.post(MS_URL, json=tiny())).json()
         uid = created["metadata"]["uid"]
 
@@ -242,7 +215,7 @@ async def test_impossible_spec_is_degraded_until_fixed(cluster: KubeEmulator) ->
             "resources": {"gpu": {"count": 1}},
         },
     }
-    async with operator(resync_seconds=0.5):
+    async with running_operator(resync_seconds=0.5):
         await cluster.post(MS_URL, json=body)
         ms = await eventually(
             lambda: (
@@ -281,7 +254,7 @@ async def test_impossible_spec_is_degraded_until_fixed(cluster: KubeEmulator) ->
 
 
 async def test_missing_secret_is_degraded_and_heals_on_resync(cluster: KubeEmulator) -> None:
-    async with operator(resync_seconds=0.5):
+    async with running_operator(resync_seconds=0.5):
         await cluster.post(MS_URL, json=tiny("secured", auth={"apiKeySecretRef": {"name": "api"}}))
         ms = await eventually(
             lambda: (
