@@ -314,7 +314,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _collect(run: RunState, request: Request) -> bool:
-    """Drain the generation into `run`; False if the client went away first (the request is aborted)."""
+    """Drain the generation into `run` and note its usage for the access log; False if the client went
+    away first (the request is aborted)."""
 
     async def consume() -> None:
         async for _ in run.updates():
@@ -330,10 +331,12 @@ async def _collect(run: RunState, request: Request) -> bool:
             work.cancel()
         run.generation.close()
     if not work.done() or work.cancelled():
+        run.note_usage(request, disconnected=True)
         return False
     error = work.exception()
     if error is not None:
         raise _engine_error(error) if isinstance(error, RequestFailedError | RequestAbortedError) else error
+    run.note_usage(request)
     return True
 
 
@@ -499,9 +502,7 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
         return _sse_stream(run, request, chunks)
 
     if not await _collect(run, request):
-        run.note_usage(request, disconnected=True)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    run.note_usage(request)
     choices = []
     for index, choice in sorted(run.choices.items()):
         prefix = echo_text(choice.prompt_index) if body.echo else ""
@@ -611,9 +612,7 @@ async def chat_completion(ctx: ServerContext, body: ChatCompletionRequest, reque
         return _sse_stream(run, request, chunks)
 
     if not await _collect(run, request):
-        run.note_usage(request, disconnected=True)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    run.note_usage(request)
     choices = [
         ChatChoice(
             index=index,
