@@ -24,8 +24,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
+
+from inflight.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from inflight.engine.engine import LLMEngine, RequestOutput
@@ -56,22 +58,6 @@ class RequestFailedError(Exception):
 
 class RequestAbortedError(Exception):
     """The request was cut short because the server is shutting down."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    max_slots: int = 0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 @dataclass
@@ -157,7 +143,7 @@ class AsyncEngine:
         self._seqs_in_flight = 0
         self._recent_finishes: deque[float] = deque(maxlen=32)
         # Written by the engine thread, read anywhere (one attribute assignment is atomic).
-        self._stats = EngineStats(max_slots=max_slots)
+        self._stats = EngineStats(max_num_seqs=max_slots)
         self.started_at = int(time.time())
         self._baseline = EngineStats()
 
@@ -262,15 +248,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The latest engine state; counters exclude the warm-up request."""
         now, base = self._stats, self._baseline
-        return EngineStats(
-            running=now.running,
-            waiting=now.waiting,
-            kv_blocks_used=now.kv_blocks_used,
-            kv_blocks_total=now.kv_blocks_total,
-            preemptions=now.preemptions - base.preemptions,
-            prompt_tokens=now.prompt_tokens - base.prompt_tokens,
-            generation_tokens=now.generation_tokens - base.generation_tokens,
-            max_slots=now.max_slots,
+        return replace(
+            now,
+            num_preemptions=now.num_preemptions - base.num_preemptions,
+            num_prefix_cache_queries=now.num_prefix_cache_queries - base.num_prefix_cache_queries,
+            num_prefix_cache_hits=now.num_prefix_cache_hits - base.num_prefix_cache_hits,
+            num_prompt_tokens=now.num_prompt_tokens - base.num_prompt_tokens,
+            num_generation_tokens=now.num_generation_tokens - base.num_generation_tokens,
+            num_steps=now.num_steps - base.num_steps,
         )
 
     def _retry_after(self, excess: int) -> int:
@@ -376,7 +361,7 @@ class AsyncEngine:
         )
         while engine.has_unfinished_requests():
             engine.step()
-        self._baseline = self._stats = self._snapshot(engine)
+        self._baseline = self._stats = engine.stats()
 
     def _serve(self, engine: LLMEngine) -> None:
         live: set[str] = set()
@@ -403,7 +388,7 @@ class AsyncEngine:
             if stopping:
                 for request_id in live:
                     engine.abort(request_id)
-                self._stats = self._snapshot(engine)
+                self._stats = engine.stats()
                 return
             outputs: list[RequestOutput] = []
             if engine.has_unfinished_requests():
@@ -416,19 +401,6 @@ class AsyncEngine:
                         failures.append((request_id, RequestFailedError(f"engine step failed: {error}")))
                     live.clear()
                 live.difference_update(output.request_id for output in outputs if output.finished)
-            self._stats = self._snapshot(engine)
+            self._stats = engine.stats()
             if outputs or failures:
                 self._post(self._deliver, outputs, failures)
-
-    def _snapshot(self, engine: LLMEngine) -> EngineStats:
-        stats = engine.stats()
-        return EngineStats(
-            running=stats.num_running,
-            waiting=stats.num_waiting,
-            kv_blocks_used=stats.num_used_blocks,
-            kv_blocks_total=stats.num_blocks,
-            preemptions=stats.num_preemptions,
-            prompt_tokens=stats.num_prompt_tokens,
-            generation_tokens=stats.num_generation_tokens,
-            max_slots=self.max_slots,
-        )

@@ -29,6 +29,7 @@ from inflight.engine.runner import ModelRunner, RunnerOutput
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import SchedulerOutput, create_scheduler
 from inflight.engine.sequence import FinishReason, PositionLogprobs, SamplingParams, Sequence
+from inflight.engine.stats import EngineStats
 from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("inflight.engine")
@@ -76,23 +77,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # Why the request failed (finish_reason "error"), else None.
     error: str | None = None
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_used_blocks: int
-    num_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    num_prefix_cache_queries: int
-    num_prefix_cache_hits: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_steps: int
-    last_step_num_batched_tokens: int
-    max_num_seqs: int
 
 
 @dataclass

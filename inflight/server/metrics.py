@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from inflight.engine.async_engine import EngineStats
+from inflight.engine.stats import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
@@ -29,18 +29,18 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         gauges = (
-            ("inflight:num_requests_running", "Sequences in the running batch.", stats.running),
-            ("inflight:num_requests_waiting", "Sequences waiting for a slot.", stats.waiting),
+            ("inflight:num_requests_running", "Sequences in the running batch.", stats.num_running),
+            ("inflight:num_requests_waiting", "Sequences waiting for a slot.", stats.num_waiting),
             ("inflight:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", stats.kv_cache_usage),
-            ("inflight:kv_cache_blocks_total", "KV blocks in the pool (the plan).", stats.kv_blocks_total),
-            ("inflight:max_slots", "Maximum concurrently running sequences (the plan).", stats.max_slots),
+            ("inflight:kv_cache_blocks_total", "KV blocks in the pool (the plan).", stats.num_blocks),
+            ("inflight:max_slots", "Maximum concurrently running sequences (the plan).", stats.max_num_seqs),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = (
-            ("inflight:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.preemptions),
-            ("inflight:prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
-            ("inflight:generation_tokens", "Tokens generated.", stats.generation_tokens),
+            ("inflight:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions),
+            ("inflight:prompt_tokens", "Prompt tokens prefilled.", stats.num_prompt_tokens),
+            ("inflight:generation_tokens", "Tokens generated.", stats.num_generation_tokens),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

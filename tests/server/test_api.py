@@ -338,7 +338,7 @@ def test_dropped_streams_are_aborted_and_free_every_block(live: LiveServer) -> N
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         stats = live.engine.stats()
-        if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_used_blocks == 0:
             break
         time.sleep(0.05)
     assert live.metric("inflight:num_requests_running") == 0
@@ -359,4 +359,4 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(live: LiveServer)
     while live.engine.num_in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live.engine.num_in_flight == 0
-    assert live.engine.stats().kv_blocks_used == 0
+    assert live.engine.stats().num_used_blocks == 0

@@ -17,8 +17,9 @@ from inflight.engine.async_engine import (
     RequestFailedError,
 )
 from inflight.engine.config import EngineConfig
-from inflight.engine.engine import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from inflight.engine.engine import CompletionOutput, RequestMetrics, RequestOutput
 from inflight.engine.sequence import SamplingParams
+from inflight.engine.stats import EngineStats
 
 POISON_PROMPT = [666]  # the scripted engine's step() raises while this prompt is in it
 REJECTED_PROMPT = [13]  # its add_request() raises ValueError
@@ -132,7 +133,7 @@ async def test_outputs_arrive_in_order_and_warm_up_is_not_counted(scripted: tupl
     outputs = await collect(async_engine.submit([request("a", max_tokens=3)]))
     assert [o.outputs[0].token_ids for o in outputs] == [[7], [7, 7], [7, 7, 7]]
     assert [o.finished for o in outputs] == [False, False, True]
-    assert async_engine.stats().generation_tokens == 3  # warm-up steps subtracted
+    assert async_engine.stats().num_generation_tokens == 3  # warm-up steps subtracted
     assert async_engine.num_in_flight == 0
 
 
