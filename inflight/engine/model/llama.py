@@ -56,6 +56,10 @@ def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+# cos and sin of the step's positions, [T, 1, head_dim / 2] each.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding:
     """cos/sin for every position up to max_position_embeddings, computed once in float32."""
 
@@ -66,24 +70,19 @@ class RotaryEmbedding:
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def __call__(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos and sin [T, 1, head_dim / 2] of `positions` in `dtype`: looked up once per step, used by
+        every layer."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    cos = cos.to(dtype)
-    sin = sin.to(dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -96,11 +95,10 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.backend = backend
-        self.rotary = rotary
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         hidden: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -111,7 +109,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        cos, sin = rope
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -130,22 +129,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, rotary)
+        self.self_attn = Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         hidden: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), k_cache, v_cache, meta)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), k_cache, v_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -172,11 +171,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config, device)
+        self.rotary = RotaryEmbedding(config, device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, rotary) for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
@@ -195,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         if attn_metadata.sliding_window != self.config.sliding_window:
             attn_metadata = replace(attn_metadata, sliding_window=self.config.sliding_window)
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, hidden.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, k_cache, v_cache, attn_metadata)
+            hidden = layer(rope, hidden, k_cache, v_cache, attn_metadata)
         normed: torch.Tensor = self.norm(hidden)
         return normed
 
