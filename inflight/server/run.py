@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
+from inflight.cache import cache_dir
 from inflight.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("inflight.server")
 
 BUILTIN_PREFIX = "builtin:"
-CACHE_ENV = "INFLIGHT_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "inflight")
 
 
 def resolve_model(model: str) -> Path:

@@ -52,7 +52,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from inflight.server.run import cache_dir
+    from inflight.cache import cache_dir
     from inflight.sim.cost_model import DEFAULT_COST_MODEL, load_cost_model
     from inflight.sim.simulator import validate_slots
 

@@ -103,7 +103,10 @@ def test_write_kv_cache_places_rows_at_their_slots() -> None:
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
 
 
-def test_cpu_uses_the_torch_backend() -> None:
+def test_cpu_uses_the_torch_backend_when_the_kernel_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inflight.engine.attention import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "kernel_available", lambda: False)
     backend = get_attention_backend(torch.device("cpu"))
     assert backend.name == "torch"
     assert backend.paged_attention is paged_attention

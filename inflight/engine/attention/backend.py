@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.engine.attention import torch_paged, triton_paged
+from inflight.engine.attention import cpu_paged, torch_paged, triton_paged
 from inflight.engine.attention.metadata import AttentionMetadata
 
 WriteKVCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -29,6 +29,12 @@ TORCH_BACKEND = AttentionBackend(
     paged_attention=torch_paged.paged_attention,
 )
 
+CPU_KERNEL_BACKEND = AttentionBackend(
+    name="cpu-kernel",
+    write_kv_cache=torch_paged.write_kv_cache,
+    paged_attention=cpu_paged.paged_attention,
+)
+
 TRITON_BACKEND = AttentionBackend(
     name="triton",
     write_kv_cache=triton_paged.write_kv_cache,
@@ -37,7 +43,10 @@ TRITON_BACKEND = AttentionBackend(
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The attention backend for `device`: Triton kernels on CUDA where triton is installed, else PyTorch."""
+    """The attention backend for `device`: Triton kernels on CUDA where triton is installed, the C decode
+    kernel on CPU where it builds (see cpu_paged.py), else PyTorch."""
     if device.type == "cuda" and triton_paged.triton_available():
         return TRITON_BACKEND
+    if device.type == "cpu" and cpu_paged.kernel_available():
+        return CPU_KERNEL_BACKEND
     return TORCH_BACKEND

@@ -41,6 +41,23 @@ def paged_attention(
         everyone = list(range(meta.num_seqs))
         return _decode_grouped(query, k_cache, v_cache, meta, everyone, everyone, scale)
     out = torch.empty_like(query)
+    decode_seqs, decode_rows = attend_prefills(out, query, k_cache, v_cache, meta, scale)
+    if decode_seqs:
+        rows = torch.tensor(decode_rows, device=query.device)
+        out[rows] = _decode_grouped(query, k_cache, v_cache, meta, decode_seqs, decode_rows, scale)
+    return out
+
+
+def attend_prefills(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> tuple[list[int], list[int]]:
+    """Write into `out` the attention of every sequence with more than one new token (one SDPA each);
+    return the decode sequences (one new token) and their query rows, for the caller to attend."""
     decode_seqs: list[int] = []
     decode_rows: list[int] = []
     start = 0
@@ -59,10 +76,7 @@ def paged_attention(
                 scale,
             )
         start += query_len
-    if decode_seqs:
-        rows = torch.tensor(decode_rows, device=query.device)
-        out[rows] = _decode_grouped(query, k_cache, v_cache, meta, decode_seqs, decode_rows, scale)
-    return out
+    return decode_seqs, decode_rows
 
 
 # Decode sequences are attended in groups of this many with similar context lengths, so each group's

@@ -1,0 +1,133 @@
+"""The C paged-decode kernel for CPU against a dense float64 reference and against the torch path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from paged_cases import dense_reference, make_case
+
+from inflight.engine.attention import cpu_paged, torch_paged
+from inflight.engine.attention.backend import get_attention_backend
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+pytestmark = pytest.mark.skipif(
+    not cpu_paged.kernel_available(), reason=f"CPU kernel not built: {cpu_paged.unavailable_reason()}"
+)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == dtype
+    error = (actual.double() - expected).abs().max().item()
+    assert error <= TOLERANCE[dtype], f"max abs error {error} > {TOLERANCE[dtype]} for {dtype}"
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> int:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
+def test_decode_ragged_lengths_across_block_boundaries(
+    num_heads: int, num_kv_heads: int, dtype: torch.dtype, threads: int
+) -> None:
+    # 1 token, one block exactly, one past a block, two blocks, a tile (8) inside a block, many blocks.
+    seq_lens = [1, 16, 17, 32, 8, 9, 141]
+    case = make_case(
+        seq_lens, [1] * len(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype
+    )
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), dtype)
+
+
+def test_many_sequences_take_whole_sequence_work_items(threads: int) -> None:
+    # n >= 4 * threads: one work item per sequence (all KV heads); fewer: one per (sequence, KV head).
+    seq_lens = [(7 * i) % 90 + 1 for i in range(4 * threads + 3)]
+    case = make_case(seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=4, seed=7)
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_decode_rows_use_the_kernel_prefills_the_torch_path(dtype: torch.dtype) -> None:
+    # A decode, a chunk after a cached prefix ending mid-block, a whole prompt, a 1-token prompt, a decode.
+    case = make_case([40, 37, 70, 1, 90], [1, 13, 70, 1, 1], num_heads=8, num_kv_heads=2, dtype=dtype, seed=1)
+    args = (case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = cpu_paged.paged_attention(*args)
+    assert_close(out, dense_reference(case), dtype)
+    assert_close(out, torch_paged.paged_attention(*args).double(), dtype)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [9, 1, 30]])
+def test_sliding_window_masks_old_keys(query_lens: list[int]) -> None:
+    case = make_case([90, 45, 40], query_lens, num_heads=4, num_kv_heads=2, sliding_window=20, seed=2)
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    expected = dense_reference(case)
+    assert_close(out, expected, torch.float32)
+    case.meta.sliding_window = None
+    assert (dense_reference(case) - expected).abs().max() > 1e-2  # the window changed the answer
+
+
+def test_odd_head_dim_and_block_size() -> None:
+    case = make_case([23, 5, 11], [1, 1, 1], num_heads=6, num_kv_heads=3, head_dim=24, block_size=5, seed=3)
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), torch.float32)
+
+
+def test_float16_and_strided_inputs_fall_back_to_the_torch_path() -> None:
+    case = make_case([30, 12], [1, 1], num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=4)
+    args = (case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert torch.equal(cpu_paged.paged_attention(*args), torch_paged.paged_attention(*args))
+    case = make_case([30, 12], [1, 1], num_heads=4, num_kv_heads=2, seed=4)
+    strided = case.query.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    out = cpu_paged.paged_attention(strided, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), torch.float32)
+
+
+def test_cpu_backend_is_the_kernel() -> None:
+    backend = get_attention_backend(torch.device("cpu"))
+    assert backend.name == "cpu-kernel"
+    assert backend.paged_attention is cpu_paged.paged_attention
+
+
+def test_build_is_cached_per_source_and_names_a_missing_compiler(tmp_path: Path) -> None:
+    first = cpu_paged.build_library(out_dir=tmp_path)
+    built_at = first.stat().st_mtime_ns
+    assert cpu_paged.build_library(out_dir=tmp_path) == first
+    assert first.stat().st_mtime_ns == built_at  # not rebuilt
+    with pytest.raises(cpu_paged.KernelBuildError, match="no C compiler: 'no-such-cc'"):
+        cpu_paged.build_library(compiler="no-such-cc", out_dir=tmp_path)
+
+
+def test_compile_errors_are_reported_with_the_compiler_output(tmp_path: Path) -> None:
+    fake = tmp_path / "cc"
+    fake.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'error: broken toolchain' >&2\nexit 3\n"
+    )
+    fake.chmod(0o755)
+    with pytest.raises(cpu_paged.KernelBuildError, match=r"exit 3\):\nerror: broken toolchain"):
+        cpu_paged.build_library(compiler=str(fake), out_dir=tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.so"))
+
+
+def test_disabled_by_environment_or_missing_compiler_uses_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(cpu_paged.DISABLE_ENV, "0")
+    library = cpu_paged._Library()
+    assert library.decode_function() is None
+    assert library.unavailable_reason == "INFLIGHT_CPU_KERNELS=0"
+
+    monkeypatch.delenv(cpu_paged.DISABLE_ENV)
+    monkeypatch.setenv("CC", "no-such-cc")
+    library = cpu_paged._Library()
+    with caplog.at_level("WARNING", logger="inflight.engine"):
+        assert library.decode_function() is None
+    assert "using the torch path: no C compiler" in caplog.text
