@@ -8,13 +8,14 @@ import pytest
 import torch
 from paged_cases import dense_reference, make_case
 
+from inflight.engine import cpu_kernels
 from inflight.engine.attention import cpu_paged, torch_paged
 from inflight.engine.attention.backend import get_attention_backend
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 pytestmark = pytest.mark.skipif(
-    not cpu_paged.kernel_available(), reason=f"CPU kernel not built: {cpu_paged.unavailable_reason()}"
+    not cpu_paged.kernel_available(), reason=f"CPU kernels not built: {cpu_kernels.unavailable_reason()}"
 )
 
 
@@ -80,15 +81,26 @@ def test_odd_head_dim_and_block_size() -> None:
     assert_close(out, dense_reference(case), torch.float32)
 
 
-def test_float16_and_strided_inputs_fall_back_to_the_torch_path() -> None:
+def test_float16_and_transposed_queries_fall_back_to_the_torch_path() -> None:
     case = make_case([30, 12], [1, 1], num_heads=4, num_kv_heads=2, dtype=torch.float16, seed=4)
     args = (case.query, case.k_cache, case.v_cache, case.meta, case.scale)
     assert torch.equal(cpu_paged.paged_attention(*args), torch_paged.paged_attention(*args))
     case = make_case([30, 12], [1, 1], num_heads=4, num_kv_heads=2, seed=4)
-    strided = case.query.transpose(1, 2).contiguous().transpose(1, 2)
-    assert not strided.is_contiguous()
-    out = cpu_paged.paged_attention(strided, case.k_cache, case.v_cache, case.meta, case.scale)
+    transposed = case.query.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not cpu_paged._kernel_handles(transposed, case.k_cache, case.v_cache)
+    out = cpu_paged.paged_attention(transposed, case.k_cache, case.v_cache, case.meta, case.scale)
     assert_close(out, dense_reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_may_be_rows_of_the_fused_qkv_projection(dtype: torch.dtype) -> None:
+    case = make_case([30, 12, 50], [1, 1, 1], num_heads=4, num_kv_heads=2, dtype=dtype, seed=5)
+    fused = torch.randn(3, (4 + 2 * 2) * 32).to(dtype)
+    fused[:, : 4 * 32] = case.query.reshape(3, -1)
+    query = fused[:, : 4 * 32].view(3, 4, 32)
+    assert not query.is_contiguous() and cpu_paged._kernel_handles(query, case.k_cache, case.v_cache)
+    out = cpu_paged.paged_attention(query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), dtype)
 
 
 def test_cpu_backend_is_the_kernel() -> None:
@@ -98,12 +110,12 @@ def test_cpu_backend_is_the_kernel() -> None:
 
 
 def test_build_is_cached_per_source_and_names_a_missing_compiler(tmp_path: Path) -> None:
-    first = cpu_paged.build_library(out_dir=tmp_path)
+    first = cpu_kernels.build_library(out_dir=tmp_path)
     built_at = first.stat().st_mtime_ns
-    assert cpu_paged.build_library(out_dir=tmp_path) == first
+    assert cpu_kernels.build_library(out_dir=tmp_path) == first
     assert first.stat().st_mtime_ns == built_at  # not rebuilt
-    with pytest.raises(cpu_paged.KernelBuildError, match="no C compiler: 'no-such-cc'"):
-        cpu_paged.build_library(compiler="no-such-cc", out_dir=tmp_path)
+    with pytest.raises(cpu_kernels.KernelBuildError, match="no C compiler: 'no-such-cc'"):
+        cpu_kernels.build_library(compiler="no-such-cc", out_dir=tmp_path)
 
 
 def test_compile_errors_are_reported_with_the_compiler_output(tmp_path: Path) -> None:
@@ -112,22 +124,22 @@ def test_compile_errors_are_reported_with_the_compiler_output(tmp_path: Path) ->
         "#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'error: broken toolchain' >&2\nexit 3\n"
     )
     fake.chmod(0o755)
-    with pytest.raises(cpu_paged.KernelBuildError, match=r"exit 3\):\nerror: broken toolchain"):
-        cpu_paged.build_library(compiler=str(fake), out_dir=tmp_path / "out")
+    with pytest.raises(cpu_kernels.KernelBuildError, match=r"exit 3\):\nerror: broken toolchain"):
+        cpu_kernels.build_library(compiler=str(fake), out_dir=tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.so"))
 
 
 def test_disabled_by_environment_or_missing_compiler_uses_the_torch_path(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv(cpu_paged.DISABLE_ENV, "0")
-    library = cpu_paged._Library()
-    assert library.decode_function() is None
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    library = cpu_kernels._Library()
+    assert library.get() is None
     assert library.unavailable_reason == "INFLIGHT_CPU_KERNELS=0"
 
-    monkeypatch.delenv(cpu_paged.DISABLE_ENV)
+    monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
     monkeypatch.setenv("CC", "no-such-cc")
-    library = cpu_paged._Library()
+    library = cpu_kernels._Library()
     with caplog.at_level("WARNING", logger="inflight.engine"):
-        assert library.decode_function() is None
-    assert "using the torch path: no C compiler" in caplog.text
+        assert library.get() is None
+    assert "using the PyTorch code instead: no C compiler" in caplog.text

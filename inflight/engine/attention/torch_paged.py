@@ -190,7 +190,8 @@ def _prefill(
     num_blocks = -(-seq_len // k_cache.shape[1])
     keys = _gather(k_cache, block_table, num_blocks, "k")[:seq_len].transpose(0, 1)  # [Hkv, L, D]
     values = _gather(v_cache, block_table, num_blocks, "v")[:seq_len].transpose(0, 1)
-    q = query.transpose(0, 1)  # [Hq, Q, D]
+    # A leading batch dimension: without it SDPA takes its slow math path on CPU instead of flash attention.
+    q, keys, values = query.transpose(0, 1)[None], keys[None], values[None]  # [1, H, L, D]
     if query_len == seq_len and sliding_window is None:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -201,4 +202,4 @@ def _prefill(
         if sliding_window is not None:
             mask &= key_pos > query_pos - sliding_window
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

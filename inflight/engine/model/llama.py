@@ -16,6 +16,7 @@ from torch import nn
 
 from inflight.engine.attention.backend import AttentionBackend
 from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.model import ops
 from inflight.engine.model.config import ModelConfig
 
 
@@ -25,11 +26,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalized h, h) for h = x + residual (x alone without one); see ops.rms_norm."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -56,7 +57,7 @@ def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-# cos and sin of the step's positions, [T, 1, head_dim / 2] each.
+# cos and sin of the step's positions, float32 [T, 1, head_dim / 2] each.
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -70,15 +71,9 @@ class RotaryEmbedding:
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """cos and sin [T, 1, head_dim / 2] of `positions` in `dtype`: looked up once per step, used by
-        every layer."""
-        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def __call__(self, positions: torch.Tensor) -> Rope:
+        """cos and sin of `positions`: looked up once per step, used by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
 class Attention(nn.Module):
@@ -105,12 +100,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k, v = ops.split_qkv_with_rotary(
+            self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
+        )
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -124,8 +117,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -140,12 +132,17 @@ class DecoderLayer(nn.Module):
         self,
         rope: Rope,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), k_cache, v_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two, so each
+        residual add is fused with the RMSNorm after it. The first layer gets residual None."""
+        normed, residual = self.input_layernorm(hidden, residual)
+        attended = self.self_attn(rope, normed, k_cache, v_cache, meta)
+        normed, residual = self.post_attention_layernorm(attended, residual)
+        return self.mlp(normed), residual
 
 
 @dataclass(frozen=True)
@@ -192,10 +189,11 @@ class LlamaForCausalLM(nn.Module):
         if attn_metadata.sliding_window != self.config.sliding_window:
             attn_metadata = replace(attn_metadata, sliding_window=self.config.sliding_window)
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, hidden.dtype)
+        rope = self.rotary(positions)
+        residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, k_cache, v_cache, attn_metadata)
-        normed: torch.Tensor = self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, attn_metadata)
+        normed, _ = self.norm(hidden, residual)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

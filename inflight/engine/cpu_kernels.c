@@ -1,13 +1,9 @@
-/* Paged decode attention for CPU: reads K/V blocks where they lie, no gather.
+/* Small C kernels for CPU inference: paged decode attention that reads K/V blocks where they lie, and
+ * the model's elementwise steps fused into one pass each (add + RMSNorm, SiLU * up, rotary embedding).
  *
- * Compiled at first use by cpu_paged.py (cc -O3 -march=native -fopenmp) and called through ctypes.
- * Layout contract: attention/metadata.py. q and out are [T, num_heads, head_dim] rows; k_cache and
- * v_cache are [num_blocks, block_size, num_kv_heads, head_dim]; block_tables is [num_seqs, stride].
+ * Compiled at first use by cpu_kernels.py (cc -O3 -march=native -fopenmp) and called through ctypes.
  * Element type: float32 (dtype 0) or bfloat16 (dtype 1); arithmetic is float32 either way.
- *
- * Work item = (decode sequence, KV head): its group of num_heads / num_kv_heads query heads scores every
- * key of the sequence (one pass over K), takes an exact softmax, then sums the values (one pass over V).
- * Work items are spread over `num_threads` OpenMP threads (the OpenMP runtime torch already loaded).
+ * Parallel loops use `num_threads` OpenMP threads (the OpenMP runtime torch already loaded).
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,6 +28,28 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* ---- exp that vectorizes ------------------------------------------------------------------------ */
+
+/* e^x for float32 without a libm call, so loops over it vectorize: x = n ln2 + r with |r| <= ln2 / 2,
+ * e^r by a degree-6 polynomial (Taylor, relative error below 2e-7 over that range), times 2^n built in
+ * the exponent bits. Inputs below -87.3 give 0 (as expf underflows); above 88.7 are clamped. */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* `n` elements at `offset` as floats: the memory itself for float32, converted into `tmp` for bfloat16. */
 static inline const float *row_as_float(const void *base, int64_t offset, int64_t n, int dtype, float *tmp) {
     if (dtype == DTYPE_FLOAT32) return (const float *)base + offset;
@@ -49,6 +67,13 @@ static inline void store_row(void *base, int64_t offset, const float *src, int64
         for (int64_t d = 0; d < n; d++) dst[d] = float_to_bf16(src[d]);
     }
 }
+
+/* ---- paged decode attention ---------------------------------------------------------------------
+ * Layout contract: attention/metadata.py. q is [T, num_heads, head_dim] rows `q_row_stride` elements
+ * apart (a view into the fused q|k|v projection), out is [T, num_heads, head_dim]; k_cache and v_cache are
+ * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables is [num_seqs, stride].
+ * A work item is one sequence's KV heads (all, or one): its query heads score every key (one pass over
+ * K), take an exact softmax, then sum the values (one pass over V). */
 
 /* Keys and values are visited TILE tokens at a time (never across a block edge): TILE independent dot
  * products per pass keep the FMA units busy where one would wait on its own additions. */
@@ -77,7 +102,7 @@ static inline int64_t tile_count(int64_t t, int64_t end, int64_t block_size) {
 /* One item: KV heads [head_begin, head_end) of one sequence. For each tile of tokens every head of the
  * range is done before the next tile, so a block is read from memory once while it is hot.
  * scratch holds group * heads * (seq_len + 2 * head_dim) + TILE * head_dim floats. */
-static void decode_item(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+static void decode_item(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *table,
                         int64_t seq_len, int64_t row, int64_t head_begin, int64_t head_end, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
                         float scale, int dtype, void *out, float *scratch) {
@@ -92,7 +117,7 @@ static void decode_item(const void *q, const void *k_cache, const void *v_cache,
     const float *rows[TILE];
 
     for (int64_t h = 0; h < heads; h++) {
-        const int64_t offset = (row * num_heads + head_begin * group + h) * head_dim;
+        const int64_t offset = row * q_row_stride + (head_begin * group + h) * head_dim;
         const float *src = row_as_float(q, offset, head_dim, dtype, tmp);
         for (int64_t d = 0; d < head_dim; d++) queries[h * head_dim + d] = src[d] * scale;
     }
@@ -167,7 +192,7 @@ static void decode_item(const void *q, const void *k_cache, const void *v_cache,
 }
 
 /* Decode attention for n sequences with one new token each.
- *   q, out      [T, num_heads, head_dim]; item i reads and writes row rows[i]
+ *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart); item i reads and writes row rows[i]
  *   seqs[i]     item i's index into block_tables and seq_lens
  *   window      keys older than `window` positions are skipped (0 = no sliding window)
  *   max_seq_len the longest seq_lens[seqs[i]] (sizes the per-thread scratch)
@@ -175,7 +200,7 @@ static void decode_item(const void *q, const void *k_cache, const void *v_cache,
  * KV head of a sequence. Returns 0, or 1 when scratch memory could not be allocated (out is then
  * incomplete).
  */
-int paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *seq_lens, const int64_t *rows, const int64_t *seqs,
                  int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t window, float scale, int dtype, void *out, int64_t max_seq_len, int num_threads) {
@@ -196,11 +221,120 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, const 
             if (scratch == NULL) continue;
             const int64_t i = item / items_per_seq;
             const int64_t head_begin = (item % items_per_seq) * heads_per_item;
-            decode_item(q, k_cache, v_cache, block_tables + seqs[i] * table_stride, seq_lens[seqs[i]], rows[i],
+            decode_item(q, q_row_stride, k_cache, v_cache, block_tables + seqs[i] * table_stride, seq_lens[seqs[i]], rows[i],
                         head_begin, head_begin + heads_per_item, num_heads, num_kv_heads, head_dim, block_size,
                         window, scale, dtype, out, scratch);
         }
         free(scratch);
     }
     return failed;
+}
+
+/* ---- the model's elementwise steps ---------------------------------------------------------------- */
+
+/* Rows are split over threads only when there is enough work to pay for waking them. */
+static inline int threads_for(int64_t elements, int num_threads) { return elements >= 65536 ? num_threads : 1; }
+
+/* out = weight * x / sqrt(mean(x^2) + eps), row by row over [rows, hidden].
+ * With `residual` (not NULL): residual = x + residual first (in place), and it is what is normalized:
+ * the decoder's "add the sublayer's output, then normalize" in one pass. bfloat16 rounds where torch
+ * would: the sum, the normalized value, the product with the weight. */
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
+              float eps, int dtype, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(rows * hidden, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * hidden;
+        float sum_sq = 0.0f;
+        if (dtype == DTYPE_FLOAT32) {
+            const float *xr = (const float *)x + base;
+            float *res = residual ? (float *)residual + base : NULL;
+            if (res) {
+#pragma omp simd reduction(+ : sum_sq)
+                for (int64_t i = 0; i < hidden; i++) {
+                    res[i] += xr[i];
+                    sum_sq += res[i] * res[i];
+                }
+                xr = res;
+            } else {
+#pragma omp simd reduction(+ : sum_sq)
+                for (int64_t i = 0; i < hidden; i++) sum_sq += xr[i] * xr[i];
+            }
+            const float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+            const float *w = (const float *)weight;
+            float *o = (float *)out + base;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++) o[i] = w[i] * (xr[i] * inv);
+        } else {
+            const uint16_t *xr = (const uint16_t *)x + base;
+            uint16_t *res = residual ? (uint16_t *)residual + base : NULL;
+            for (int64_t i = 0; i < hidden; i++) {
+                float v = bf16_to_float(xr[i]);
+                if (res) {
+                    res[i] = float_to_bf16(v + bf16_to_float(res[i]));
+                    v = bf16_to_float(res[i]);
+                }
+                sum_sq += v * v;
+            }
+            const uint16_t *src = res ? res : xr;
+            const float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+            const uint16_t *w = (const uint16_t *)weight;
+            uint16_t *o = (uint16_t *)out + base;
+            for (int64_t i = 0; i < hidden; i++) {
+                const float normed = bf16_to_float(float_to_bf16(bf16_to_float(src[i]) * inv));
+                o[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+            }
+        }
+    }
+}
+
+/* out[r] = silu(gate[r]) * up[r] where gate_up[r] = [gate (width) | up (width)]; out is [rows, width]. */
+void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(rows * width, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        if (dtype == DTYPE_FLOAT32) {
+            const float *g = (const float *)gate_up + r * 2 * width, *u = g + width;
+            float *o = (float *)out + r * width;
+#pragma omp simd
+            for (int64_t i = 0; i < width; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+        } else {
+            const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width, *u = g + width;
+            uint16_t *o = (uint16_t *)out + r * width;
+            for (int64_t i = 0; i < width; i++) {
+                const float gi = bf16_to_float(g[i]);
+                const float act = bf16_to_float(float_to_bf16(gi / (1.0f + exp_approx(-gi))));
+                o[i] = float_to_bf16(act * bf16_to_float(u[i]));
+            }
+        }
+    }
+}
+
+/* Rotary embedding (rotate-half form), in place on the first `heads` heads of each row of x:
+ * x is [rows, row_stride] (the fused q|k|v projection: q and k heads come first), cos and sin are float32
+ * [rows, head_dim / 2]. Each head's halves (a, b) become (a cos - b sin, b cos + a sin). */
+void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows, int64_t heads,
+            int64_t head_dim, int dtype, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(threads_for(rows * heads * head_dim, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * half, *s = sin + r * half;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t base = r * row_stride + h * head_dim;
+            if (dtype == DTYPE_FLOAT32) {
+                float *a = (float *)x + base, *b = a + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    const float ai = a[i], bi = b[i];
+                    a[i] = ai * c[i] - bi * s[i];
+                    b[i] = bi * c[i] + ai * s[i];
+                }
+            } else {
+                uint16_t *a = (uint16_t *)x + base, *b = a + half;
+                for (int64_t i = 0; i < half; i++) {
+                    const float ai = bf16_to_float(a[i]), bi = bf16_to_float(b[i]);
+                    a[i] = float_to_bf16(ai * c[i] - bi * s[i]);
+                    b[i] = float_to_bf16(bi * c[i] + ai * s[i]);
+                }
+            }
+        }
+    }
 }

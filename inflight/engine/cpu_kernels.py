@@ -1,0 +1,166 @@
+"""Small C kernels for CPU inference (cpu_kernels.c), compiled at first use and called through ctypes.
+
+PyTorch on CPU spends a large share of a decode step outside its matrix multiplies: paged attention
+gathers every sequence's K/V blocks into a contiguous buffer before SDPA reads them again, and each
+elementwise step of a decoder layer (residual add, RMSNorm, rotary, SiLU * up) is several separate
+passes, each with its own dispatch. The kernels here do each of those in one pass: decode attention
+straight from the blocks (attention/cpu_paged.py) and one fused call per elementwise step (model/ops.py).
+
+The library is compiled with the system C compiler (`$CC`, else `cc`) into $INFLIGHT_CACHE_DIR/kernels
+(default ~/.cache/inflight/kernels), keyed by the source, the compiler and the CPU, so it is built once
+per machine type (about a second). Where there is no compiler, the build fails, or INFLIGHT_CPU_KERNELS=0,
+the engine logs why and uses the PyTorch code: same results within float rounding, slower.
+float32 and bfloat16 use the kernels; float16 always uses PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from inflight.cache import cache_dir
+
+logger = logging.getLogger("inflight.engine")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+DISABLE_ENV = "INFLIGHT_CPU_KERNELS"
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_CType = type[ctypes.c_void_p | ctypes.c_int64 | ctypes.c_int | ctypes.c_float]
+_ptr: _CType = ctypes.c_void_p
+_i64: _CType = ctypes.c_int64
+_int: _CType = ctypes.c_int
+_float: _CType = ctypes.c_float
+# Every exported function and its C signature (argument types, return type or None for void).
+SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
+    # q, q_row_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, seqs, n, num_heads,
+    # num_kv_heads, head_dim, block_size, window, scale, dtype, out, max_seq_len, num_threads
+    "paged_decode": (
+        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
+        + [_i64] * 6
+        + [_float, _int, _ptr, _i64, _int],
+        _int,
+    ),
+    # x, residual (or NULL), weight, out, rows, hidden, eps, dtype, num_threads
+    "rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int], None),
+    # gate_up, out, rows, width, dtype, num_threads
+    "silu_and_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
+    # x, row_stride, cos, sin, rows, heads, head_dim, dtype, num_threads
+    "rotary": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
+}
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(wanted))) or platform.machine()
+
+
+def build_library(compiler: str | None = None, out_dir: Path | None = None) -> Path:
+    """Compile cpu_kernels.c (once per source, compiler and CPU) and return the shared library's path."""
+    compiler = compiler or os.environ.get("CC") or "cc"
+    compiler_path = shutil.which(compiler)
+    if compiler_path is None:
+        raise KernelBuildError(f"no C compiler: {compiler!r} is not on PATH (install gcc, or set CC)")
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=False).stdout
+    inputs = [SOURCE.read_bytes(), version, " ".join(COMPILE_FLAGS), _cpu_signature()]
+    key = hashlib.sha256(repr(inputs).encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir() / "kernels"
+    target = out_dir / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Build into a temporary name and rename: concurrent builders never see a half-written library.
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        partial = Path(tmp) / target.name
+        command = [compiler_path, *COMPILE_FLAGS, str(SOURCE), "-o", str(partial), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise KernelBuildError(
+                f"`{' '.join(command)}` failed (exit {result.returncode}):\n{result.stderr.strip()}"
+            )
+        os.replace(partial, target)
+    return target
+
+
+class _Library:
+    """The loaded library, or why there is none; built on first use, once per process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loaded = False
+        self.library: ctypes.CDLL | None = None
+        self.unavailable_reason: str | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        if self._loaded:  # the common case, without the lock
+            return self.library
+        with self._lock:
+            if not self._loaded:
+                self.library = self._load()
+                self._loaded = True
+            return self.library
+
+    def _load(self) -> ctypes.CDLL | None:
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            self.unavailable_reason = f"{DISABLE_ENV}=0"
+            return None
+        start = time.perf_counter()
+        try:
+            path = build_library()
+            # torch is loaded, so the library's libgomp.so.1 resolves to the OpenMP runtime torch already
+            # uses: one thread pool, not two competing ones.
+            library = ctypes.CDLL(str(path))
+            for name, (argtypes, restype) in SIGNATURES.items():
+                function = getattr(library, name)
+                function.argtypes = argtypes
+                function.restype = restype
+        except (KernelBuildError, OSError, AttributeError) as e:
+            self.unavailable_reason = str(e)
+            logger.warning("CPU kernels unavailable, using the PyTorch code instead: %s", e)
+            return None
+        logger.info("CPU kernels ready (%s, %.1f s)", path, time.perf_counter() - start)
+        return library
+
+
+_LIBRARY = _Library()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels (built on first call), or None where they are unavailable."""
+    return _LIBRARY.get()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are not in use, once `library()` returned None."""
+    return _LIBRARY.unavailable_reason
+
+
+def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, when they are available and can take these tensors (CPU, one supported dtype)."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in DTYPE_CODES:
+        return None
+    if any(t.dtype != first.dtype or t.device.type != "cpu" for t in tensors[1:]):
+        return None
+    return library()
