@@ -56,6 +56,15 @@ def test_many_sequences_take_whole_sequence_work_items(threads: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_take_the_prefetching_path(dtype: torch.dtype, threads: int) -> None:
+    # Over 8 MiB of K/V read in one call (float32): the kernel prefetches blocks ahead of its reads.
+    seq_lens = [2100, 1900, 2048, 700, 1500]
+    case = make_case(seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=4, head_dim=64, dtype=dtype)
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_batch_decode_rows_use_the_kernel_prefills_the_torch_path(dtype: torch.dtype) -> None:
     # A decode, a chunk after a cached prefix ending mid-block, a whole prompt, a 1-token prompt, a decode.
     case = make_case([40, 37, 70, 1, 90], [1, 13, 70, 1, 1], num_heads=8, num_kv_heads=2, dtype=dtype, seed=1)
