@@ -35,7 +35,16 @@ logger = logging.getLogger("inflight.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 DISABLE_ENV = "INFLIGHT_CPU_KERNELS"
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+COMPILE_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-trapping-math",
+    "-fno-math-errno",
+    "-fPIC",
+    "-shared",
+    "-std=gnu11",
+)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _CType = type[ctypes.c_void_p | ctypes.c_int64 | ctypes.c_int | ctypes.c_float]
