@@ -50,16 +50,17 @@ class ModelRunner:
         if not out.scheduled:
             return result
         input_ids, positions, meta = self._prepare(out.scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        # Rows of `hidden` that need logits: prompt-logprob rows first, then one per sampling sequence.
+        # Rows of the step's tokens that need logits: prompt-logprob rows first, then one per sampling
+        # sequence (its last new token).
         logit_rows: list[int] = []
         prompt_spans: list[tuple[str, int, int]] = []
         sample_rows: list[int] = []
+        sample_seqs: list[int] = []
         sampling: list[SamplingRow] = []
         owners: list[str] = []
         start = 0
-        for item in out.scheduled:
+        for index, item in enumerate(out.scheduled):
             seq = item.seq
             end = start + item.num_new_tokens
             if seq.params.prompt_logprobs is not None and seq.index == 0:
@@ -71,6 +72,7 @@ class ModelRunner:
                     logit_rows.extend(range(start, start + last - first))
             if item.samples:
                 sample_rows.append(end - 1)
+                sample_seqs.append(index)
                 for draw in range(seq.slots_needed):
                     sampling.append(
                         SamplingRow(
@@ -86,8 +88,13 @@ class ModelRunner:
 
         num_prompt_rows = len(logit_rows)
         draws_per_row = [item.seq.slots_needed for item in out.scheduled if item.samples]
-        rows = torch.tensor(logit_rows + sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        if not logit_rows and sample_rows and len(sample_rows) < len(input_ids):
+            # Only last tokens are read (a prefill or chunked step): the last layer computes just those.
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, last_rows_of=sample_seqs)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = hidden[torch.tensor(logit_rows + sample_rows, dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         if prompt_spans:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_spans, out.scheduled, result)
         if sampling:

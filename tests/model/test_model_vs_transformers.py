@@ -36,8 +36,9 @@ class PagedRun:
         self.lens: dict[str, int] = {}
 
     @torch.no_grad()
-    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
-        """Run one batched step of new tokens per sequence; return each sequence's logits rows."""
+    def step(self, chunks: list[tuple[str, list[int]]], last_only: bool = False) -> list[torch.Tensor]:
+        """Run one batched step of new tokens per sequence; return each sequence's logits rows (with
+        `last_only`, the model computes and returns only each sequence's last row)."""
         ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for seq, tokens in chunks:
             start = self.lens.get(seq, 0)
@@ -68,6 +69,11 @@ class PagedRun:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+        if last_only:
+            last_rows_of = list(range(len(chunks)))
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.caches, meta, last_rows_of)
+            assert hidden.shape[0] == len(chunks)
+            return list(self.model.compute_logits(hidden)[:, None])
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.caches, meta)
         logits = self.model.compute_logits(hidden)
         return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
@@ -147,6 +153,24 @@ def test_mixed_batch_equals_separate_runs(arch, checkpoints, reference_logits) -
         torch.cat([first_c, step_c, step_c2]), reference_logits(arch, c), atol=ATOL, rtol=0
     )
     torch.testing.assert_close(step_d, reference_logits(arch, d), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_rows_only_skips_the_rest_of_the_last_layer(arch, checkpoints, reference_logits) -> None:
+    """A step that needs only each sequence's last row (no prompt logprobs) gives the same logits, and
+    still writes every token's K/V: the next steps read them."""
+    model = load_model(checkpoints[arch])
+    vocab = model.config.vocab_size
+    a, b = _tokens(41, seed=2, vocab=vocab), _tokens(39, seed=3, vocab=vocab)
+    expected_a, expected_b = reference_logits(arch, a), reference_logits(arch, b)
+    run = PagedRun(model, torch.float32)
+    (first_a,) = run.step([("a", a[:35])], last_only=True)
+    step_a, step_b = run.step([("a", a[35:36]), ("b", b[:30])], last_only=True)
+    last_a, last_b = run.step([("a", a[36:]), ("b", b[30:])], last_only=True)
+    for got, want in ((first_a, 34), (step_a, 35), (last_a, 40)):
+        torch.testing.assert_close(got[0], expected_a[want], atol=ATOL, rtol=0)
+    for got, want in ((step_b, 29), (last_b, 38)):
+        torch.testing.assert_close(got[0], expected_b[want], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -14,7 +14,7 @@ its "slot" is block_id * block_size + offset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,3 +44,26 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def last_rows(self, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The query rows of the last new token of each of `seqs`, and metadata that attends only those rows:
+        each is a one-token query over its sequence's whole context, as in a decode step.
+
+        The model's last layer uses it when only those rows' outputs are read (no prompt logprobs): the
+        other rows' keys and values are written, but their attention and MLP are skipped."""
+        device = self.seq_lens.device
+        index = torch.tensor(seqs, dtype=torch.long, device=device)
+        rows = self.query_start_loc.to(torch.long)[index + 1] - 1
+        seq_lens_list = [self.seq_lens_list[i] for i in seqs]
+        meta = replace(
+            self,
+            slot_mapping=self.slot_mapping[rows],
+            query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=device),
+            seq_lens=self.seq_lens[index],
+            block_tables=self.block_tables[index],
+            query_lens_list=[1] * len(seqs),
+            seq_lens_list=seq_lens_list,
+            max_query_len=1,
+            max_seq_len=max(seq_lens_list),
+        )
+        return rows, meta

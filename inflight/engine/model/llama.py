@@ -59,6 +59,8 @@ def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
 
 # cos and sin of the step's positions, float32 [T, 1, head_dim / 2] each.
 Rope = tuple[torch.Tensor, torch.Tensor]
+# Rows of the step's new tokens to keep, and the attention metadata of those rows alone.
+RowSelection = tuple[torch.Tensor, AttentionMetadata]
 
 
 class RotaryEmbedding:
@@ -98,15 +100,20 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        keep: RowSelection | None = None,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+        """Attention output of every new token, or with `keep` of only its rows (every token's K/V is
+        written either way)."""
         cos, sin = rope
         q, k, v = ops.split_qkv_with_rotary(
             self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
         )
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if keep is not None:
+            rows, meta = keep
+            q = q[rows]
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -136,11 +143,15 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        keep: RowSelection | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two, so each
-        residual add is fused with the RMSNorm after it. The first layer gets residual None."""
+        residual add is fused with the RMSNorm after it. The first layer gets residual None.
+        With `keep`, both have only the kept rows."""
         normed, residual = self.input_layernorm(hidden, residual)
-        attended = self.self_attn(rope, normed, k_cache, v_cache, meta)
+        attended = self.self_attn(rope, normed, k_cache, v_cache, meta, keep)
+        if keep is not None:
+            residual = residual[keep[0]]
         normed, residual = self.post_attention_layernorm(attended, residual)
         return self.mlp(normed), residual
 
@@ -184,15 +195,23 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn_metadata: AttentionMetadata,
+        last_rows_of: list[int] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the step's new tokens; their K/V are written into `kv_caches`."""
+        """Hidden states [T, hidden] of the step's new tokens; their K/V are written into `kv_caches`.
+
+        With `last_rows_of` (sequence indices), only the hidden states of each of those sequences' last new
+        token, in that order: the last layer then attends and runs its MLP for those rows alone (for a
+        prefill step, one row per prompt instead of every prompt token)."""
         if attn_metadata.sliding_window != self.config.sliding_window:
             attn_metadata = replace(attn_metadata, sliding_window=self.config.sliding_window)
+        keep = None if last_rows_of is None else attn_metadata.last_rows(last_rows_of)
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, attn_metadata)
+        last = len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            layer_keep = keep if i == last else None
+            hidden, residual = layer(rope, hidden, residual, k_cache, v_cache, attn_metadata, layer_keep)
         normed, _ = self.norm(hidden, residual)
         return normed
 
