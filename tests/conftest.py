@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,14 @@ def tiny_mistral_dir() -> Path:
 @pytest.fixture(scope="session")
 def small_llama_dir() -> Path:
     return cached_model("small", "llama")
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Runs the test once with 1 and once with 2 torch (OpenMP) threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

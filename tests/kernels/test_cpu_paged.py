@@ -25,18 +25,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert error <= TOLERANCE[dtype], f"max abs error {error} > {TOLERANCE[dtype]} for {dtype}"
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> int:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
 def test_decode_ragged_lengths_across_block_boundaries(
-    num_heads: int, num_kv_heads: int, dtype: torch.dtype, threads: int
+    num_heads: int, num_kv_heads: int, dtype: torch.dtype, torch_threads: int
 ) -> None:
     # 1 token, one block exactly, one past a block, two blocks, a tile (8) inside a block, many blocks.
     seq_lens = [1, 16, 17, 32, 8, 9, 141]
@@ -47,16 +39,16 @@ def test_decode_ragged_lengths_across_block_boundaries(
     assert_close(out, dense_reference(case), dtype)
 
 
-def test_many_sequences_take_whole_sequence_work_items(threads: int) -> None:
+def test_many_sequences_take_whole_sequence_work_items(torch_threads: int) -> None:
     # n >= 4 * threads: one work item per sequence (all KV heads); fewer: one per (sequence, KV head).
-    seq_lens = [(7 * i) % 90 + 1 for i in range(4 * threads + 3)]
+    seq_lens = [(7 * i) % 90 + 1 for i in range(4 * torch_threads + 3)]
     case = make_case(seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=4, seed=7)
     out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
     assert_close(out, dense_reference(case), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_contexts_take_the_prefetching_path(dtype: torch.dtype, threads: int) -> None:
+def test_long_contexts_take_the_prefetching_path(dtype: torch.dtype, torch_threads: int) -> None:
     # Over 8 MiB of K/V read in one call (float32): the kernel prefetches blocks ahead of its reads.
     seq_lens = [2100, 1900, 2048, 700, 1500]
     case = make_case(seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=4, head_dim=64, dtype=dtype)

@@ -33,18 +33,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> int:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 320: enough elements to split over threads
 def test_rms_norm_with_and_without_residual(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, threads: int
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, torch_threads: int
 ) -> None:
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 320, generator=gen) * 3).to(dtype)
@@ -65,7 +57,9 @@ def test_rms_norm_with_and_without_residual(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 200])
-def test_silu_and_mul(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, threads: int) -> None:
+def test_silu_and_mul(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, torch_threads: int
+) -> None:
     gen = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * 352, generator=gen) * 4).to(dtype)
     gate_up[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0, -0.0])  # saturation and zero
