@@ -85,14 +85,18 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(wanted))) or platform.machine()
 
 
-def build_library(compiler: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compile cpu_kernels.c (once per source, compiler and CPU) and return the shared library's path."""
+def build_library(
+    compiler: str | None = None, out_dir: Path | None = None, flags: tuple[str, ...] = COMPILE_FLAGS
+) -> Path:
+    """Compile cpu_kernels.c (once per source, compiler, flags and CPU) and return the shared library's path.
+
+    `flags` other than the default are for tests (e.g. without -march=native: the portable C path)."""
     compiler = compiler or os.environ.get("CC") or "cc"
     compiler_path = shutil.which(compiler)
     if compiler_path is None:
         raise KernelBuildError(f"no C compiler: {compiler!r} is not on PATH (install gcc, or set CC)")
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=False).stdout
-    inputs = [SOURCE.read_bytes(), version, " ".join(COMPILE_FLAGS), _cpu_signature()]
+    inputs = [SOURCE.read_bytes(), version, " ".join(flags), _cpu_signature()]
     key = hashlib.sha256(repr(inputs).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir() / "kernels"
     target = out_dir / f"cpu_kernels-{key}.so"
@@ -102,7 +106,7 @@ def build_library(compiler: str | None = None, out_dir: Path | None = None) -> P
     # Build into a temporary name and rename: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
-        command = [compiler_path, *COMPILE_FLAGS, str(SOURCE), "-o", str(partial), "-lm"]
+        command = [compiler_path, *flags, str(SOURCE), "-o", str(partial), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise KernelBuildError(
@@ -110,6 +114,18 @@ def build_library(compiler: str | None = None, out_dir: Path | None = None) -> P
             )
         os.replace(partial, target)
     return target
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load a built library and declare its functions' C signatures."""
+    # torch is loaded, so the library's libgomp.so.1 resolves to the OpenMP runtime torch already uses:
+    # one thread pool, not two competing ones.
+    library = ctypes.CDLL(str(path))
+    for name, (argtypes, restype) in SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = restype
+    return library
 
 
 class _Library:
@@ -137,13 +153,7 @@ class _Library:
         start = time.perf_counter()
         try:
             path = build_library()
-            # torch is loaded, so the library's libgomp.so.1 resolves to the OpenMP runtime torch already
-            # uses: one thread pool, not two competing ones.
-            library = ctypes.CDLL(str(path))
-            for name, (argtypes, restype) in SIGNATURES.items():
-                function = getattr(library, name)
-                function.argtypes = argtypes
-                function.restype = restype
+            library = load_library(path)
         except (KernelBuildError, OSError, AttributeError) as e:
             self.unavailable_reason = str(e)
             logger.warning("CPU kernels unavailable, using the PyTorch code instead: %s", e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,57 @@ def test_disabled_by_environment_or_missing_compiler_uses_the_torch_path(
     with caplog.at_level("WARNING", logger="inflight.engine"):
         assert library.get() is None
     assert "using the PyTorch code instead: no C compiler" in caplog.text
+
+
+PORTABLE_FLAGS = tuple(flag for flag in cpu_kernels.COMPILE_FLAGS if flag != "-march=native")
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The kernels built without -march=native: the plain C path of CPUs without AVX2 + FMA (e.g. Arm)."""
+    out_dir = tmp_path_factory.mktemp("portable")
+    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, flags=PORTABLE_FLAGS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_portable_c_path_matches_the_references(
+    portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, torch_threads: int
+) -> None:
+    from inflight.engine.model import ops
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(40, 96, generator=gen).to(dtype)
+    residual = torch.randn(40, 96, generator=gen).to(dtype)
+    weight = torch.rand(96, generator=gen).to(dtype)
+    gate_up = (torch.randn(40, 2 * 80, generator=gen) * 4).to(dtype)
+    qkv = torch.randn(40, (4 + 2 * 2) * 16, generator=gen).to(dtype)
+    angles = torch.rand(40, 1, 8, generator=gen) * 6
+    rope_args = (4, 2, 16, angles.cos(), angles.sin())
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    expected_norm, expected_sum = ops.rms_norm(x, weight, 1e-5, residual.clone())
+    expected_silu = ops.silu_and_mul(gate_up)
+    expected_qkv = ops.split_qkv_with_rotary(qkv.clone(), *rope_args)
+
+    monkeypatch.setattr(cpu_kernels, "library", lambda: portable_library)
+    tolerance = 2 * TOLERANCE[dtype]
+    for seq_lens, window in (([1, 16, 17, 32, 8, 9, 141], None), ([90, 45, 40, 3], 20)):
+        for num_heads, num_kv_heads, head_dim in ((8, 2, 32), (8, 1, 24), (6, 6, 40)):
+            case = make_case(
+                seq_lens,
+                [1] * len(seq_lens),
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                sliding_window=window,
+            )
+            out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+            assert (out.double() - dense_reference(case)).abs().max() <= tolerance
+    normed, summed = ops.rms_norm(x, weight, 1e-5, residual)
+    for actual, wanted in [
+        (normed, expected_norm),
+        (summed, expected_sum),
+        (ops.silu_and_mul(gate_up), expected_silu),
+        *zip(ops.split_qkv_with_rotary(qkv, *rope_args), expected_qkv, strict=True),
+    ]:
+        torch.testing.assert_close(actual.float(), wanted.float(), atol=tolerance, rtol=tolerance)
