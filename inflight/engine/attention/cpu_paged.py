@@ -23,10 +23,10 @@ def kernel_available() -> bool:
 
 
 def _kernel_handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    # Query heads must be contiguous within a token's row; rows may be apart (a view into q|k|v).
+    """The layouts the kernel reads: query heads contiguous within a token's row (rows may be apart, as in
+    a view into the fused q|k|v projection), whole caches."""
     return (
-        cpu_kernels.library_for(query, k_cache, v_cache) is not None
-        and query.stride(2) == 1
+        query.stride(2) == 1
         and query.stride(1) == query.shape[2]
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -41,7 +41,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as torch_paged.paged_attention; decode rows go through the C kernel."""
-    library = cpu_kernels.library_for(query)
+    library = cpu_kernels.library_for(query, k_cache, v_cache)
     if library is None or not _kernel_handles(query, k_cache, v_cache):
         return torch_paged.paged_attention(query, k_cache, v_cache, meta, scale)
     out = query.new_empty(query.shape)
