@@ -57,7 +57,7 @@ def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-# cos and sin of the step's positions, float32 [T, 1, head_dim / 2] each.
+# cos and sin of the step's positions, [T, 1, head_dim / 2] each (see ops.rotary_tables).
 Rope = tuple[torch.Tensor, torch.Tensor]
 # Rows of the step's new tokens to keep, and the attention metadata of those rows alone.
 RowSelection = tuple[torch.Tensor, AttentionMetadata]
@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
             attn_metadata = replace(attn_metadata, sliding_window=self.config.sliding_window)
         keep = None if last_rows_of is None else attn_metadata.last_rows(last_rows_of)
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary(positions)
+        rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
         residual: torch.Tensor | None = None
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):

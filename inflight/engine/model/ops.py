@@ -71,6 +71,16 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rotary_tables(
+    cos: torch.Tensor, sin: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's float32 cos/sin in the dtype `split_qkv_with_rotary` wants for activations like `like`:
+    float32 for the kernel, else the activations' dtype. Once per step, not once per layer."""
+    if cpu_kernels.library_for(like) is not None:
+        return cos, sin
+    return cos.to(like.dtype), sin.to(like.dtype)
+
+
 def split_qkv_with_rotary(
     qkv: torch.Tensor,
     num_heads: int,
@@ -81,8 +91,9 @@ def split_qkv_with_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, H, D], k and v [T, Hkv, D] from the fused projection [T, (H + 2 Hkv) D], q and k rotated.
 
-    cos and sin are float32 [T, 1, D / 2]. The kernel rotates q and k in place inside `qkv` and returns
-    views of it; the PyTorch code returns new tensors for q and k."""
+    cos and sin are [T, 1, D / 2] from `rotary_tables` (float32 where the kernel runs). The kernel
+    rotates q and k in place inside `qkv` and returns views of it; the PyTorch code returns new tensors
+    for q and k."""
     num_tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     library = cpu_kernels.library_for(qkv)
