@@ -124,7 +124,7 @@ class LLMEngine:
         self.dtype = DTYPES[dtype_name]
         donor = share_model_of
         if donor is None or donor.device != self.device or donor.dtype != self.dtype:
-            self.tokenizer = Tokenizer.from_dir(self.model_dir)
+            self.tokenizer = Tokenizer.from_path(self.model_dir)
             self.model = load_model(self.model_dir, self.dtype, self.device)
             if can_prepack(self.device, self.dtype):
                 prepack_linears(self.model, batch_size_hint=config.max_num_seqs)

@@ -1,14 +1,18 @@
-"""Load a Hugging Face Llama-family checkpoint folder: config.json + safetensors, read directly."""
+"""Load a Llama-family checkpoint: a Hugging Face folder (config.json + safetensors, read directly) or a
+single GGUF file (inflight/engine/gguf/, dequantized at load)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
+from inflight.engine.gguf import is_gguf
+from inflight.engine.gguf.checkpoint import open_checkpoint
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.llama import LlamaForCausalLM
@@ -26,27 +30,30 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: AttentionBackend | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model for `model_dir`'s config.json and fill it from its safetensors files.
+    """Build the model for `model_dir`'s config.json and fill it from its safetensors files, or (when
+    `model_dir` is a .gguf file) from the GGUF file's metadata and tensors.
 
     Raises ModelLoadError naming the file and the problem when anything is missing, corrupt or unsupported.
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
+    gguf = open_checkpoint(model_dir) if is_gguf(model_dir) else None
+    if gguf is None and not model_dir.is_dir():
         raise ModelLoadError(
-            f"{model_dir}: not a directory. Pass a Hugging Face checkpoint folder "
-            "(make one with `inflight make-model --out DIR`)."
+            f"{model_dir}: not a directory or .gguf file. Pass a Hugging Face checkpoint folder "
+            "(make one with `inflight make-model --out DIR`) or a GGUF file."
         )
     torch_dtype = DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
-    if torch_dtype not in DTYPES.values():
+    if torch_dtype is None or torch_dtype not in DTYPES.values():
         raise ModelLoadError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16.")
-    config = ModelConfig.from_dir(model_dir)
+    config = gguf.config() if gguf is not None else ModelConfig.from_dir(model_dir)
+    files = [model_dir] if gguf is not None else _weight_files(model_dir)
     device = torch.device(device)
-    files = _weight_files(model_dir)
     backend = attention_backend or get_attention_backend(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, device)
     model = model.to(torch_dtype).to_empty(device=device)
-    _load_weights(model, files, config)
+    tensors = gguf.tensors(config, torch_dtype) if gguf is not None else _safetensors_tensors(files)
+    _load_weights(model, tensors, files, config)
     return model.eval()
 
 
@@ -81,38 +88,48 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"{model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file.{hint}")
 
 
-def _load_weights(model: LlamaForCausalLM, files: list[Path], config: ModelConfig) -> None:
-    targets = model.weight_targets()
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    target = targets.get(name)
-                    if target is None:
-                        if not name.endswith(IGNORED_SUFFIXES) and not (
-                            name == "lm_head.weight" and config.tie_word_embeddings
-                        ):
-                            unexpected.append(name)
-                        continue
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != target.shape:
-                        raise ModelLoadError(
-                            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
-                            f"({config.architecture}, hidden_size={config.hidden_size}, "
-                            f"num_key_value_heads={config.num_key_value_heads}, head_dim={config.head_dim}) "
-                            f"needs {target.shape}. The weights do not belong to this config.json."
-                        )
-                    with torch.no_grad():
-                        dest = target.param if target.rows is None else target.param[target.rows]
-                        dest.copy_(tensor)
-                    loaded.add(name)
+                    yield name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(
                 f"{path}: cannot read safetensors file ({e}). The file is corrupt or truncated; "
                 "download or regenerate it."
             ) from e
+
+
+def _load_weights(
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    files: list[Path],
+    config: ModelConfig,
+) -> None:
+    """Copy each (checkpoint name, tensor) into its place in `model`; `files` name the source in errors."""
+    targets = model.weight_targets()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in tensors:
+        target = targets.get(name)
+        if target is None:
+            if not name.endswith(IGNORED_SUFFIXES) and not (
+                name == "lm_head.weight" and config.tie_word_embeddings
+            ):
+                unexpected.append(name)
+            continue
+        if tuple(tensor.shape) != target.shape:
+            raise ModelLoadError(
+                f"{', '.join(str(p) for p in files)}: tensor {name!r} has shape {tuple(tensor.shape)}, but "
+                f"the config ({config.architecture}, hidden_size={config.hidden_size}, "
+                f"num_key_value_heads={config.num_key_value_heads}, head_dim={config.head_dim}) "
+                f"needs {target.shape}. The weights do not belong to this config."
+            )
+        with torch.no_grad():
+            dest = target.param if target.rows is None else target.param[target.rows]
+            dest.copy_(tensor)
+        loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
