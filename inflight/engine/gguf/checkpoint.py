@@ -127,6 +127,8 @@ class GGUFCheckpoint:
             raise self.fail(f"metadata lacks the model's shape ({arch}.embedding_length, ...): {e}") from e
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         raw["vocab_size"] = self._arch_value("vocab_size") or (len(tokens.data) if tokens else None)
+        if raw["vocab_size"] is None:
+            raise self.fail(f"metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens (vocabulary size).")
         raw["num_key_value_heads"] = self._arch_value("attention.head_count_kv") or heads
         head_dim = self._arch_value("attention.key_length") or hidden // heads
         raw["head_dim"] = head_dim
