@@ -1,5 +1,5 @@
-"""The real SmolLM2 GGUF, made once per checkout (in <repo>/.cache, like the tiny checkpoints) by the
-same builtin:smollm2 maker the server uses, and transformers' GGUF-dequantized reference, loaded once."""
+"""transformers' GGUF-dequantized reference for the real SmolLM2 GGUF (the `smollm2_gguf` fixture of
+tests/conftest.py), loaded once per session."""
 
 from __future__ import annotations
 
@@ -7,15 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    from inflight.builtin_models import builtin_model_path
-
-    return builtin_model_path("smollm2", root=REPO_ROOT / ".cache")
 
 
 @pytest.fixture(scope="session")
