@@ -7,7 +7,10 @@ the model at a time).
 
 from __future__ import annotations
 
+import logging
 import re
+import time
+from collections import Counter
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -29,6 +32,8 @@ GGUF_ARCHITECTURES = {
 }
 # llama.cpp stores Q and K of these rotated-pair ("normal" rope) architectures with rows permuted.
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+
+logger = logging.getLogger("inflight.engine")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -71,6 +76,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        start = time.perf_counter()
         try:
             self._reader = GGUFReader(self.path)
         except (OSError, ValueError, KeyError, IndexError) as e:
@@ -81,6 +87,15 @@ class GGUFCheckpoint:
                 continue  # the big vocabulary arrays: read on demand by `array`
             self.metadata[name] = field.contents()
         self.gguf_architecture = str(self.metadata.get("general.architecture", "(none)"))
+        types = Counter(t.tensor_type.name for t in self._reader.tensors)
+        logger.info(
+            "GGUF %s: %s, %d tensors (%s), metadata read in %.1fs",
+            self.path.name,
+            self.gguf_architecture,
+            len(self._reader.tensors),
+            ", ".join(f"{count} {name}" for name, count in types.most_common()),
+            time.perf_counter() - start,
+        )
 
     def array(self, name: str) -> list[Any] | None:
         field = self._reader.fields.get(name)
@@ -162,6 +177,7 @@ class GGUFCheckpoint:
                 "variant inflight does not run."
             )
         permuted = self.gguf_architecture in PERMUTED_QK_ARCHITECTURES
+        start = time.perf_counter()
         for tensor in self._reader.tensors:
             name = hf_name(tensor.name)
             assert name is not None
@@ -179,6 +195,9 @@ class GGUFCheckpoint:
             elif permuted and ".self_attn.k_proj." in name:
                 weight = unpermute_rows(weight, config.num_key_value_heads)
             yield name, weight
+        logger.info(
+            "GGUF %s: weights dequantized to %s in %.1fs", self.path.name, dtype, time.perf_counter() - start
+        )
 
 
 @lru_cache(maxsize=4)
