@@ -1,4 +1,4 @@
-"""Import path for `router_harness`; the module-shared real servers."""
+"""Import paths (`router_harness`, the operator tests' emulator helpers); the module-shared real servers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from router_harness import KV_BLOCKS, ServerProcess, start_servers, stop_servers
