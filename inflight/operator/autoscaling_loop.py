@@ -94,9 +94,7 @@ class BuiltinAutoscaling:
         deployment = await self.controller.kube.get(kube.DEPLOYMENTS.path(namespace, name))
         if deployment is None:
             return  # not created yet (or the spec is Degraded): nothing to scale
-        woken_from_zero = (
-            woken(ms) and ms.status.autoscaling is not None and (ms.status.autoscaling.desired_replicas == 0)
-        )
+        woken_from_zero = woken(ms) and desired_replicas(ms.spec, ms.status) == 0
         # what the reconcile holds the Deployment at (one replica at once when the router asked for it)
         replicas = desired_replicas(ms.spec, ms.status, woken(ms))
         selector = builders.selector_labels(ms)

@@ -48,11 +48,11 @@ def desired_replicas(spec: ModelServerSpec, status: ModelServerStatus, woken: bo
         return 1 if spec.replicas is None else spec.replicas
     if autoscaling.actuator is Actuator.BUILTIN:
         decided = status.autoscaling.desired_replicas if status.autoscaling is not None else None
-        if decided == 0 and woken:
-            decided = 1
     else:
         decided = spec.replicas
     wanted = autoscaling.min_replicas if decided is None else decided
+    if wanted == 0 and woken and autoscaling.actuator is Actuator.BUILTIN:
+        wanted = 1
     return max(autoscaling.min_replicas, min(autoscaling.max_replicas, wanted))
 
 

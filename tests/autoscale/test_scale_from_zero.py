@@ -34,3 +34,8 @@ def test_a_wake_request_after_the_scale_to_zero_runs_one_replica() -> None:
     assert desired_replicas(SPEC, status(2, "2026-12-01T10:00:00Z"), woken=True) == 2  # only from zero
     body = {"metadata": {"name": "m", "annotations": later}, "spec": SPEC.model_dump(by_alias=True)}
     assert woken(ModelServer.model_validate({**body, "status": at_zero.model_dump(by_alias=True)}))
+
+
+def test_a_wake_request_before_the_first_autoscaling_round_counts_too() -> None:
+    assert desired_replicas(SPEC, ModelServerStatus(), woken=True) == 1
+    assert desired_replicas(SPEC, ModelServerStatus()) == 0

@@ -1,13 +1,17 @@
 """Discovery from the emulated API server, and scale from zero through the router.
 
-The router (real app, in a thread) watches the emulator; the test plays the operator and the kubelet:
-when the router sets the wake annotation on a ModelServer scaled to zero, the test creates a Ready pod
-whose IP and `http` port point at a real `inflight serve` process. The held request is then forwarded.
+The router (real app, in a thread) watches the emulator. In the first test the test plays the operator
+and the kubelet: when the router sets the wake annotation on a ModelServer scaled to zero, it creates a
+Ready pod whose IP and `http` port point at a real `inflight serve` process. In the second the real
+operator runs (builtin autoscaling, 1 s rounds) and the test plays only the Deployment controller and
+the kubelet: a pod per replica, Ready once its server answers /ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -16,7 +20,14 @@ from typing import Any
 
 import httpx
 import pytest
-from emulated import MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
+from emulated import (
+    DEPLOYMENTS,
+    MODELSERVERS,
+    emulated_cluster,
+    eventually,
+    running_operator,
+    write_kubeconfig,
+)
 from kube_emulator import KubeEmulator
 from router_harness import MODEL, LiveRouter, ServerProcess, start_router, start_servers, stop_servers
 
@@ -46,7 +57,7 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
         yield emulator
 
 
-def modelserver(name: str, model: str, timeout_s: int) -> dict[str, Any]:
+def modelserver(name: str, model: str, timeout_s: int, scale_down_delay_s: int = 300) -> dict[str, Any]:
     return {
         "apiVersion": "inflight.dev/v1alpha1",
         "kind": "ModelServer",
@@ -55,7 +66,8 @@ def modelserver(name: str, model: str, timeout_s: int) -> dict[str, Any]:
             "model": {"name": model, "source": "builtin:tiny"},
             "resources": {"gpu": {"count": 0}},
             "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "target": 4,
-                            "scaleFromZeroTimeoutSeconds": timeout_s},
+                            "scaleFromZeroTimeoutSeconds": timeout_s,
+                            "scaleDownDelaySeconds": scale_down_delay_s},
         },
     }  # fmt: skip
 
@@ -146,3 +158,83 @@ async def test_scale_from_zero_holds_the_request_until_a_replica_is_ready(
             assert gone.status_code == 404
     finally:
         await asyncio.to_thread(router.stop)
+
+
+def replicas(cluster: KubeEmulator, name: str) -> int | None:
+    deployment = cluster.stored(DEPLOYMENTS, NS, name)
+    return None if deployment is None else int(deployment["spec"]["replicas"])
+
+
+def is_ready(body: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in body["status"]["conditions"])
+
+
+async def play_kubelet(cluster: KubeEmulator, name: str, server: ServerProcess) -> None:
+    """One pod while the Deployment asks for replicas (pointing at the real server), none at zero."""
+    pod_name, url = f"{name}-0", f"/api/v1/namespaces/{NS}/pods"
+    async with httpx.AsyncClient() as http:
+        while True:
+            deployment = cluster.stored(DEPLOYMENTS, NS, name)
+            current = cluster.stored(PODS, NS, pod_name)
+            wanted = 0 if deployment is None else int(deployment["spec"]["replicas"])
+            if wanted > 0 and current is None:
+                body = pod(pod_name, name, server.port, ready=False)
+                body["metadata"]["labels"] = copy.deepcopy(
+                    deployment["spec"]["template"]["metadata"]["labels"]
+                )
+                await cluster.post(url, json=body)
+            elif wanted > 0 and not is_ready(current):
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(f"{server.url}/ready", timeout=1)).status_code == 200:
+                        ready = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+                        await cluster.patch(f"{url}/{pod_name}", data=json.dumps(ready), headers=MERGE)
+            elif wanted == 0 and current is not None:
+                await cluster.delete(f"{url}/{pod_name}")
+            await asyncio.sleep(0.1)
+
+
+async def test_the_real_operator_wakes_an_idle_modelserver_and_scales_it_back_to_zero(
+    cluster: KubeEmulator, server: ServerProcess
+) -> None:
+    name = "ondemand"
+    body = modelserver(name, MODEL, 90, scale_down_delay_s=3)
+    kubelet = asyncio.create_task(play_kubelet(cluster, name, server))
+    try:
+        async with running_operator(autoscale_seconds=1.0, scrape_timeout_seconds=1.0):
+            response = await cluster.post(
+                f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers", json=body
+            )
+            assert response.status in (200, 201), await response.text()
+            await eventually(lambda: replicas(cluster, name) == 0, what="the Deployment at zero replicas")
+            router = await start_router_on(cluster)
+            try:
+                async with httpx.AsyncClient(timeout=120) as http:
+                    request = {"model": MODEL, "prompt": "wake up", "max_tokens": 4}
+                    started = time.monotonic()
+                    answer = await http.post(f"{router.url}/v1/completions", json=request)
+                    hold_s = time.monotonic() - started
+                    assert answer.status_code == 200, answer.text
+                    print(f"first request after idle (real operator): answered after {hold_s:.2f}s")
+                    await eventually(
+                        lambda: (cluster.stored(MODELSERVERS, NS, name) or {}).get("status", {})
+                        .get("autoscaling", {}).get("desiredReplicas") == 1,
+                        what="the autoscaler to record the wake",
+                    )  # fmt: skip
+                    # idle for the scale-down delay: back to zero, and the router's pool empties
+                    await eventually(
+                        lambda: replicas(cluster, name) == 0, timeout=60, what="the scale to zero"
+                    )
+                    await eventually(lambda: not router.router.pools[MODEL].replicas, what="an empty pool")
+                    reasons = [
+                        obj.raw.get("message", "")
+                        for (resource, _, _), obj in cluster.objects.items()
+                        if resource.plural == "events" and obj.raw.get("reason") in ("ScaledUp", "ScaledDown")
+                    ]
+                    assert any("scale from zero" in r for r in reasons), reasons
+                    assert any(r.startswith("1 -> 0 replicas") for r in reasons), reasons
+            finally:
+                await asyncio.to_thread(router.stop)
+    finally:
+        kubelet.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await kubelet
