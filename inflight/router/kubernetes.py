@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from pydantic import ValidationError
 
 from inflight.operator import kube
@@ -133,7 +134,7 @@ class KubernetesDiscovery:
                 try:
                     await self.client.merge_patch(kube.MODELSERVERS.path(self.namespace, name), patch)
                     log.info("asked the operator for a replica of ModelServer %s/%s", self.namespace, name)
-                except (kube.KubeError, OSError) as error:
+                except (kube.KubeError, aiohttp.ClientError, OSError, TimeoutError) as error:
                     log.warning("could not wake ModelServer %s/%s: %s", self.namespace, name, error)
 
         return wake
