@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType
 
-from inflight.engine.gguf.dequant import dequantize
+from inflight.engine.gguf.dequant import SUPPORTED_TYPES, dequantize, supported_type_names
 from inflight.engine.model.config import ModelConfig, RopeScaling
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.llama import rope_inv_freq
@@ -126,6 +126,14 @@ class GGUFCheckpoint:
                 "inflight has no MoE layer."
             )
         names = {t.name for t in self._reader.tensors}
+        unsupported = sorted(
+            {t.tensor_type.name for t in self._reader.tensors} - {t.name for t in SUPPORTED_TYPES}
+        )
+        if unsupported:
+            raise self.fail(
+                f"GGUF tensor type(s) {', '.join(unsupported)} not supported; inflight reads "
+                f"{supported_type_names()}."
+            )
         try:
             hidden = int(self._arch_value("embedding_length"))
             heads = int(self._arch_value("attention.head_count"))
