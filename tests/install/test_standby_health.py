@@ -66,7 +66,7 @@ async def test_operator_waiting_for_the_lease_is_healthy(monkeypatch: pytest.Mon
     options = OperatorOptions(liveness=f"http://127.0.0.1:{port}/healthz", lease_namespace="inflight-system")
     operator = asyncio.create_task(main.run(options, client=object()))  # type: ignore[arg-type]
     try:
-        await asyncio.wait_for(waiting.wait(), timeout=10)
+        await asyncio.wait_for(waiting.wait(), timeout=60)  # hang guard
         status, body = await get(f"http://127.0.0.1:{port}/healthz")
         assert status == 200 and body["leader"] is False
     finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -63,7 +65,7 @@ class ScriptedEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        self.gate.wait(10)
+        self.gate.wait(60)  # a hang guard; tests that clear the gate set it again
         self.steps += 1
         if any(prompt == POISON_PROMPT for prompt, _, _ in self.requests.values()):
             raise RuntimeError("scripted step failure")
@@ -118,8 +120,17 @@ async def scripted() -> object:
     async_engine.start()
     await async_engine.wait_ready()
     yield engine, async_engine
+    engine.gate.set()
     await async_engine.drain(timeout=0)
     await async_engine.stop()
+
+
+async def eventually(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll `check` on the event loop until it is true; fail naming `what` after `timeout` s (hang guard)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 async def collect(generation: object) -> list[RequestOutput]:
@@ -165,10 +176,7 @@ async def test_close_aborts_in_the_engine_and_frees_capacity(scripted: tuple) ->
         break
     generation.close()
     assert async_engine.num_in_flight == 0
-    for _ in range(100):
-        if "long" in engine.aborted:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: "long" in engine.aborted, "the engine thread to apply the abort")
     assert engine.aborted == ["long"]
     assert not engine.requests
 
@@ -190,17 +198,30 @@ async def test_the_loop_survives_a_failing_step(scripted: tuple) -> None:
     assert (await collect(async_engine.submit([request("after", max_tokens=2)])))[-1].finished
 
 
-async def test_drain_refuses_new_requests_and_cuts_the_rest_at_the_timeout(scripted: tuple) -> None:
+async def test_drain_refuses_new_requests_and_waits_for_in_flight_ones(scripted: tuple) -> None:
+    engine, async_engine = scripted
+    engine.gate.clear()  # the request cannot finish until the gate opens
+    short = async_engine.submit([request("short", max_tokens=2)])
+    short_outputs = asyncio.ensure_future(collect(short))
+    drain = asyncio.ensure_future(async_engine.drain(timeout=60))
+    await asyncio.sleep(0)  # the drain starts: no admissions from now on
+    with pytest.raises(EngineUnavailableError, match="shutting down"):
+        async_engine.submit([request("late")])
+    assert async_engine.state == "draining"
+    assert not drain.done()
+    engine.gate.set()
+    assert await drain == 0
+    assert (await short_outputs)[-1].finished
+
+
+async def test_drain_cuts_what_is_left_at_the_timeout(scripted: tuple) -> None:
     _, async_engine = scripted
     short = async_engine.submit([request("short", max_tokens=2)])
     endless = async_engine.submit([request("endless", max_tokens=10_000_000)])
-    short_outputs = asyncio.ensure_future(collect(short))
-    assert await async_engine.drain(timeout=0.3) == 1
-    assert (await short_outputs)[-1].finished
+    assert (await collect(short))[-1].finished
+    assert await async_engine.drain(timeout=0.1) == 1  # `endless` can never finish in time
     with pytest.raises(RequestAbortedError):
         await collect(endless)
-    with pytest.raises(EngineUnavailableError, match="shutting down"):
-        async_engine.submit([request("late")])
     assert async_engine.state == "draining"
 
 
