@@ -8,7 +8,9 @@
   engine frees their KV blocks before its next step.
 - Back-pressure: at most `max_slots + max_queue` sequences may be in flight; beyond that `submit()`
   raises `QueueFullError` with a Retry-After estimate (the server answers 429).
-- Isolation: a request the engine rejects fails alone. Should `step()` itself raise, the requests in
+- Isolation: a request the engine rejects fails alone; so does one whose sampling or output processing
+  raises inside a step (the engine ends it with finish_reason "error" and the reason in `error`; the
+  rest of the batch carries on). Should `step()` itself raise (the model's forward pass), the requests in
   the engine fail with `RequestFailedError`, are aborted, and the loop carries on with new ones.
 - `drain()` stops admissions (`EngineUnavailableError`), waits for in-flight requests up to a grace
   period, then aborts the rest (`RequestAbortedError`).

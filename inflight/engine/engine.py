@@ -2,9 +2,10 @@
 
 Outputs carry cumulative state: each `CompletionOutput` holds all token ids and all text generated so
 far, so a streaming consumer computes its delta from the lengths it already sent. A step returns an
-output for every request that gained a token or finished this step (including requests failed because
-they can never fit: finish_reason "error", `RequestOutput.error` says why). Aborted requests produce no
-further output.
+output for every request that gained a token or finished this step (including failed requests:
+finish_reason "error", `CompletionOutput.error` / `RequestOutput.error` say why). A request fails alone,
+the rest of the batch carrying on, when it can never fit, or when its own sampling or output processing
+raises inside a step. Aborted requests produce no further output.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import allocate_kv_caches
 from inflight.engine.model.loader import load_model
 from inflight.engine.runner import ModelRunner, RunnerOutput
-from inflight.engine.sampler import Sampler
+from inflight.engine.sampler import Sampler, SampleResult
 from inflight.engine.scheduler import SchedulerOutput, create_scheduler
 from inflight.engine.sequence import FinishReason, PositionLogprobs, SamplingParams, Sequence
 from inflight.engine.stats import EngineStats
@@ -49,6 +50,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # Why this completion failed (finish_reason "error"), else None.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -75,7 +78,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    # Why the request failed (finish_reason "error"), else None.
+    # Why the request failed (a completion with finish_reason "error"), else None.
     error: str | None = None
 
 
@@ -275,6 +278,8 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
         result = self.runner.execute(out)
+        for seq_id, reason in result.failed.items():  # one request's failure ends that request only
+            self.scheduler.finish(seq_id, "error", error=reason)
         forked = self.scheduler.update(
             out, {sid: [s.token_id for s in r] for sid, r in result.samples.items()}
         )
@@ -294,26 +299,26 @@ class LLMEngine:
         for item in out.sampling:
             parent = item.seq
             request = self._requests[parent.request_id]
-            samples = result.samples[parent.seq_id]
+            progressed[request.request_id] = request
+            samples = result.samples.get(parent.seq_id)
+            if samples is None:  # its draw failed: already finished with "error"
+                continue
             members = [parent] if len(samples) == 1 else [s for s in request.seqs if s is not None]
-            for member, sample in zip(members, samples, strict=True):
-                self._num_generation_tokens += 1
-                if member.params.logprobs is not None:
-                    if member.logprobs is None:
-                        member.logprobs = []
-                    assert sample.top_logprobs is not None
-                    for token_id, logprob in sample.top_logprobs.items():
-                        logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-                    member.logprobs.append(sample.top_logprobs)
-                    member.cumulative_logprob += sample.logprob
-                self._detokenize(request, member)
+            try:
+                for member, sample in zip(members, samples, strict=True):
+                    self._record_sample(request, member, sample)
+            except Exception as error:
+                logger.warning(
+                    "request %s failed: processing its tokens raised %r", request.request_id, error
+                )
+                self._fail(request, f"processing this request's output failed: {error}")
+                continue
             if not request.prompt_counted:
                 request.prompt_counted = True
                 self._num_prompt_tokens += len(request.prompt_token_ids)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            progressed[request.request_id] = request
         for seq in out.failed:
             if seq.request_id in self._requests:
                 progressed[seq.request_id] = self._requests[seq.request_id]
@@ -325,6 +330,24 @@ class LLMEngine:
                 del self._requests[request.request_id]
             outputs.append(self._output(request, finished))
         return outputs
+
+    def _record_sample(self, request: _Request, member: Sequence, sample: SampleResult) -> None:
+        self._num_generation_tokens += 1
+        if member.params.logprobs is not None:
+            if member.logprobs is None:
+                member.logprobs = []
+            assert sample.top_logprobs is not None
+            for token_id, logprob in sample.top_logprobs.items():
+                logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            member.logprobs.append(sample.top_logprobs)
+            member.cumulative_logprob += sample.logprob
+        self._detokenize(request, member)
+
+    def _fail(self, request: _Request, reason: str) -> None:
+        """End every unfinished sequence of the request with finish_reason "error"; free their blocks."""
+        for seq in request.seqs:
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq.seq_id, "error", error=reason)
 
     def _detokenize(self, request: _Request, seq: Sequence) -> None:
         detok = request.detokenizers[seq.index]
@@ -352,7 +375,7 @@ class LLMEngine:
         completions = []
         for index, seq in enumerate(request.seqs):
             if seq is None:  # a sibling not forked yet (the parent failed before its prompt finished)
-                completions.append(CompletionOutput(index, "", [], parent.finish_reason))
+                completions.append(CompletionOutput(index, "", [], parent.finish_reason, error=parent.error))
                 continue
             text = request.texts[index]
             stops = seq.params.stop_strings
@@ -368,6 +391,7 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                     logprobs=None if seq.logprobs is None else list(seq.logprobs),
                     cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                    error=seq.error,
                 )
             )
         return RequestOutput(
@@ -378,7 +402,7 @@ class LLMEngine:
             finished=finished,
             metrics=request.metrics,
             prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
-            error=parent.error,
+            error=next((c.error for c in completions if c.error is not None), None),
         )
 
     # ---- figures and the offline loop

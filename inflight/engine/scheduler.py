@@ -189,12 +189,15 @@ class Scheduler:
             seq.finish("abort")
         return stopped
 
-    def finish(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> Sequence | None:
-        """Finish a running or waiting sequence from outside (e.g. a stop string matched); free its blocks."""
+    def finish(
+        self, seq_id: str, reason: str, stop_reason: int | str | None = None, error: str | None = None
+    ) -> Sequence | None:
+        """Finish a running or waiting sequence from outside (a stop string matched, or the engine failed
+        it: reason "error" with `error`); free its blocks. An `update` of the step it was in skips it."""
         for seq in [*self.running, *self.waiting]:
             if seq.seq_id == seq_id:
                 self._remove(seq)
-                seq.finish(reason, stop_reason=stop_reason)
+                seq.finish(reason, stop_reason=stop_reason, error=error)
                 return seq
         return None
 
@@ -315,7 +318,7 @@ class Scheduler:
         finished: list[str] = []
         for item in out.scheduled:
             seq = item.seq
-            if seq.is_finished:  # aborted between schedule and update
+            if seq.is_finished:  # aborted or failed between schedule and update
                 continue
             seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             self.kv_cache.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)

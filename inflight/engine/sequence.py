@@ -7,10 +7,21 @@ prompt's KV blocks (ref counts), and each samples its own continuation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily: dividing logits by them overflows to inf/NaN (vLLM's rule).
+GREEDY_TEMPERATURE = 1e-5
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
 
@@ -19,7 +30,8 @@ FinishReason = str  # "stop" | "length" | "abort" | "error"
 class SamplingParams:
     """How to pick tokens for one request (vLLM's names and meanings).
 
-    temperature 0 is greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    temperature 0 (or below GREEDY_TEMPERATURE) is greedy. top_k <= 0 (or >= the vocabulary) and
+    top_p == 1 and min_p == 0 disable those filters. Every float must be finite.
     max_tokens None means "until the context (max_model_len) is full". `seed` makes the request's
     tokens reproducible whatever else shares the batch. `logprobs` / `prompt_logprobs` ask for that
     many top alternatives per token (plus the chosen token). Invalid values raise ValueError naming the
@@ -54,6 +66,10 @@ class SamplingParams:
 
     def _validate(self) -> None:
         checks: list[tuple[bool, str]] = [
+            (math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
+            for name in FLOAT_FIELDS
+        ]
+        checks += [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (
                 self.max_tokens is None or self.max_tokens >= 1,
@@ -88,7 +104,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def stop_strings(self) -> list[str]:

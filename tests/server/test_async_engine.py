@@ -6,9 +6,11 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
+import torch
 
 from inflight.engine.async_engine import (
     AsyncEngine,
@@ -19,7 +21,8 @@ from inflight.engine.async_engine import (
     RequestFailedError,
 )
 from inflight.engine.config import EngineConfig
-from inflight.engine.engine import CompletionOutput, RequestMetrics, RequestOutput
+from inflight.engine.engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
+from inflight.engine.sampler import SampleResult, SamplingRow
 from inflight.engine.sequence import SamplingParams
 from inflight.engine.stats import EngineStats
 
@@ -239,3 +242,39 @@ async def test_a_failed_load_is_reported() -> None:
     with pytest.raises(EngineUnavailableError):
         async_engine.submit([request("x")])
     await async_engine.stop()
+
+
+async def test_a_request_whose_sampling_fails_fails_alone_in_the_async_engine(tiny_llama_dir: Path) -> None:
+    """A real engine whose sampler raises for one request's rows: that request ends with "error" and a
+    reason, the request batched with it gets exactly its tokens, and the loop keeps serving."""
+    engine = LLMEngine(
+        tiny_llama_dir, EngineConfig(max_num_seqs=4, num_kv_blocks=64, block_size=8, device="cpu")
+    )
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = engine.tokenizer.encode("def main(")
+    (expected,) = engine.generate([prompt], greedy)
+    sampler = engine.runner.sampler
+
+    def poisoned(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        if any(r.params.seed == 666 and r.output_position >= 2 for r in rows):
+            raise RuntimeError("poisoned sampling parameters")
+        return sampler(logits, rows)
+
+    engine.runner.sampler = poisoned  # type: ignore[assignment]
+    async_engine = AsyncEngine(lambda: engine, max_slots=4, max_queue=4)
+    async_engine.start()
+    await async_engine.wait_ready()
+    try:
+        good = async_engine.submit([GenerationRequest("good", prompt, greedy)])
+        bad = async_engine.submit([GenerationRequest("bad", prompt, replace(greedy, seed=666))])
+        good_outputs, bad_outputs = await asyncio.gather(collect(good), collect(bad))
+        assert good_outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+        failed = bad_outputs[-1]
+        assert failed.finished and failed.outputs[0].finish_reason == "error"
+        assert failed.error is not None and "poisoned sampling parameters" in failed.error
+        after = await collect(async_engine.submit([GenerationRequest("after", prompt, greedy)]))
+        assert after[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+        assert async_engine.stats().num_used_blocks == 0
+    finally:
+        await async_engine.drain(timeout=0)
+        await async_engine.stop()
