@@ -294,7 +294,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         # Requests that want prompt logprobs compute every prompt position, so they skip the cache.
         tokens = seq.token_ids if seq.params.prompt_logprobs is None else []
-        seq.num_computed_tokens = self.kv_cache.match_prefix(seq.seq_id, tokens)
+        seq.num_computed_tokens = self.kv_cache.match_prefix(seq.seq_id, tokens, seq.params.cache_salt)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

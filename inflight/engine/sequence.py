@@ -54,6 +54,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Requests share cached prefix KV blocks only with requests of the same salt (e.g. one per tenant).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +90,7 @@ class SamplingParams:
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (all(s for s in self.stop or []), "stop strings must be non-empty"),
+            (self.cache_salt is None or self.cache_salt != "", "cache_salt must be non-empty (or None)"),
             (all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be >= 0"),
         ]
         for name in ("logprobs", "prompt_logprobs"):

@@ -119,6 +119,7 @@ def _sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            cache_salt=body.cache_salt,
         )
     except ValueError as error:
         raise bad_request(str(error)) from error

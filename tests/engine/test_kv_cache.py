@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -94,6 +97,37 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write() -> None:
     kv.free("p")
     kv.free("c")
     assert kv.num_free_blocks == 6
+    kv.check_consistency()
+
+
+def test_block_keys_are_a_sha256_chain_over_the_parent_digest_and_the_token_ids() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(1000, 1013))
+    kv.match_prefix("a", prompt)
+    kv.allocate("a", 0, len(prompt))
+    kv.cache_full_blocks("a", prompt, len(prompt))
+    # The spec, computed independently: the chain starts at a digest of the extra keys (no salt here).
+    parent = hashlib.sha256(
+        b"inflight-prefix-cache-v1\0" + json.dumps({"cache_salt": None}).encode()
+    ).digest()
+    for i, block in enumerate(kv.block_table("a")[:3]):
+        tokens = prompt[i * 4 : (i + 1) * 4]
+        parent = hashlib.sha256(parent + b"".join(t.to_bytes(8, "little") for t in tokens)).digest()
+        assert kv.cached_block(parent) == block
+
+
+def test_a_cache_salt_separates_prefixes() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(9))
+    kv.match_prefix("a", prompt, cache_salt="tenant-a")
+    kv.allocate("a", 0, len(prompt))
+    kv.cache_full_blocks("a", prompt, len(prompt))
+    assert kv.match_prefix("b", prompt, cache_salt="tenant-b") == 0  # another tenant: no shared blocks
+    assert kv.match_prefix("c", prompt) == 0  # no salt is a salt of its own
+    assert kv.match_prefix("d", prompt, cache_salt="tenant-a") == 8  # the same tenant hits
+    kv.allocate("b", 0, len(prompt))
+    kv.cache_full_blocks("b", prompt, len(prompt))
+    assert set(kv.block_table("b")).isdisjoint(kv.block_table("a"))
     kv.check_consistency()
 
 
