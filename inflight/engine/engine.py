@@ -1,7 +1,9 @@
 """LLMEngine: one step = schedule -> run the model -> update sequences; requests in, outputs out.
 
-Outputs carry cumulative state: each `CompletionOutput` holds all token ids and all text generated so
-far, so a streaming consumer computes its delta from the lengths it already sent. A step returns an
+By default outputs carry cumulative state: each `CompletionOutput` holds all token ids, text and
+logprobs generated so far. A request with `SamplingParams.output_kind="delta"` gets only what is new
+since its previous output instead (the server's contract: no step copies a request's whole output, and
+unread deltas merge with `RequestOutput.merge`). A step returns an
 output for every request that gained a token or finished this step (including failed requests:
 finish_reason "error", `CompletionOutput.error` / `RequestOutput.error` say why). A request fails alone,
 the rest of the batch carrying on, when it can never fit, or when its own sampling or output processing
@@ -57,6 +59,17 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merge(self, later: CompletionOutput) -> None:
+        """Append a later delta of the same completion to this one (in place)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *later.logprobs]
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.cumulative_logprob = later.cumulative_logprob
+        self.error = later.error
+
 
 @dataclass
 class RequestMetrics:
@@ -81,6 +94,17 @@ class RequestOutput:
     # Why the request failed (a completion with finish_reason "error"), else None.
     error: str | None = None
 
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later delta output of the same request into this one (in place): what a consumer that
+        has not read this one yet would have seen in both."""
+        for completion, more in zip(self.outputs, later.outputs, strict=True):
+            completion.merge(more)
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.error = later.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+
 
 @dataclass
 class _Request:
@@ -94,6 +118,10 @@ class _Request:
     texts: list[str] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_counted: bool = False
+    # Delta outputs: per completion, tokens and characters of text already sent; prompt logprobs sent.
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_chars: list[int] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -254,6 +282,8 @@ class LLMEngine:
             ],
             texts=[""] * params.n,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            sent_tokens=[0] * params.n,
+            sent_chars=[0] * params.n,
         )
 
     def abort(self, request_id: str) -> None:
@@ -372,6 +402,7 @@ class LLMEngine:
     def _output(self, request: _Request, finished: bool) -> RequestOutput:
         parent = request.seqs[0]
         assert parent is not None
+        delta = request.params.output_kind == "delta"
         completions = []
         for index, seq in enumerate(request.seqs):
             if seq is None:  # a sibling not forked yet (the parent failed before its prompt finished)
@@ -382,18 +413,32 @@ class LLMEngine:
             if stops and not seq.is_finished:
                 # Hold back a tail that may still grow into a stop string.
                 text = text[: max(0, len(text) - max(len(s) for s in stops) + 1)]
+            token_ids, logprobs = seq.output_token_ids, seq.logprobs
+            if delta:
+                sent, sent_chars = request.sent_tokens[index], request.sent_chars[index]
+                request.sent_tokens[index], request.sent_chars[index] = (
+                    len(token_ids),
+                    max(sent_chars, len(text)),
+                )
+                token_ids, text = token_ids[sent:], text[sent_chars:]
+                if logprobs is not None:
+                    seq.logprobs = []  # they go out now: the engine keeps none of them
             completions.append(
                 CompletionOutput(
                     index=index,
                     text=text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=list(token_ids),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
-                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                    logprobs=None if logprobs is None else list(logprobs),
                     cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
                     error=seq.error,
                 )
             )
+        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
+        if delta and request.sent_prompt_logprobs:
+            prompt_logprobs = None
+        request.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -401,7 +446,7 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             metrics=request.metrics,
-            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+            prompt_logprobs=prompt_logprobs,
             error=next((c.error for c in completions if c.error is not None), None),
         )
 

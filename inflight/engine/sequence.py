@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily: dividing logits by them overflows to inf/NaN (vLLM's rule).
@@ -24,6 +25,8 @@ FLOAT_FIELDS = (
 )
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
+# What each step's output of a request holds: everything so far, or only what is new since the last one.
+OutputKind = Literal["cumulative", "delta"]
 
 
 @dataclass
@@ -34,8 +37,10 @@ class SamplingParams:
     top_p == 1 and min_p == 0 disable those filters. Every float must be finite.
     max_tokens None means "until the context (max_model_len) is full". `seed` makes the request's
     tokens reproducible whatever else shares the batch. `logprobs` / `prompt_logprobs` ask for that
-    many top alternatives per token (plus the chosen token). Invalid values raise ValueError naming the
-    field, what it got and what is allowed.
+    many top alternatives per token (plus the chosen token). `output_kind` "delta" makes each output
+    carry only the tokens, text and logprobs that are new since the request's previous output (prompt
+    logprobs in the first only). Invalid values raise ValueError naming the field, what it got and what
+    is allowed.
     """
 
     n: int = 1
@@ -56,6 +61,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Requests share cached prefix KV blocks only with requests of the same salt (e.g. one per tenant).
     cache_salt: str | None = None
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +97,10 @@ class SamplingParams:
             ),
             (all(s for s in self.stop or []), "stop strings must be non-empty"),
             (self.cache_salt is None or self.cache_salt != "", "cache_salt must be non-empty (or None)"),
+            (
+                self.output_kind in ("cumulative", "delta"),
+                f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}",
+            ),
             (all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be >= 0"),
         ]
         for name in ("logprobs", "prompt_logprobs"):

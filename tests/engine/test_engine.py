@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 
 from inflight import LLM, SamplingParams
 from inflight.engine.config import EngineConfig
-from inflight.engine.engine import LLMEngine
+from inflight.engine.engine import LLMEngine, RequestOutput
 from inflight.engine.sampler import SampleResult, SamplingRow
 
 PROMPTS = ["def main(", "import os\nimport sys", "class Foo:\n    def", "x = 1", "for i in range(10):"]
@@ -317,3 +318,38 @@ def test_a_request_whose_output_processing_fails_fails_alone(
     assert bad.outputs[0].finish_reason == "error"
     assert bad.error is not None and "undecodable bytes" in bad.error
     assert engine.kv_cache.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm: LLM) -> None:
+    engine = llm.engine
+    # n=2, logprobs, prompt logprobs, and a stop string that holds back the text's tail while running.
+    params = greedy(12, n=2, logprobs=2, prompt_logprobs=1, stop=["\x00never"])
+    engine.add_request("cumulative", PROMPTS[2], params)
+    engine.add_request("delta", PROMPTS[2], replace(params, output_kind="delta"))
+    seen: dict[str, list[RequestOutput]] = {"cumulative": [], "delta": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    final, deltas = seen["cumulative"][-1], seen["delta"]
+    assert len(deltas) > 2 and deltas[-1].finished
+    for index, whole in enumerate(final.outputs):
+        parts = [d.outputs[index] for d in deltas]
+        assert [t for p in parts for t in p.token_ids] == whole.token_ids
+        assert "".join(p.text for p in parts) == whole.text
+        assert [lp for p in parts for lp in p.logprobs or []] == whole.logprobs
+        assert parts[-1].finish_reason == whole.finish_reason == "length"
+    assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * (len(deltas) - 1)
+    assert deltas[0].prompt_logprobs == final.prompt_logprobs
+    # Merging the deltas (what the server does for a consumer that fell behind) gives the same again.
+    merged = deltas[0]
+    for later in deltas[1:]:
+        merged.merge(later)
+    assert merged.finished and merged.prompt_logprobs == final.prompt_logprobs
+    for mine, whole in zip(merged.outputs, final.outputs, strict=True):
+        assert (mine.token_ids, mine.text, mine.logprobs, mine.finish_reason, mine.cumulative_logprob) == (
+            whole.token_ids,
+            whole.text,
+            whole.logprobs,
+            whole.finish_reason,
+            whole.cumulative_logprob,
+        )

@@ -65,12 +65,13 @@ def start_server(
     max_queue: int = 64,
     num_kv_blocks: int = 128,
     block_size: int = 16,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> LiveServer:
     config = EngineConfig(
         max_num_seqs=max_slots,
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         max_num_batched_tokens=512,
     )
     engine = AsyncEngine(lambda: LLMEngine(model_dir, config), max_slots=max_slots, max_queue=max_queue)

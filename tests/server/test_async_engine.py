@@ -23,7 +23,7 @@ from inflight.engine.async_engine import (
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
 from inflight.engine.sampler import SampleResult, SamplingRow
-from inflight.engine.sequence import SamplingParams
+from inflight.engine.sequence import Logprob, SamplingParams
 from inflight.engine.stats import EngineStats
 
 POISON_PROMPT = [666]  # the scripted engine's step() raises while this prompt is in it
@@ -37,7 +37,8 @@ class ScriptedTokenizer:
 
 @dataclass
 class ScriptedEngine:
-    """Each step appends token 7 to every request; a request finishes at its max_tokens."""
+    """Each step appends token 7 to every request (its output: that token, a delta); a request finishes
+    at its max_tokens."""
 
     tokenizer: ScriptedTokenizer = field(default_factory=ScriptedTokenizer)
     # What the async engine logs once the engine is ready.
@@ -84,7 +85,9 @@ class ScriptedEngine:
                     prompt=None,
                     prompt_token_ids=prompt,
                     outputs=[
-                        CompletionOutput(0, "x" * len(tokens), list(tokens), "length" if finished else None)
+                        CompletionOutput(
+                            0, "x", [7], "length" if finished else None, logprobs=[{7: Logprob(-0.5, 1)}]
+                        )
                     ],
                     finished=finished,
                     metrics=RequestMetrics(arrival_time=0.0),
@@ -145,17 +148,39 @@ async def test_outputs_arrive_in_order_and_warm_up_is_not_counted(scripted: tupl
     assert async_engine.state == "ready"
     assert engine.steps == 2  # the warm-up request ran two steps before ready
     outputs = await collect(async_engine.submit([request("a", max_tokens=3)]))
-    assert [o.outputs[0].token_ids for o in outputs] == [[7], [7, 7], [7, 7, 7]]
-    assert [o.finished for o in outputs] == [False, False, True]
+    # Deltas: one per step, or several steps merged if this consumer fell behind.
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == [7, 7, 7]
+    assert "".join(o.outputs[0].text for o in outputs) == "xxx"
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert async_engine.stats().num_generation_tokens == 3  # warm-up steps subtracted
     assert async_engine.num_in_flight == 0
+
+
+async def test_unread_deltas_merge_into_one_pending_output_per_request(scripted: tuple) -> None:
+    _, async_engine = scripted
+    generation = async_engine.submit([request("p0", max_tokens=50), request("p1", max_tokens=30)])
+    # Not reading: the engine runs every step, the generation keeps one merged delta per request.
+    await eventually(lambda: not generation.unfinished - finished_ids(generation), "both requests to finish")
+    assert len(generation.pending) == 2
+    outputs = await collect(generation)
+    assert [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in outputs] == [
+        ("p0", 50, True),
+        ("p1", 30, True),
+    ]
+    (p0, _) = outputs
+    assert p0.outputs[0].text == "x" * 50 and p0.outputs[0].logprobs == [{7: Logprob(-0.5, 1)}] * 50
+
+
+def finished_ids(generation: object) -> set[str]:
+    return {rid for rid, (_, o) in generation.pending.items() if o.finished}  # type: ignore[attr-defined]
 
 
 async def test_requests_of_one_submission_share_a_generation(scripted: tuple) -> None:
     _, async_engine = scripted
     generation = async_engine.submit([request("p0", max_tokens=1), request("p1", max_tokens=2)])
-    seen = [(index, o.request_id, o.finished) async for index, o in generation.outputs()]
-    assert sorted(seen) == [(0, "p0", True), (1, "p1", False), (1, "p1", True)]
+    seen = [(index, o.request_id, len(o.outputs[0].token_ids)) async for index, o in generation.outputs()]
+    assert {(index, rid) for index, rid, _ in seen} == {(0, "p0"), (1, "p1")}
+    assert sum(n for _, rid, n in seen if rid == "p1") == 2
 
 
 async def test_capacity_is_slots_plus_queue_and_frees_on_finish(scripted: tuple) -> None:
@@ -244,6 +269,10 @@ async def test_a_failed_load_is_reported() -> None:
     await async_engine.stop()
 
 
+def delta_tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for output in outputs for t in output.outputs[0].token_ids]
+
+
 async def test_a_request_whose_sampling_fails_fails_alone_in_the_async_engine(tiny_llama_dir: Path) -> None:
     """A real engine whose sampler raises for one request's rows: that request ends with "error" and a
     reason, the request batched with it gets exactly its tokens, and the loop keeps serving."""
@@ -268,12 +297,12 @@ async def test_a_request_whose_sampling_fails_fails_alone_in_the_async_engine(ti
         good = async_engine.submit([GenerationRequest("good", prompt, greedy)])
         bad = async_engine.submit([GenerationRequest("bad", prompt, replace(greedy, seed=666))])
         good_outputs, bad_outputs = await asyncio.gather(collect(good), collect(bad))
-        assert good_outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+        assert delta_tokens(good_outputs) == expected.outputs[0].token_ids
         failed = bad_outputs[-1]
         assert failed.finished and failed.outputs[0].finish_reason == "error"
         assert failed.error is not None and "poisoned sampling parameters" in failed.error
         after = await collect(async_engine.submit([GenerationRequest("after", prompt, greedy)]))
-        assert after[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+        assert delta_tokens(after) == expected.outputs[0].token_ids
         assert async_engine.stats().num_used_blocks == 0
     finally:
         await async_engine.drain(timeout=0)
