@@ -277,3 +277,4 @@ class KVCacheManager:
             assert (rc == 0) == (block in self._free), f"block {block}: ref count {rc} vs free list"
         for key, block in self._cached.items():
             assert self._block_keys[block] == key, f"cached block {block} has a stale key"
+        assert self._seq_roots.keys() <= self._tables.keys(), "a freed sequence kept its chain root"

@@ -155,16 +155,20 @@ def test_random_operations_keep_the_pool_consistent(
     kv = KVCacheManager(num_blocks=10, block_size=3, enable_prefix_caching=caching)
     tokens: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
+    cached: set[tuple[str | None, int]] = set()  # (salt, prompt family) whose first block was cached
     for op, which, count, family in ops:
         seq = f"s{which}"
         if op == "new" and seq not in tokens:
             prompt = [family] * 4 + list(range(count))
-            hit = kv.match_prefix(seq, prompt)
+            salt = None if which % 3 == 0 else f"tenant-{which % 3}"
+            hit = kv.match_prefix(seq, prompt, cache_salt=salt)
             assert hit % 3 == 0 and hit < len(prompt)
+            assert hit == 0 or (salt, family) in cached  # only blocks cached under the same salt match
             tokens[seq], computed[seq] = prompt, hit
             if kv.allocate(seq, hit, len(prompt) - hit):
                 computed[seq] = len(prompt)
                 kv.cache_full_blocks(seq, prompt, len(prompt))
+                cached.add((salt, family))
         elif op == "grow" and seq in tokens:
             before = kv.block_table(seq)[:]
             start = computed[seq]
