@@ -29,14 +29,11 @@ from inflight.operator.builtin_autoscaler import (
     rfc3339,
     scaled,
 )
-from inflight.operator.controller import Controller, is_subset
+from inflight.operator.controller import PODS, SERVER_CONTAINER, Controller, is_subset
 from inflight.operator.replicas import desired_replicas
 from inflight.operator.spec import Actuator, ModelServer
 
 log = logging.getLogger("inflight.operator.autoscaling")
-
-PODS = kube.Resource("", "v1", "pods")
-SERVER_CONTAINER = "server"
 
 
 class BuiltinAutoscaling:
@@ -119,6 +116,7 @@ class BuiltinAutoscaling:
             now,
         )
         changed = scaled(decision, replicas)
+        self.controller.metrics.autoscaling_decisions.labels(direction=decision.direction.value).inc()
         if changed:
             state.last_scale_time = rfc3339(now)
             log.info(

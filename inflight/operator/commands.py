@@ -61,6 +61,11 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         default=2.0,
         help="builtin autoscaling: a pod slower than this to answer /metrics counts as unknown",
     )
+    operator.add_argument(
+        "--metrics-address",
+        default="0.0.0.0:8081",
+        help="host:port serving the operator's own Prometheus /metrics; empty: none (default: 0.0.0.0:8081)",
+    )
     operator.add_argument("--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_run_operator)
 
@@ -110,6 +115,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         resync_seconds=args.resync_seconds,
         autoscale_seconds=args.autoscale_seconds,
         scrape_timeout_seconds=args.scrape_timeout_seconds,
+        metrics_address=args.metrics_address or None,
         verbose=args.verbose,
     )
     return run_operator(options)

@@ -12,6 +12,7 @@ import pytest
 
 from inflight.operator.autoscaling_loop import BuiltinAutoscaling
 from inflight.operator.kube import DEPLOYMENTS, MODELSERVERS
+from inflight.operator.metrics import OperatorMetrics
 from inflight.operator.replicas import desired_replicas
 from inflight.operator.spec import ModelServer
 
@@ -57,6 +58,7 @@ class RecordingController:
 
     def __init__(self, kube: MemoryKube) -> None:
         self.kube = kube
+        self.metrics = OperatorMetrics()
 
     @property
     def events(self) -> list[tuple[str, str, str]]:
