@@ -168,15 +168,24 @@ async def query(http: httpx.AsyncClient, prometheus: str, promql: str) -> list[d
 
 
 async def send_traffic(http: httpx.AsyncClient, server: str) -> None:
-    """Finished requests (one prompt thrice: prefix-cache hits), then a burst beyond the one slot: 429s."""
+    """Finished requests (one prompt thrice: prefix-cache hits), then requests while a stream holds the one
+    slot, until one is refused with 429 (the stream is dropped after, which aborts it)."""
+    url = f"http://{server}/v1/completions"
     body = {"model": "tiny", "prompt": "the quick brown fox jumps over the lazy dog " * 4, "max_tokens": 8}
     for _ in range(3):
-        response = await http.post(f"http://{server}/v1/completions", json=body)
+        response = await http.post(url, json=body)
         assert response.status_code == 200, response.text
-    burst = await asyncio.gather(
-        *(http.post(f"http://{server}/v1/completions", json={**body, "max_tokens": 64}) for _ in range(4))
-    )
-    assert {r.status_code for r in burst} == {200, 429}, [r.text for r in burst]
+    holding = {**body, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        async with http.stream("POST", url, json=holding) as stream:
+            assert stream.status_code == 200
+            await anext(stream.aiter_lines())  # the first token: the slot is taken
+            refused = await http.post(url, json=body)
+        if refused.status_code == 429:
+            return
+        assert refused.status_code == 200, refused.text  # the stream finished first; try again
+        assert asyncio.get_running_loop().time() < deadline, "never got a 429 with the one slot taken"
 
 
 def documented_server_metrics() -> set[str]:
