@@ -9,8 +9,10 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 
 from inflight.operator import builders
+from inflight.operator.controller import is_subset
 from inflight.operator.placement import place
 from inflight.operator.spec import ModelServer
 
@@ -69,6 +71,19 @@ def test_core_objects_pass_the_kubernetes_schema_and_the_rest_are_prometheus_ope
             kubernetes_validate.validate(obj, helm.kube_version, strict=True)
         except kubernetes_validate.ValidationError as error:
             pytest.fail(f"{name} at {list(error.path)}: {error.message}")
+
+
+def test_monitoring_objects_match_the_prometheus_operator_schemas(helm: Any) -> None:
+    """Each CR parses with models generated from the Prometheus Operator's CRDs and loses no field on the way
+    (a misspelled or misplaced field would be dropped: the operator's API server would prune it)."""
+    for obj in helm.render(*ALL):
+        if obj["kind"] not in MONITORING_KINDS:
+            continue
+        model = getattr(prometheus_operator, obj["kind"])
+        parsed = model.model_validate(obj)
+        dumped = parsed.model_dump(by_alias=True, exclude_none=True, mode="json")  # with schema defaults
+        assert is_subset(obj, dumped), f"{obj['kind']}: a field the Prometheus Operator does not know"
+        assert parsed.spec is not None
 
 
 def test_pod_monitor_selects_the_server_pods_on_their_http_port(helm: Any) -> None:
