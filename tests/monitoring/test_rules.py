@@ -7,6 +7,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import kit
+import pytest
 import yaml
 from kit import PrometheusTools
 
@@ -69,3 +71,13 @@ def test_every_alert_has_a_runbook_section_in_the_docs(rule_groups: list[dict[st
             anchor = rule["alert"].lower()
             assert rule["annotations"]["runbook_url"].endswith(f"docs/monitoring.md#{anchor}")
             assert rule["labels"]["severity"] in ("warning", "critical")
+
+
+def test_missing_prometheus_skips_locally_but_fails_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kit.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install prometheus"):
+        kit.find_prometheus_tools()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="prometheus, promtool not installed"):
+        kit.find_prometheus_tools()
