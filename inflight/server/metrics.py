@@ -53,12 +53,12 @@ class _EngineCollector(Collector):
             ("inflight:generation_tokens", "Tokens generated.", stats.num_generation_tokens),
             (
                 "inflight:prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
+                "Prompt tokens looked up in the prefix cache (full blocks only).",
                 stats.num_prefix_cache_queries,
             ),
             (
                 "inflight:prefix_cache_hits",
-                "Prompt tokens found in the prefix cache.",
+                "Prompt tokens found in the prefix cache (not recomputed).",
                 stats.num_prefix_cache_hits,
             ),
         )
