@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from inflight.operator import builders, kube
+from inflight.operator import kube
 from inflight.operator.autoscaler import Direction
 from inflight.operator.builtin_autoscaler import (
     AutoscalerState,
@@ -29,7 +29,7 @@ from inflight.operator.builtin_autoscaler import (
     rfc3339,
     scaled,
 )
-from inflight.operator.controller import PODS, SERVER_CONTAINER, Controller, is_subset
+from inflight.operator.controller import SERVER_CONTAINER, Controller
 from inflight.operator.replicas import desired_replicas
 from inflight.operator.spec import Actuator, ModelServer
 
@@ -93,12 +93,7 @@ class BuiltinAutoscaling:
         if deployment is None:
             return  # not created yet (or the spec is Degraded): nothing to scale
         replicas = desired_replicas(ms.spec, ms.status)  # what the reconcile holds the Deployment at
-        selector = builders.selector_labels(ms)
-        pods = [
-            pod
-            for pod in await self.controller.kube.list(PODS.path(namespace), label_selector=selector)
-            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
-        ]
+        pods = await self.controller.server_pods(ms)
         state = self.states.get((namespace, name))
         if state is None:
             last = ms.status.autoscaling.last_scale_time if ms.status.autoscaling else None

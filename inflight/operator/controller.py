@@ -249,6 +249,15 @@ class Controller:
                     ms.metadata.name,
                 )
 
+    async def server_pods(self, ms: ModelServer) -> list[dict[str, Any]]:
+        """The ModelServer's pods (the label selector checked again: a client may ignore it)."""
+        selector = builders.selector_labels(ms)
+        return [
+            pod
+            for pod in await self.kube.list(PODS.path(ms.metadata.namespace), label_selector=selector)
+            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
+        ]
+
     async def _measure(
         self, ms: ModelServer, deployment: Mapping[str, Any] | None, template_hash: str | None
     ) -> dict[str, PodSizing]:
@@ -258,12 +267,10 @@ class Controller:
         if template_hash is None or not ready:
             self._measured.pop(key, None)
             return {}
-        selector = builders.selector_labels(ms)
         pods = [
             pod
-            for pod in await self.kube.list(PODS.path(ms.metadata.namespace), label_selector=selector)
-            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
-            and (pod.get("metadata", {}).get("annotations") or {}).get(builders.ANNOTATION_TEMPLATE_HASH)
+            for pod in await self.server_pods(ms)
+            if (pod.get("metadata", {}).get("annotations") or {}).get(builders.ANNOTATION_TEMPLATE_HASH)
             == template_hash
         ]
         endpoints = ready_pod_endpoints(pods, SERVER_CONTAINER)
