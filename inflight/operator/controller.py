@@ -25,7 +25,7 @@ from inflight.operator.autoscaling_builders import autoscaler_object
 from inflight.operator.metrics import OperatorMetrics
 from inflight.operator.placement import Placement, SizingError, place
 from inflight.operator.pod_metrics import PodSizing, ready_pod_endpoints, scrape_sizing
-from inflight.operator.replicas import desired_replicas
+from inflight.operator.replicas import desired_replicas, woken
 from inflight.operator.spec import HFTokenSecretRef, ModelServer, SecretKeyRef
 from inflight.operator.status import Observed, Problem, build_status, condition_of, not_fitting, status_patch
 
@@ -35,7 +35,6 @@ log = logging.getLogger("inflight.operator")
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 
 NODE_CACHE_SECONDS = 10.0
-PODS = kube.Resource("", "v1", "pods")
 SERVER_CONTAINER = "server"
 
 
@@ -254,7 +253,7 @@ class Controller:
         selector = builders.selector_labels(ms)
         return [
             pod
-            for pod in await self.kube.list(PODS.path(ms.metadata.namespace), label_selector=selector)
+            for pod in await self.kube.list(kube.PODS.path(ms.metadata.namespace), label_selector=selector)
             if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
         ]
 
@@ -301,7 +300,7 @@ class Controller:
             return "degraded"
 
         placement, problem = await self._size(ms)
-        replicas = desired_replicas(ms.spec, ms.status)
+        replicas = desired_replicas(ms.spec, ms.status, woken(ms))
         deployment: dict[str, Any] | None = None
         template_hash = None
         if problem is None and placement is not None:
