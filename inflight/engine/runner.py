@@ -52,9 +52,13 @@ class StepInputs:
 
 
 class StepBroadcast(Protocol):
-    """Sends a step's inputs to the other tensor-parallel ranks before rank 0 runs it."""
+    """The other tensor-parallel ranks, seen from rank 0 (parallel/group.py)."""
 
-    def send_step(self, inputs: StepInputs) -> None: ...
+    def send_step(self, inputs: StepInputs) -> None:
+        """Hand the step's inputs to every other rank before rank 0 runs it."""
+
+    def failure(self, error: BaseException) -> Exception:
+        """The error to raise instead of `error` after a step failed: the ranks are out of step now."""
 
 
 @torch.inference_mode()
@@ -191,9 +195,13 @@ class ModelRunner:
         return result
 
     def _run(self, inputs: StepInputs) -> torch.Tensor | None:
-        if self.broadcast is not None:
+        if self.broadcast is None:
+            return run_model(self.model, self.kv_caches, inputs, self.device)
+        try:
             self.broadcast.send_step(inputs)
-        return run_model(self.model, self.kv_caches, inputs, self.device)
+            return run_model(self.model, self.kv_caches, inputs, self.device)
+        except Exception as error:
+            raise self.broadcast.failure(error) from error
 
     def _prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
