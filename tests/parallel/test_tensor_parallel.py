@@ -1,0 +1,168 @@
+"""Tensor parallelism on CPU (gloo, real worker processes): exact against N=1 and transformers.
+
+Each engine runs 12 prompts (some sharing a 3-block prefix) with fewer slots than requests, a KV pool
+small enough to preempt, prefix caching and a token budget below the longest prompt (chunked prefill),
+so every scheduling path crosses the rank boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from inflight.engine.config import EngineConfig
+from inflight.engine.engine import LLMEngine, RequestOutput
+from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.errors import ModelLoadError
+from inflight.engine.parallel.layout import valid_degrees
+from inflight.engine.sequence import SamplingParams
+from tests.conftest import cached_model
+
+BLOCK_SIZE = 8
+NUM_PROMPTS = 12
+STRESS = {"max_num_seqs": 4, "num_kv_blocks": 12, "max_num_batched_tokens": 24}
+TOP_LOGPROBS = 5
+
+
+def make_prompts(vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(77)
+    shared = [rng.randrange(3, vocab_size) for _ in range(3 * BLOCK_SIZE)]
+    prompts, max_tokens = [], []
+    for i in range(NUM_PROMPTS):
+        tail = [rng.randrange(3, vocab_size) for _ in range(rng.randrange(2, 40))]
+        prompts.append(shared + tail if i % 3 == 0 else tail)
+        max_tokens.append(rng.randrange(6, 16))
+    return prompts, max_tokens
+
+
+@functools.cache
+def hf_greedy(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    prompts, max_tokens = make_prompts(ModelConfig.from_dir(model_dir).vocab_size)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, max_tokens, strict=True):
+            config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=n)
+            out = model.generate(torch.tensor([prompt]), generation_config=config)
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def engine(model_dir: Path, tp: int, **overrides: object) -> LLMEngine:
+    settings = {"block_size": BLOCK_SIZE, "dtype": "float32", "device": "cpu", **STRESS, **overrides}
+    return LLMEngine(model_dir, EngineConfig(tensor_parallel_size=tp, **settings))  # type: ignore[arg-type]
+
+
+def greedy(llm: LLMEngine) -> list[RequestOutput]:
+    prompts, max_tokens = make_prompts(llm.model_config.vocab_size)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
+        for n in max_tokens
+    ]
+    return llm.generate(prompts, params)
+
+
+def sampled(llm: LLMEngine) -> list[list[int]]:
+    prompts, _ = make_prompts(llm.model_config.vocab_size)
+    params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=i) for i in range(len(prompts))]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def worker_processes() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def expected_rank_bytes(full: LLMEngine, tp: int) -> int:
+    """The RMSNorm weights in full plus 1/tp of every other parameter, plus, when there are fewer KV heads
+    than ranks, the k/v rows of the one KV head a rank holds beyond its 1/tp share."""
+    params = dict(full.model.named_parameters())
+    replicated = sum(p.numel() * p.element_size() for n, p in params.items() if "norm" in n)
+    sharded = sum(p.numel() * p.element_size() for n, p in params.items() if "norm" not in n)
+    assert sharded % tp == 0
+    config = full.model_config
+    kv_rows = config.num_key_value_heads * config.head_dim
+    extra_kv_rows = max(0, config.head_dim - kv_rows // tp)  # one whole head instead of a share
+    extra = 2 * config.num_hidden_layers * extra_kv_rows * config.hidden_size * full.dtype.itemsize
+    return replicated + sharded // tp + extra
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_two_ranks_equal_one_rank_and_transformers(arch: str) -> None:
+    model_dir = cached_model("tiny", arch)
+    expected = hf_greedy(model_dir)
+    single = engine(model_dir, 1)
+    reference = greedy(single)
+    assert tokens(reference) == expected
+    reference_samples = sampled(single)
+
+    split = engine(model_dir, 2)
+    try:
+        assert len(worker_processes()) == 1
+        outputs = greedy(split)
+        assert tokens(outputs) == expected
+        stats = split.stats()
+        assert stats.num_preemptions > 0
+        assert stats.num_prefix_cache_hits >= 2 * BLOCK_SIZE
+        # Logits: the top log-probabilities of every generated position agree with one rank's.
+        for ours, theirs in zip(outputs, reference, strict=True):
+            assert ours.outputs[0].logprobs is not None and theirs.outputs[0].logprobs is not None
+            for mine, ref in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+                assert mine.keys() == ref.keys()
+                for token_id, logprob in mine.items():
+                    assert abs(logprob.logprob - ref[token_id].logprob) < 1e-4
+        assert sampled(split) == reference_samples
+        # Each rank holds half of every sharded tensor and all of the norms.
+        assert split.parameter_bytes_per_rank == [expected_rank_bytes(single, 2)] * 2
+        assert split.num_kv_blocks == single.num_kv_blocks
+    finally:
+        split.close()
+    assert worker_processes() == []
+
+
+def test_four_ranks_replicate_kv_heads() -> None:
+    """The tiny preset has 4 query heads and 2 KV heads: at N=4 each KV head lives on two ranks."""
+    model_dir = cached_model("tiny", "llama")
+    config = ModelConfig.from_dir(model_dir)
+    assert valid_degrees(
+        config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    ) == [
+        1,
+        2,
+        4,
+    ]
+    split = engine(model_dir, 4)
+    try:
+        assert split.model.layout.kv_heads == 1 and config.num_key_value_heads == 2
+        assert len(worker_processes()) == 3
+        assert tokens(greedy(split)) == hf_greedy(model_dir)
+        single = engine(model_dir, 1)
+        assert split.parameter_bytes_per_rank == [expected_rank_bytes(single, 4)] * 4
+    finally:
+        split.close()
+    assert worker_processes() == []
+
+
+def test_invalid_degree_fails_at_start_naming_the_valid_ones() -> None:
+    model_dir = cached_model("tiny", "llama")
+    with pytest.raises(
+        ModelLoadError, match=r"tensor-parallel size 3 cannot split.*Valid sizes for it: 1, 2, 4"
+    ):
+        engine(model_dir, 3)
+    assert worker_processes() == []
+
+
+def test_valid_degrees_of_known_models() -> None:
+    assert valid_degrees(64, 8, 28672) == [1, 2, 4, 8]  # Llama-3.1-70B
+    # SmolLM2-135M: 9 heads / 3 KV heads; 9 would split the heads but not the 1536-wide MLP.
+    assert valid_degrees(9, 3, 1536) == [1, 3]
