@@ -4,6 +4,7 @@ in-flight request with an error and the server exits non-zero; no process is lef
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -167,3 +168,36 @@ def test_killed_rank_fails_requests_and_the_server_exits_nonzero(
     assert errors and "tensor parallelism stopped" in errors[0]["message"], events[-3:]
     assert server.wait_exit() != 0
     assert "rank 1" in server.output()
+
+
+async def test_rank_dying_while_idle_fails_the_engine_and_health(tiny_llama_dir: Path) -> None:
+    """No request in flight: the watcher notices the dead rank, the engine fails (the server's on_fatal
+    shuts it down), /health answers 503 naming the rank, and the other processes are gone."""
+    from inflight.engine.async_engine import AsyncEngine
+    from inflight.engine.config import EngineConfig
+    from inflight.engine.engine import LLMEngine
+    from inflight.server.app import ServerSettings, create_app
+
+    config = EngineConfig(
+        num_kv_blocks=32, max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2
+    )
+    fatal: list[BaseException] = []
+    engine = AsyncEngine(
+        lambda: LLMEngine(tiny_llama_dir, config), max_slots=2, max_queue=2, on_fatal=fatal.append
+    )
+    engine.start()
+    await engine.wait_ready()
+    (worker,) = psutil.Process().children(recursive=True)
+    worker.kill()
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while engine.state != "failed":
+        assert time.monotonic() < deadline, "the engine did not notice the dead rank"
+        await asyncio.sleep(0.05)
+    assert fatal and "rank 1" in str(fatal[0])
+    app = create_app(engine, ServerSettings(served_model_name="m"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        health = await client.get("/health")
+        assert health.status_code == 503 and "rank 1" in health.json()["detail"]
+        assert (await client.get("/ready")).status_code == 503
+    await engine.stop()
+    assert psutil.Process().children(recursive=True) == []

@@ -98,8 +98,10 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     block_bytes = kv_block_bytes(model.config, model.layout.kv_heads, config.block_size, dtype)
     pipe.send(("loaded", parameter_bytes, int(kv_budget_bytes(config, device) // block_bytes)))
-    kind, num_blocks = pipe.recv()
-    assert kind == "allocate", kind
+    message = pipe.recv()
+    if message is None:  # rank 0 gave up during start-up
+        return
+    _, num_blocks = message
     kv_caches = allocate_kv_caches(
         model.config, num_blocks, config.block_size, dtype, device, model.layout.kv_heads
     )
