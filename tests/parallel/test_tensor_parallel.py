@@ -19,7 +19,7 @@ from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine, RequestOutput
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
-from inflight.engine.parallel.layout import valid_degrees
+from inflight.engine.parallel.layout import ShardLayout, valid_degrees
 from inflight.engine.sequence import SamplingParams
 from tests.conftest import cached_model
 
@@ -166,3 +166,25 @@ def test_valid_degrees_of_known_models() -> None:
     assert valid_degrees(64, 8, 28672) == [1, 2, 4, 8]  # Llama-3.1-70B
     # SmolLM2-135M: 9 heads / 3 KV heads; 9 would split the heads but not the 1536-wide MLP.
     assert valid_degrees(9, 3, 1536) == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "intermediate", "vocab", "size"),
+    [(64, 8, 28672, 128256, 8), (4, 2, 352, 2049, 4), (9, 3, 1536, 49152, 3), (8, 8, 64, 10, 4)],
+)
+def test_shards_cover_every_head_row_and_token_once(
+    heads: int, kv_heads: int, intermediate: int, vocab: int, size: int
+) -> None:
+    layouts = [ShardLayout(r, size, heads, kv_heads, 64, intermediate, vocab) for r in range(size)]
+    assert [h for s in layouts for h in range(s.first_head, s.first_head + s.heads)] == list(range(heads))
+    rows = [i for s in layouts for i in range(s.first_intermediate, s.first_intermediate + s.intermediate)]
+    assert rows == list(range(intermediate))
+    assert [t for s in layouts for t in range(s.vocab_start, s.vocab_end)] == list(range(vocab))
+    assert all(s.vocab_rows >= s.vocab_end - s.vocab_start for s in layouts)
+    group = heads // kv_heads
+    for s in layouts:  # every query head's KV head is on its rank
+        for head in range(s.first_head, s.first_head + s.heads):
+            assert s.first_kv_head <= head // group < s.first_kv_head + s.kv_heads
+    assert {h for s in layouts for h in range(s.first_kv_head, s.first_kv_head + s.kv_heads)} == set(
+        range(kv_heads)
+    )

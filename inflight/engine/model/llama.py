@@ -276,6 +276,15 @@ class LlamaForCausalLM(nn.Module):
             logits = gather_vocab(logits, self.config.vocab_size, self.layout.size)
         return logits.float()
 
+    @torch.no_grad()
+    def zero_vocab_padding(self) -> None:
+        """Zero this rank's embedding / LM head rows past the vocabulary (only the last rank has any when N
+        does not divide V): no checkpoint tensor fills them, and their logits are dropped."""
+        used = self.layout.vocab_end - self.layout.vocab_start
+        for weight in (self.embed_tokens.weight, None if self.lm_head is None else self.lm_head.weight):
+            if weight is not None:
+                weight[used:].zero_()
+
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every tensor name a Hugging Face checkpoint of this model must hold, and which part of it goes
         where on this rank."""

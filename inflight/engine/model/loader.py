@@ -57,6 +57,7 @@ def load_model(
         model = LlamaForCausalLM(config, backend, device, layout)
     model = model.to(torch_dtype).to_empty(device=device)
     _load_weights(model, files, config)
+    model.zero_vocab_padding()
     return model.eval()
 
 
