@@ -8,7 +8,9 @@ so every scheduling path crosses the rank boundary.
 from __future__ import annotations
 
 import functools
+import json
 import random
+import shutil
 from pathlib import Path
 
 import psutil
@@ -83,23 +85,52 @@ def worker_processes() -> list[psutil.Process]:
     return psutil.Process().children(recursive=True)
 
 
-def expected_rank_bytes(full: LLMEngine, tp: int) -> int:
-    """The RMSNorm weights in full plus 1/tp of every other parameter, plus, when there are fewer KV heads
-    than ranks, the k/v rows of the one KV head a rank holds beyond its 1/tp share."""
+def expected_rank_bytes(full: LLMEngine, tp: int) -> list[int]:
+    """Per rank: the RMSNorm weights in full plus 1/tp of every other parameter, plus, when there are
+    fewer KV heads than ranks, the k/v rows of the one KV head a rank holds beyond its 1/tp share, plus on
+    rank 0 the o_proj biases (added once, before the partial sums are reduced)."""
     params = dict(full.model.named_parameters())
-    replicated = sum(p.numel() * p.element_size() for n, p in params.items() if "norm" in n)
-    sharded = sum(p.numel() * p.element_size() for n, p in params.items() if "norm" not in n)
+
+    def size(names: list[str]) -> int:
+        return sum(params[n].numel() * params[n].element_size() for n in names)
+
+    replicated = size([n for n in params if "norm" in n])
+    o_bias = size([n for n in params if n.endswith("o_proj.bias")])
+    sharded = size([n for n in params if "norm" not in n and not n.endswith("o_proj.bias")])
     assert sharded % tp == 0
     config = full.model_config
     kv_rows = config.num_key_value_heads * config.head_dim
     extra_kv_rows = max(0, config.head_dim - kv_rows // tp)  # one whole head instead of a share
     extra = 2 * config.num_hidden_layers * extra_kv_rows * config.hidden_size * full.dtype.itemsize
-    return replicated + sharded // tp + extra
+    base = replicated + sharded // tp + extra
+    return [base + o_bias] + [base] * (tp - 1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_two_ranks_equal_one_rank_and_transformers(arch: str) -> None:
-    model_dir = cached_model("tiny", arch)
+def llama_with_attention_bias(folder: Path) -> Path:
+    """The tiny llama with `attention_bias`: q/k/v and o_proj biases (o_proj's is added on rank 0 only)."""
+    from safetensors.torch import load_file, save_file
+
+    source = cached_model("tiny", "llama")
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["attention_bias"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(folder / "model.safetensors"))
+    generator = torch.Generator().manual_seed(5)
+    for name in list(tensors):
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+            rows = tensors[name].shape[0]
+            tensors[name.replace(".weight", ".bias")] = torch.randn(rows, generator=generator) * 0.1
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-attention-bias"])
+def test_two_ranks_equal_one_rank_and_transformers(arch: str, tmp_path: Path) -> None:
+    if arch == "llama-attention-bias":
+        model_dir = llama_with_attention_bias(tmp_path / "model")
+    else:
+        model_dir = cached_model("tiny", arch)
     expected = hf_greedy(model_dir)
     single = engine(model_dir, 1)
     reference = greedy(single)
@@ -122,8 +153,8 @@ def test_two_ranks_equal_one_rank_and_transformers(arch: str) -> None:
                 for token_id, logprob in mine.items():
                     assert abs(logprob.logprob - ref[token_id].logprob) < 1e-4
         assert sampled(split) == reference_samples
-        # Each rank holds half of every sharded tensor and all of the norms.
-        assert split.parameter_bytes_per_rank == [expected_rank_bytes(single, 2)] * 2
+        # Each rank holds half of every sharded tensor, all of the norms (rank 0: the o_proj biases).
+        assert split.parameter_bytes_per_rank == expected_rank_bytes(single, 2)
         assert split.num_kv_blocks == single.num_kv_blocks
     finally:
         split.close()
@@ -147,7 +178,7 @@ def test_four_ranks_replicate_kv_heads() -> None:
         assert len(worker_processes()) == 3
         assert tokens(greedy(split)) == hf_greedy(model_dir)
         single = engine(model_dir, 1)
-        assert split.parameter_bytes_per_rank == [expected_rank_bytes(single, 4)] * 4
+        assert split.parameter_bytes_per_rank == expected_rank_bytes(single, 4)
     finally:
         split.close()
     assert worker_processes() == []
