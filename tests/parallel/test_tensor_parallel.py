@@ -143,6 +143,8 @@ def test_two_ranks_equal_one_rank_and_transformers(arch: str, tmp_path: Path) ->
         outputs = greedy(split)
         assert tokens(outputs) == expected
         stats = split.stats()
+        prompts, _ = make_prompts(split.model_config.vocab_size)
+        assert max(map(len, prompts)) > STRESS["max_num_batched_tokens"]  # some prefills are chunked
         assert stats.num_preemptions > 0
         assert stats.num_prefix_cache_hits >= 2 * BLOCK_SIZE
         # Logits: the top log-probabilities of every generated position agree with one rank's.
