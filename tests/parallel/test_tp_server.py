@@ -201,3 +201,31 @@ async def test_rank_dying_while_idle_fails_the_engine_and_health(tiny_llama_dir:
         assert (await client.get("/ready")).status_code == 503
     await engine.stop()
     assert psutil.Process().children(recursive=True) == []
+
+
+def test_ranks_die_with_a_killed_engine_process(tiny_llama_dir: Path) -> None:
+    """SIGKILL of rank 0 (no cleanup code runs): its workers exit too (their pipe closes; PDEATHSIG)."""
+    script = (
+        "import sys, time, torch\n"
+        "from inflight.engine.config import EngineConfig\n"
+        "from inflight.engine.engine import LLMEngine\n"
+        "torch.set_num_threads(1)\n"
+        "config = EngineConfig(num_kv_blocks=16, dtype='float32', device='cpu', tensor_parallel_size=2)\n"
+        "engine = LLMEngine(sys.argv[1], config)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, str(tiny_llama_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        ranks = psutil.Process(process.pid).children(recursive=True)
+        assert len(ranks) == 1
+        process.kill()
+        process.wait()
+        _, alive = psutil.wait_procs(ranks, timeout=EXIT_TIMEOUT_S)
+        assert alive == []
+    finally:
+        if process.poll() is None:
+            process.kill()
