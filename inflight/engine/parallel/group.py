@@ -110,8 +110,6 @@ class TensorParallelGroup:
         if device.type == "cpu":
             # The engine process's CPU threads are shared among the ranks.
             torch.set_num_threads(threads)
-        processes: list[subprocess.Popen[bytes]] = []
-        pipes: list[Connection] = []
         # A plain interpreter per rank (not multiprocessing's spawn, which re-imports the caller's
         # __main__): the pipe's other end is handed over as an inherited file descriptor.
         package_root = str(Path(__file__).resolve().parents[3])
@@ -119,28 +117,23 @@ class TensorParallelGroup:
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
         }
-        for rank in range(1, size):
-            ours, theirs = Pipe(duplex=True)
-            spec = WorkerSpec(
-                rank=rank,
-                world_size=size,
-                init_method=init_method,
-                backend=backend_for(device),
-                model_dir=str(model_dir),
-                config=config,
-                dtype=str(dtype).removeprefix("torch."),
-                device=str(rank_device(device, rank)),
-                threads=threads,
-                timeout_s=COLLECTIVE_TIMEOUT_S,
-                parent_pid=os.getpid(),
-            )
-            command = [sys.executable, "-m", "inflight.engine.parallel.worker", str(theirs.fileno())]
-            processes.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
-            theirs.close()
-            ours.send(spec)
-            pipes.append(ours)
-        group = cls(size, processes, pipes, rendezvous)
+        group = cls(size, [], [], rendezvous)
         try:
+            for rank in range(1, size):
+                spec = WorkerSpec(
+                    rank=rank,
+                    world_size=size,
+                    init_method=init_method,
+                    backend=backend_for(device),
+                    model_dir=str(model_dir),
+                    config=config,
+                    dtype=str(dtype).removeprefix("torch."),
+                    device=str(rank_device(device, rank)),
+                    threads=threads,
+                    timeout_s=COLLECTIVE_TIMEOUT_S,
+                    parent_pid=os.getpid(),
+                )
+                group._spawn(spec, env)
             group._expect("started")
             if device.type == "cuda":
                 torch.cuda.set_device(rank_device(device, 0))
@@ -154,11 +147,19 @@ class TensorParallelGroup:
         except BaseException:
             group.close()
             raise
-        pids = ", ".join(str(p.pid) for p in processes)
+        pids = ", ".join(str(p.pid) for p in group._processes)
         logger.info("tensor parallel: %d ranks (%s); worker pids %s", size, backend_for(device), pids)
         return group
 
     # ---- start-up handshake
+
+    def _spawn(self, spec: WorkerSpec, env: dict[str, str]) -> None:
+        ours, theirs = Pipe(duplex=True)
+        command = [sys.executable, "-m", "inflight.engine.parallel.worker", str(theirs.fileno())]
+        self._processes.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
+        self._pipes.append(ours)
+        theirs.close()
+        ours.send(spec)
 
     def _expect(self, kind: str) -> list[tuple[Any, ...]]:
         """Each worker's next message, which must be `kind`; a worker's error or death raises."""
