@@ -62,13 +62,14 @@ def engine(model_dir: Path, tp: int, **overrides: object) -> LLMEngine:
     return LLMEngine(model_dir, EngineConfig(tensor_parallel_size=tp, **settings))  # type: ignore[arg-type]
 
 
-def greedy(llm: LLMEngine) -> list[RequestOutput]:
+def greedy(llm: LLMEngine, count: int = NUM_PROMPTS) -> list[RequestOutput]:
+    """The first `count` prompts of the workload, greedy, with their top log-probabilities."""
     prompts, max_tokens = make_prompts(llm.model_config.vocab_size)
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
-        for n in max_tokens
+        for n in max_tokens[:count]
     ]
-    return llm.generate(prompts, params)
+    return llm.generate(prompts[:count], params)
 
 
 def sampled(llm: LLMEngine) -> list[list[int]]:
@@ -178,7 +179,9 @@ def test_four_ranks_replicate_kv_heads() -> None:
     try:
         assert split.model.layout.kv_heads == 1 and config.num_key_value_heads == 2
         assert len(worker_processes()) == 3
-        assert tokens(greedy(split)) == hf_greedy(model_dir)
+        # Half the workload (4 processes share 2 cores here); still more requests than slots.
+        half = NUM_PROMPTS // 2
+        assert tokens(greedy(split, half)) == hf_greedy(model_dir)[:half]
         single = engine(model_dir, 1)
         assert split.parameter_bytes_per_rank == expected_rank_bytes(single, 4)
     finally:
