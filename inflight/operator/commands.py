@@ -228,7 +228,13 @@ def _run_size(args: argparse.Namespace) -> int:
         print(f"  slots:                {result.slots}")
         if args.gpus > 0:
             min_gpus = result.min_gpus if result.min_gpus is not None else "more than 8"
-            print(f"  min GPUs of this type: {min_gpus}")
+            print(f"  min GPUs of this type: {min_gpus} (tensor parallel)")
+            valid = sizing.valid_degrees(
+                shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size
+            )
+            print(
+                f"  valid GPU counts:     {', '.join(map(str, valid))} (tensor-parallel sizes that split it)"
+            )
             print(f"  smallest GPU type:    {result.smallest_gpu_type or 'none in the catalog'}")
         print(f"  {result.reason}")
     return 0 if result.fits else 1
