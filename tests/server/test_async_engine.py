@@ -68,6 +68,12 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def set_failure_callback(self, callback: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def step(self) -> list[RequestOutput]:
         self.gate.wait(60)  # a hang guard; tests that clear the gate set it again
         self.steps += 1
