@@ -1,10 +1,13 @@
 """LLMEngine: one step = schedule -> run the model -> update sequences; requests in, outputs out.
 
-Outputs carry cumulative state: each `CompletionOutput` holds all token ids and all text generated so
-far, so a streaming consumer computes its delta from the lengths it already sent. A step returns an
-output for every request that gained a token or finished this step (including requests failed because
-they can never fit: finish_reason "error", `RequestOutput.error` says why). Aborted requests produce no
-further output.
+By default outputs carry cumulative state: each `CompletionOutput` holds all token ids, text and
+logprobs generated so far. A request with `SamplingParams.output_kind="delta"` gets only what is new
+since its previous output instead (the server's contract: no step copies a request's whole output, and
+unread deltas merge with `RequestOutput.merge`). A step returns an
+output for every request that gained a token or finished this step (including failed requests:
+finish_reason "error", `CompletionOutput.error` / `RequestOutput.error` say why). A request fails alone,
+the rest of the batch carrying on, when it can never fit, or when its own sampling or output processing
+raises inside a step. Aborted requests produce no further output.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu_linear import can_prepack, prepack_linears
+from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import allocate_kv_caches
 from inflight.engine.model.loader import load_model
+from inflight.engine.parallel.group import TensorParallelGroup
 from inflight.engine.runner import ModelRunner, RunnerOutput
-from inflight.engine.sampler import Sampler
+from inflight.engine.sampler import Sampler, SampleResult
 from inflight.engine.scheduler import SchedulerOutput, create_scheduler
 from inflight.engine.sequence import FinishReason, PositionLogprobs, SamplingParams, Sequence
 from inflight.engine.stats import EngineStats
@@ -49,10 +54,23 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # Why this completion failed (finish_reason "error"), else None.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def merge(self, later: CompletionOutput) -> None:
+        """Append a later delta of the same completion to this one (in place)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *later.logprobs]
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.cumulative_logprob = later.cumulative_logprob
+        self.error = later.error
 
 
 @dataclass
@@ -75,8 +93,19 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    # Why the request failed (finish_reason "error"), else None.
+    # Why the request failed (a completion with finish_reason "error"), else None.
     error: str | None = None
+
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later delta output of the same request into this one (in place): what a consumer that
+        has not read this one yet would have seen in both."""
+        for completion, more in zip(self.outputs, later.outputs, strict=True):
+            completion.merge(more)
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.error = later.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 @dataclass
@@ -91,6 +120,10 @@ class _Request:
     texts: list[str] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_counted: bool = False
+    # Delta outputs: per completion, tokens and characters of text already sent; prompt logprobs sent.
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_chars: list[int] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -122,10 +155,27 @@ class LLMEngine:
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = DTYPES[dtype_name]
-        donor = share_model_of
-        if donor is None or donor.device != self.device or donor.dtype != self.dtype:
+        # Ranks 1..N-1 of a tensor-parallel engine (see parallel/group.py); None without.
+        self.workers = (
+            TensorParallelGroup.start(self.model_dir, config, self.dtype, self.device)
+            if config.tensor_parallel_size > 1
+            else None
+        )
+        try:
+            self._build(share_model_of)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, donor: LLMEngine | None) -> None:
+        config = self.config
+        # A tensor-parallel engine always loads its own shard.
+        shares = donor is not None and (donor.device, donor.dtype) == (self.device, self.dtype)
+        if donor is None or not shares or self.workers is not None:
             self.tokenizer = Tokenizer.from_path(self.model_dir)
-            self.model = load_model(self.model_dir, self.dtype, self.device)
+            self.model = load_model(
+                self.model_dir, self.dtype, self.device, world_size=config.tensor_parallel_size
+            )
             if can_prepack(self.device, self.dtype):
                 prepack_linears(self.model, batch_size_hint=config.max_num_seqs)
         else:
@@ -148,10 +198,30 @@ class LLMEngine:
             max_queue=config.max_queue,
         )
         kv_caches = allocate_kv_caches(
-            self.model_config, self.num_kv_blocks, config.block_size, self.dtype, self.device
+            self.model_config,
+            self.num_kv_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            self.model.layout.kv_heads,
         )
+        # Parameter bytes held by each tensor-parallel rank (one entry without tensor parallelism).
+        self.parameter_bytes_per_rank = [sum(p.numel() * p.element_size() for p in self.model.parameters())]
+        if self.workers is not None:
+            self.workers.allocate(self.num_kv_blocks)
+            self.parameter_bytes_per_rank += self.workers.parameter_bytes
+            logger.info(
+                "tensor parallel: %d ranks, parameter bytes per rank: %s",
+                config.tensor_parallel_size,
+                ", ".join(f"{b / 2**20:.1f} MiB" for b in self.parameter_bytes_per_rank),
+            )
         self.runner = ModelRunner(
-            self.model, kv_caches, self.kv_cache, Sampler(config.seed, self.device), self.device
+            self.model,
+            kv_caches,
+            self.kv_cache,
+            Sampler(config.seed, self.device),
+            self.device,
+            broadcast=self.workers,
         )
         self._requests: dict[str, _Request] = {}
         self._num_prompt_tokens = 0
@@ -163,6 +233,16 @@ class LLMEngine:
     def from_config(cls, model_dir: str | Path, **overrides: object) -> LLMEngine:
         return cls(model_dir, EngineConfig.model_validate(overrides))
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); no step may run afterwards."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def set_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)` runs (on another thread) when a tensor-parallel rank dies between steps."""
+        if self.workers is not None:
+            self.workers.on_failure = callback
+
     def _plan_num_blocks(self) -> int:
         """The KV pool size: `num_kv_blocks` if given, else what fits the memory budget.
 
@@ -170,18 +250,16 @@ class LLMEngine:
         than that (a plan made from node labels, say) is cut to what fits, and the log says so.
         """
         mc = self.model_config
-        bytes_per_block = (
-            2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.config.block_size
-        ) * self.dtype.itemsize
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.gpu_memory_utilization)
-        else:
-            budget = self.config.kv_cache_memory_gib * 2**30
+        bytes_per_block = kv_block_bytes(mc, self.model.layout.kv_heads, self.config.block_size, self.dtype)
+        budget = kv_budget_bytes(self.config, self.device)
+        fit = int(budget // bytes_per_block)
+        if self.workers is not None:
+            # Every rank measured its own memory; the pool is the same size everywhere: the smallest.
+            fit = self.workers.smallest_fit(fit)
         max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         blocks = choose_num_kv_blocks(
             requested=self.config.num_kv_blocks,
-            fit=int(budget // bytes_per_block),
+            fit=fit,
             enough=self.config.max_num_seqs * math.ceil(max_len / self.config.block_size),
             measured=self.device.type == "cuda",
         )
@@ -251,6 +329,8 @@ class LLMEngine:
             ],
             texts=[""] * params.n,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            sent_tokens=[0] * params.n,
+            sent_chars=[0] * params.n,
         )
 
     def abort(self, request_id: str) -> None:
@@ -275,6 +355,8 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
         result = self.runner.execute(out)
+        for seq_id, reason in result.failed.items():  # one request's failure ends that request only
+            self.scheduler.finish(seq_id, "error", error=reason)
         forked = self.scheduler.update(
             out, {sid: [s.token_id for s in r] for sid, r in result.samples.items()}
         )
@@ -294,26 +376,26 @@ class LLMEngine:
         for item in out.sampling:
             parent = item.seq
             request = self._requests[parent.request_id]
-            samples = result.samples[parent.seq_id]
+            progressed[request.request_id] = request
+            samples = result.samples.get(parent.seq_id)
+            if samples is None:  # its draw failed: already finished with "error"
+                continue
             members = [parent] if len(samples) == 1 else [s for s in request.seqs if s is not None]
-            for member, sample in zip(members, samples, strict=True):
-                self._num_generation_tokens += 1
-                if member.params.logprobs is not None:
-                    if member.logprobs is None:
-                        member.logprobs = []
-                    assert sample.top_logprobs is not None
-                    for token_id, logprob in sample.top_logprobs.items():
-                        logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-                    member.logprobs.append(sample.top_logprobs)
-                    member.cumulative_logprob += sample.logprob
-                self._detokenize(request, member)
+            try:
+                for member, sample in zip(members, samples, strict=True):
+                    self._record_sample(request, member, sample)
+            except Exception as error:
+                logger.warning(
+                    "request %s failed: processing its tokens raised %r", request.request_id, error
+                )
+                self._fail(request, f"processing this request's output failed: {error}")
+                continue
             if not request.prompt_counted:
                 request.prompt_counted = True
                 self._num_prompt_tokens += len(request.prompt_token_ids)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            progressed[request.request_id] = request
         for seq in out.failed:
             if seq.request_id in self._requests:
                 progressed[seq.request_id] = self._requests[seq.request_id]
@@ -325,6 +407,24 @@ class LLMEngine:
                 del self._requests[request.request_id]
             outputs.append(self._output(request, finished))
         return outputs
+
+    def _record_sample(self, request: _Request, member: Sequence, sample: SampleResult) -> None:
+        self._num_generation_tokens += 1
+        if member.params.logprobs is not None:
+            if member.logprobs is None:
+                member.logprobs = []
+            assert sample.top_logprobs is not None
+            for token_id, logprob in sample.top_logprobs.items():
+                logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            member.logprobs.append(sample.top_logprobs)
+            member.cumulative_logprob += sample.logprob
+        self._detokenize(request, member)
+
+    def _fail(self, request: _Request, reason: str) -> None:
+        """End every unfinished sequence of the request with finish_reason "error"; free their blocks."""
+        for seq in request.seqs:
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq.seq_id, "error", error=reason)
 
     def _detokenize(self, request: _Request, seq: Sequence) -> None:
         detok = request.detokenizers[seq.index]
@@ -349,27 +449,43 @@ class LLMEngine:
     def _output(self, request: _Request, finished: bool) -> RequestOutput:
         parent = request.seqs[0]
         assert parent is not None
+        delta = request.params.output_kind == "delta"
         completions = []
         for index, seq in enumerate(request.seqs):
             if seq is None:  # a sibling not forked yet (the parent failed before its prompt finished)
-                completions.append(CompletionOutput(index, "", [], parent.finish_reason))
+                completions.append(CompletionOutput(index, "", [], parent.finish_reason, error=parent.error))
                 continue
             text = request.texts[index]
             stops = seq.params.stop_strings
             if stops and not seq.is_finished:
                 # Hold back a tail that may still grow into a stop string.
                 text = text[: max(0, len(text) - max(len(s) for s in stops) + 1)]
+            token_ids, logprobs = seq.output_token_ids, seq.logprobs
+            if delta:
+                sent, sent_chars = request.sent_tokens[index], request.sent_chars[index]
+                request.sent_tokens[index], request.sent_chars[index] = (
+                    len(token_ids),
+                    max(sent_chars, len(text)),
+                )
+                token_ids, text = token_ids[sent:], text[sent_chars:]
+                if logprobs is not None:
+                    seq.logprobs = []  # they go out now: the engine keeps none of them
             completions.append(
                 CompletionOutput(
                     index=index,
                     text=text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=list(token_ids),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
-                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                    logprobs=None if logprobs is None else list(logprobs),
                     cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                    error=seq.error,
                 )
             )
+        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
+        if delta and request.sent_prompt_logprobs:
+            prompt_logprobs = None
+        request.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -377,8 +493,8 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             metrics=request.metrics,
-            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
-            error=parent.error,
+            prompt_logprobs=prompt_logprobs,
+            error=next((c.error for c in completions if c.error is not None), None),
         )
 
     # ---- figures and the offline loop

@@ -3,9 +3,10 @@
 Each request is a streaming /v1/completions call with the workload's prompt token ids, greedy,
 ignore_eos and max_tokens = the request's output length, so the server generates exactly the tokens the
 offline engine does. Measured per request: time to first token (TTFT), the gaps between streamed chunks
-(inter-token latency, ITL: one chunk per engine step), end-to-end latency, and output tokens (from the
-stream's usage). Then the same workload runs through the offline engine in this process with the same
-engine settings, and the report gives served output tokens/s divided by offline tokens/s.
+(inter-token latency, ITL: one chunk per engine step, several steps merged when the server lags),
+end-to-end latency, and output tokens (from the stream's usage). Then the same workload runs through
+the offline engine in this process with the same engine settings, and the report gives served output
+tokens/s divided by offline tokens/s.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def _server_command(args: argparse.Namespace, model_dir: Path, port: int, num_kv
         "--served-model-name", "bench", "--dtype", args.dtype, "--max-slots", str(args.max_slots),
         "--num-kv-blocks", str(num_kv_blocks), "--block-size", str(BLOCK_SIZE),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--scheduler", args.scheduler,
-        "--max-queue", str(args.num_requests),
+        "--max-queue", str(args.num_requests), "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--log-level", "warning",
     ]  # fmt: skip
     if not args.enable_prefix_caching:
@@ -240,6 +241,7 @@ def _offline_tokens_per_s(
         vllm_python=None,
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     run = (STATIC if args.scheduler == "static" else CONTINUOUS).run(settings)
     generated = sum(len(tokens) for tokens in run.outputs)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf import quants as gguf_quants
 from safetensors.torch import load_file
 
@@ -65,8 +65,27 @@ def _llama3_rope_factors(raw: dict, head_dim: int) -> list[float]:
     return factors
 
 
-def write_gguf(model_dir: Path, out: Path, quantize: GGMLQuantizationType | None = None) -> Path:
-    """A GGUF of `model_dir`'s config and weights (F32, or 2-D weights in `quantize`), no tokenizer."""
+def _add_tokenizer(writer: GGUFWriter, model_dir: Path) -> None:
+    """The checkpoint's byte-level BPE tokenizer as tokenizer.ggml.* metadata (added tokens as control)."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    added = {t["content"] for t in spec["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    config = json.loads((model_dir / "config.json").read_text())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in added else TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+
+
+def write_gguf(
+    model_dir: Path, out: Path, quantize: GGMLQuantizationType | None = None, tokenizer: bool = False
+) -> Path:
+    """A GGUF of `model_dir`'s config and weights (F32, or 2-D weights in `quantize`), and its tokenizer
+    if asked."""
     raw = json.loads((model_dir / "config.json").read_text())
     arch = {hf: gguf for gguf, hf in GGUF_ARCHITECTURES.items()}[raw["architectures"][0]]
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
@@ -89,6 +108,8 @@ def write_gguf(model_dir: Path, out: Path, quantize: GGMLQuantizationType | None
     if (raw.get("rope_scaling") or {}).get("rope_type") == "llama3":
         factors = torch.tensor(_llama3_rope_factors(raw, head_dim), dtype=torch.float32)
         writer.add_tensor("rope_freqs.weight", factors.numpy())
+    if tokenizer:
+        _add_tokenizer(writer, model_dir)
     for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
         if name in HF_TO_GGUF:
             gguf_name = HF_TO_GGUF[name]
@@ -137,3 +158,25 @@ def test_a_q8_0_gguf_runs_on_its_dequantized_weights(tiny_qwen2_dir: Path, tmp_p
     reference = load_model(tiny_qwen2_dir)
     delta = paged_logits(ours, CHUNKS) - paged_logits(reference, CHUNKS)
     assert 0 < delta.abs().max().item() < 0.05  # quantization noise, not a wrong layout
+
+
+def test_two_tensor_parallel_ranks_run_a_gguf_like_one_rank_runs_its_folder(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from inflight.engine.config import EngineConfig
+    from inflight.engine.engine import LLMEngine
+    from inflight.engine.sequence import SamplingParams
+
+    gguf = write_gguf(tiny_llama_dir, tmp_path / "llama.gguf", tokenizer=True)
+    prompts = [PROMPT, PROMPT[3:11], [9, 8, 7, 6, 5]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(model: Path, tp: int) -> list[list[int]]:
+        config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=32, tensor_parallel_size=tp)
+        engine = LLMEngine(model, config)
+        try:
+            return [output.outputs[0].token_ids for output in engine.generate(prompts, params)]
+        finally:
+            engine.close()
+
+    assert run(gguf, 2) == run(tiny_llama_dir, 1)
