@@ -19,8 +19,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from inflight.operator import builders, kube
+from inflight.operator import builders, cache_builders, kube
 from inflight.operator.autoscaling_builders import autoscaler_object
+from inflight.operator.model_cache import (
+    DOWNLOAD_CONTAINER,
+    JOB_POD_LABEL,
+    Cache,
+    Download,
+    cache_of,
+    download_state,
+    newest_pod,
+)
 from inflight.operator.placement import Placement, SizingError, place
 from inflight.operator.replicas import desired_replicas
 from inflight.operator.spec import HFTokenSecretRef, ModelServer, SecretKeyRef
@@ -32,6 +41,7 @@ log = logging.getLogger("inflight.operator")
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 
 NODE_CACHE_SECONDS = 10.0
+DOWNLOAD_LOG_LINES = 20
 
 
 def now_rfc3339() -> str:
@@ -72,11 +82,15 @@ def child_patch(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str
 class Controller:
     """Reconciles ModelServers through a KubeClient; posts Kubernetes Events through `post_event`."""
 
+    # While a model downloads, reconcile this often to refresh status.modelCache's bytes.
+    download_poll_seconds = 10.0
+
     def __init__(self, client: kube.KubeClient, post_event: EventPoster) -> None:
         self.kube = client
         self.post_event = post_event
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._nodes: tuple[float, list[dict[str, str]]] | None = None
+        self._download_polls: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         self._locks.pop((namespace, name), None)
@@ -98,6 +112,98 @@ class Controller:
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                 return
             await self._reconcile(body)
+
+    async def reconcile_cache_users(self, namespace: str, key: str) -> None:
+        """Reconcile the ModelServers whose model cache is `key` (its download Job changed)."""
+        for body in await self.kube.list(kube.MODELSERVERS.path(namespace)):
+            try:
+                cache = cache_of(ModelServer.model_validate(body))
+            except ValidationError:
+                continue
+            if cache is not None and cache.key == key:
+                await self.reconcile(namespace, body["metadata"]["name"])
+
+    def _poll_download(self, namespace: str, name: str) -> None:
+        """Reconcile again in download_poll_seconds (once: a poll already pending is kept)."""
+        key = (namespace, name)
+        if key in self._download_polls:
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(self.download_poll_seconds)
+            del self._download_polls[key]
+            await self.reconcile(namespace, name)
+
+        self._download_polls[key] = asyncio.create_task(later())
+
+    def stop_download_polls(self) -> None:
+        for task in self._download_polls.values():
+            task.cancel()
+        self._download_polls.clear()
+
+    async def _ensure_shared(
+        self, ms: ModelServer, resource: kube.Resource, desired: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Create a shared cache object, or add this ModelServer to the owners of the existing one."""
+        path = resource.path(ms.metadata.namespace, desired["metadata"]["name"])
+        live = await self.kube.get(path)
+        if live is None:
+            try:
+                created = await self.kube.create(resource.path(ms.metadata.namespace), desired)
+                log.info(
+                    "created %s %s/%s", desired["kind"], ms.metadata.namespace, desired["metadata"]["name"]
+                )
+                return created
+            except kube.KubeError as error:
+                if error.status != 409:
+                    raise
+                live = await self.kube.get(path)
+                if live is None:
+                    raise
+        owners = live.get("metadata", {}).get("ownerReferences") or []
+        if not any(ref.get("uid") == ms.metadata.uid for ref in owners):
+            # resourceVersion: a concurrent owner change makes this a 409, retried by the next reconcile.
+            meta = {
+                "resourceVersion": live["metadata"].get("resourceVersion"),
+                "ownerReferences": [*owners, builders.shared_owner_reference(ms)],
+            }
+            try:
+                live = await self.kube.merge_patch(path, {"metadata": meta}) or live
+            except kube.KubeError as error:
+                if error.status != 409:
+                    raise
+        return live
+
+    async def _download(self, ms: ModelServer, cache: Cache) -> tuple[Download | None, Problem | None]:
+        """The cache's claim and Job, created or shared, and the download's state."""
+        namespace = ms.metadata.namespace
+        if cache.pvc is not None:
+            await self._ensure_shared(ms, kube.PERSISTENT_VOLUME_CLAIMS, cache_builders.claim(ms, cache))
+        elif await self.kube.get(kube.PERSISTENT_VOLUME_CLAIMS.path(namespace, cache.claim_name)) is None:
+            return None, Problem(
+                "CacheClaimNotFound",
+                f"spec.model.cache.claimName: PersistentVolumeClaim {namespace}/{cache.claim_name} does not "
+                "exist; create it, or set model.cache.pvc to let the operator create one",
+            )
+        job = await self._ensure_shared(ms, kube.JOBS, cache_builders.download_job(ms, cache))
+        pods = await self.kube.list(kube.PODS.path(namespace), {JOB_POD_LABEL: cache.job_name})
+        state = download_state(cache, job, pods, None)
+        if state.phase == "Downloading" and (pod := newest_pod(pods)) is not None:
+            try:
+                text = await self.kube.log(
+                    kube.PODS.path(namespace, pod["metadata"]["name"]), DOWNLOAD_CONTAINER, DOWNLOAD_LOG_LINES
+                )
+            except kube.KubeError as error:  # progress is for people; the phase does not depend on it
+                log.warning("reading the download log of %s/%s: %s", namespace, cache.job_name, error)
+                text = None
+            state = download_state(cache, job, pods, text)
+        if state.phase == "Failed":
+            return state, Problem(
+                "DownloadFailed",
+                f"{state.message}; fix the cause, then delete the Job (kubectl delete job -n {namespace} "
+                f"{cache.job_name}) to download again",
+            )
+        return state, None
 
     async def _node_labels(self) -> list[dict[str, str]]:
         if self._nodes is None or time.monotonic() - self._nodes[0] > NODE_CACHE_SECONDS:
@@ -225,7 +331,14 @@ class Controller:
         replicas = desired_replicas(ms.spec, ms.status)
         deployment: dict[str, Any] | None = None
         template_hash = None
-        if problem is None and placement is not None:
+        download: Download | None = None
+        cache = cache_of(ms)
+        if problem is None and cache is not None:
+            download, problem = await self._download(ms, cache)
+            if download is not None and download.phase == "Downloading":
+                self._poll_download(ms.metadata.namespace, ms.metadata.name)
+        # With a cache, the Deployment is created (or changed) only once the download Job has succeeded.
+        if problem is None and placement is not None and (download is None or download.phase == "Ready"):
             desired = builders.deployment(ms, placement, replicas)
             template_hash = builders.template_hash(desired)
             deployment, problem = await self._ensure(ms, kube.DEPLOYMENTS, desired)
@@ -235,7 +348,7 @@ class Controller:
         _, service_problem = await self._ensure(ms, kube.SERVICES, builders.service(ms))
         problem = problem or service_problem or await self._ensure_autoscaler(ms)
 
-        observed = Observed(placement, problem, deployment, replicas, template_hash)
+        observed = Observed(placement, problem, deployment, replicas, template_hash, download)
         status = build_status(ms, observed, now_rfc3339())
         current = body.get("status") or {}
         patch = status_patch(current, status)

@@ -50,6 +50,9 @@ NODES = Resource("", "v1", "nodes", namespaced=False)
 EVENTS = Resource("", "v1", "events")
 HORIZONTAL_POD_AUTOSCALERS = Resource("autoscaling", "v2", "horizontalpodautoscalers")
 SCALED_OBJECTS = Resource("keda.sh", "v1alpha1", "scaledobjects")
+PERSISTENT_VOLUME_CLAIMS = Resource("", "v1", "persistentvolumeclaims")
+JOBS = Resource("batch", "v1", "jobs")
+PODS = Resource("", "v1", "pods")
 
 
 class KubeError(Exception):
@@ -149,6 +152,18 @@ class KubeClient:
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any] | None:
         """JSON merge patch (RFC 7386); None when the object does not exist."""
         return await self._request("PATCH", path, body=patch)
+
+    async def log(self, path: str, container: str, tail_lines: int) -> str | None:
+        """The last lines of a container's log (`path` is the pod's); None when the pod is gone."""
+        session = self._open()
+        params = {"container": container, "tailLines": str(tail_lines)}
+        async with session.get(f"{path.lstrip('/')}/log", params=params) as resp:
+            if resp.status in (400, 404):  # no such pod, or its container has not started yet
+                return None
+            text = await resp.text()
+            if resp.status >= 400:
+                raise KubeError(resp.status, "GET", f"{path}/log", text)
+            return text
 
     async def delete(self, path: str) -> None:
         """DELETE (background propagation); an object already gone is fine."""

@@ -1,7 +1,8 @@
 """Every API call the operator makes, as RBAC rules: the Helm chart and README are built from this list.
 
 The operator gets, lists, watches, creates and merge-patches; it never PUTs (`update`). Children carry
-owner references and are garbage-collected with their ModelServer; the one deletion is an HPA or
+owner references and are garbage-collected with their ModelServer (the model cache's claim and Job with
+the last ModelServer that shares them); the one deletion is an HPA or
 ScaledObject of an autoscaling actuator no longer in use.
 """
 
@@ -39,8 +40,28 @@ PERMISSIONS: tuple[Permission, ...] = (
         ("get",),
         "check that the API-key and HF-token Secrets exist (values are never read out)",
     ),
+    Permission(
+        "",
+        "persistentvolumeclaims",
+        ("get", "create", "patch"),
+        "create the model cache's claim (model.cache.pvc), check an existing one (model.cache.claimName); "
+        "patch: add a ModelServer that shares it to its owners",
+    ),
+    Permission(
+        "batch",
+        "jobs",
+        ("get", "list", "watch", "create", "patch"),
+        "create the one download Job per model source and revision; watch it to start the Deployment when "
+        "it succeeds; patch: add a ModelServer that shares it to its owners",
+    ),
+    Permission("", "pods/log", ("get",), "read the download Job's progress lines for status.modelCache"),
     Permission("", "nodes", ("list",), "read GPU feature discovery labels for sizing", scope="cluster"),
-    Permission("", "pods", ("list",), "find the ready server pods whose /metrics builtin autoscaling reads"),
+    Permission(
+        "",
+        "pods",
+        ("list",),
+        "find the ready server pods whose /metrics builtin autoscaling reads, and the download Job's pods",
+    ),
     Permission(
         "autoscaling",
         "horizontalpodautoscalers",

@@ -17,6 +17,7 @@ from typing import Any
 
 from inflight import sizing
 from inflight.operator import builders
+from inflight.operator.model_cache import Download
 from inflight.operator.placement import Placement
 from inflight.operator.spec import ModelServer
 
@@ -40,6 +41,7 @@ class Observed:
     deployment: Mapping[str, Any] | None  # the live Deployment after this reconcile's writes
     desired_replicas: int
     desired_template_hash: str | None
+    download: Download | None = None  # the model cache's download (spec.model.cache)
 
 
 def _condition(
@@ -141,6 +143,9 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
             observed.deployment, observed.desired_replicas, observed.desired_template_hash
         )
         progressing = (False, "Complete", ready_message) if ready else (True, ready_reason, ready_message)
+        if observed.download is not None and observed.download.phase == "Downloading":
+            ready, ready_reason, ready_message = False, "Downloading", observed.download.message
+            progressing = (True, "Downloading", observed.download.message)
     degraded = (True, problem.reason, problem.message) if problem else (False, "AsExpected", "no problems")
 
     conditions = [
@@ -161,6 +166,8 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
     }
     if placement is not None:
         status["sizing"] = sizing_status(placement)
+    if observed.download is not None:
+        status["modelCache"] = observed.download.status()
     return status
 
 
@@ -170,8 +177,9 @@ def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict
     for key, value in desired.items():
         if current.get(key) != value:
             patch[key] = value
-    if "sizing" not in desired and current.get("sizing") is not None:
-        patch["sizing"] = None
+    for key in ("sizing", "modelCache"):
+        if key not in desired and current.get(key) is not None:
+            patch[key] = None
     return patch
 
 

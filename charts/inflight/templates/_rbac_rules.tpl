@@ -31,7 +31,19 @@
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
-# find the ready server pods whose /metrics builtin autoscaling reads
+# create the model cache's claim (model.cache.pvc), check an existing one (model.cache.claimName); patch: add a ModelServer that shares it to its owners
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "patch"]
+# create the one download Job per model source and revision; watch it to start the Deployment when it succeeds; patch: add a ModelServer that shares it to its owners
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# read the download Job's progress lines for status.modelCache
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
+# find the ready server pods whose /metrics builtin autoscaling reads, and the download Job's pods
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
