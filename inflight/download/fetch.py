@@ -98,7 +98,52 @@ def _disk_full(dest: Path, file: RemoteFile, error: OSError) -> DownloadError:
     )
 
 
-def _transfer(source: Source, file: RemoteFile, dest: Path, progress: Progress) -> None:
+class Checksum:
+    """The digest the source publishes for a file (sha256, else the git blob id), fed as bytes are written."""
+
+    def __init__(self, file: RemoteFile) -> None:
+        self.file = file
+        self.length = 0
+        self._digest = self._new()
+
+    def _new(self) -> hashlib._Hash | None:
+        if self.file.sha256 is not None:
+            return hashlib.sha256()
+        if self.file.git_sha1 is not None and self.file.size is not None:
+            return hashlib.sha1(f"blob {self.file.size}\0".encode())
+        return None
+
+    def restart(self, part: Path, length: int) -> None:
+        """Start over from the first `length` bytes of the .part file (a resume in a new run)."""
+        self._digest, self.length = self._new(), 0
+        if length and self._digest is not None:
+            with open(part, "rb") as f:
+                while self.length < length and (chunk := f.read(min(HASH_CHUNK, length - self.length))):
+                    self.update(chunk)
+        self.length = length
+
+    def update(self, chunk: bytes) -> None:
+        if self._digest is not None:
+            self._digest.update(chunk)
+        self.length += len(chunk)
+
+    def problem(self) -> str | None:
+        """Why the bytes are not the published ones, or None."""
+        if self._digest is None:
+            return None
+        actual = self._digest.hexdigest()
+        if self.file.sha256 is not None:
+            return (
+                None if actual == self.file.sha256 else f"sha256 {actual}, the source says {self.file.sha256}"
+            )
+        return (
+            None
+            if actual == self.file.git_sha1
+            else f"git blob id {actual}, the source says {self.file.git_sha1}"
+        )
+
+
+def _transfer(source: Source, file: RemoteFile, dest: Path, progress: Progress, checksum: Checksum) -> None:
     """Append the rest of `file` to its .part file (from byte 0 when the server ignores the Range)."""
     part = _part(dest, file)
     offset = part.stat().st_size if part.exists() else 0
@@ -108,12 +153,15 @@ def _transfer(source: Source, file: RemoteFile, dest: Path, progress: Progress) 
         if start != offset:  # no Range support: start over
             progress.advance(-offset, file.name, 0, file.size)
             offset = 0
+        if checksum.length != offset:
+            checksum.restart(part, offset)
         try:
             with open(part, "ab" if offset else "wb", buffering=0) as out:
                 for chunk in chunks:
                     view = memoryview(chunk)
                     while view:
                         view = view[out.write(view) or 0 :]
+                    checksum.update(chunk)
                     offset += len(chunk)
                     progress.advance(len(chunk), file.name, offset, file.size)
         except OSError as error:
@@ -124,28 +172,15 @@ def _transfer(source: Source, file: RemoteFile, dest: Path, progress: Progress) 
         raise TransientError(f"{file.name}: the body ended after {offset} of {file.size} bytes")
 
 
-def _digest(path: Path, algorithm: str, prefix: bytes = b"") -> str:
-    digest = hashlib.new(algorithm, prefix)
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _verify(file: RemoteFile, part: Path) -> str:
+def _verify(file: RemoteFile, part: Path, checksum: Checksum) -> str:
     """Check the finished .part against the source's size and checksum; delete it when wrong."""
     size = part.stat().st_size
-    problem = None
     if file.size is not None and size != file.size:
-        problem = f"{size} bytes, the source says {file.size}"
-    elif file.sha256 is not None:
-        actual = _digest(part, "sha256")
-        if actual != file.sha256:
-            problem = f"sha256 {actual}, the source says {file.sha256}"
-    elif file.git_sha1 is not None:
-        actual = _digest(part, "sha1", f"blob {size}\0".encode())
-        if actual != file.git_sha1:
-            problem = f"git blob id {actual}, the source says {file.git_sha1}"
+        problem: str | None = f"{size} bytes, the source says {file.size}"
+    else:
+        if checksum.length != size:  # e.g. a server without Range support appended to an old part
+            checksum.restart(part, size)
+        problem = checksum.problem()
     if problem is not None:
         part.unlink()
         raise DownloadError(
@@ -167,8 +202,9 @@ def _fetch(source: Source, file: RemoteFile, dest: Path, progress: Progress, opt
         held = part.stat().st_size
         progress.advance(held, file.name, held, file.size)
         print(f"resuming {file.name} at byte {held}", file=options.out, flush=True)
-    _with_retries(file.name, lambda: _transfer(source, file, dest, progress), options)
-    how = _verify(file, part)
+    checksum = Checksum(file)
+    _with_retries(file.name, lambda: _transfer(source, file, dest, progress, checksum), options)
+    how = _verify(file, part, checksum)
     os.replace(part, dest / file.name)
     progress.file_finished(file.name, (dest / file.name).stat().st_size, how)
 

@@ -7,7 +7,7 @@
 - Gated repos answer 401 without the right Bearer token; unknown repos, revisions and files 404.
 - Knobs: `drop_once[name] = n` sends n bytes of the file then drops the connection (once);
   `block_at = (name, n)` sends n bytes then waits for `release` before dropping the connection;
-  `always_fail = status` answers every file request with it.
+  `always_fail = status` answers every file request with it; `ignore_range` answers Ranges with 200.
 Every file request is logged as (file name, Range header).
 """
 
@@ -62,6 +62,7 @@ class FakeHub:
         self.block_at: tuple[str, int] | None = None
         self.release = threading.Event()
         self.always_fail: int | None = None
+        self.ignore_range = False  # answer Range requests with the whole file (200), as some mirrors do
         self.url = ""
 
     def ranges(self, name: str) -> list[str | None]:
@@ -133,7 +134,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             data = repo.files[name]
             start = 0
             header = self.headers.get("Range")
-            if header and (m := re.fullmatch(r"bytes=(\d+)-", header)):
+            if header and not hub.ignore_range and (m := re.fullmatch(r"bytes=(\d+)-", header)):
                 start = int(m.group(1))
                 if start >= len(data):
                     self._reply(416, b"", {"Content-Range": f"bytes */{len(data)}"})

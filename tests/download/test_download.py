@@ -118,6 +118,18 @@ def test_a_dropped_connection_resumes_with_a_range_request(
     assert_complete(tmp_path / "m")
 
 
+def test_a_server_without_range_support_restarts_the_file(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hub.ignore_range = True
+    hub.drop_once[SHARD_1] = 1_000_000
+    code, out, _ = run(capsys, "hf://org/model", str(tmp_path / "m"))
+    assert code == 0 and hub.ranges(SHARD_1) == [None, "bytes=1000000-"]  # asked, got the whole file
+    assert_complete(tmp_path / "m")
+    total = sum(len(checkpoint()[n]) for n in NEEDED)
+    assert parse_progress(out) == (total, total)  # the restarted bytes are not counted twice
+
+
 def test_a_killed_download_resumes_on_the_next_run(hub: FakeHub, tmp_path: Path) -> None:
     dest = tmp_path / "m"
     hub.block_at = (SHARD_1, 1_500_000)  # the server sends 1.5 MB of 3 MiB, then stalls
