@@ -12,6 +12,7 @@ from inflight.download import commands as download_commands
 from inflight.engine import commands as engine_commands
 from inflight.engine.model import commands as model_commands
 from inflight.operator import commands as operator_commands
+from inflight.router import commands as router_commands
 from inflight.server import commands as server_commands
 from inflight.sim import commands as sim_commands
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         sim_commands,
         operator_commands,
         download_commands,
+        router_commands,
         benchmark_commands,
     ):
         area.register(commands, bench_commands)

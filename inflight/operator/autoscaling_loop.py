@@ -30,12 +30,11 @@ from inflight.operator.builtin_autoscaler import (
     scaled,
 )
 from inflight.operator.controller import Controller, is_subset
-from inflight.operator.replicas import desired_replicas
+from inflight.operator.replicas import desired_replicas, woken
 from inflight.operator.spec import Actuator, ModelServer
 
 log = logging.getLogger("inflight.operator.autoscaling")
 
-PODS = kube.Resource("", "v1", "pods")
 SERVER_CONTAINER = "server"
 
 
@@ -95,11 +94,13 @@ class BuiltinAutoscaling:
         deployment = await self.controller.kube.get(kube.DEPLOYMENTS.path(namespace, name))
         if deployment is None:
             return  # not created yet (or the spec is Degraded): nothing to scale
-        replicas = desired_replicas(ms.spec, ms.status)  # what the reconcile holds the Deployment at
+        woken_from_zero = woken(ms) and desired_replicas(ms.spec, ms.status) == 0
+        # what the reconcile holds the Deployment at (one replica at once when the router asked for it)
+        replicas = desired_replicas(ms.spec, ms.status, woken(ms))
         selector = builders.selector_labels(ms)
         pods = [
             pod
-            for pod in await self.controller.kube.list(PODS.path(namespace), label_selector=selector)
+            for pod in await self.controller.kube.list(kube.PODS.path(namespace), label_selector=selector)
             if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
         ]
         state = self.states.get((namespace, name))
@@ -107,6 +108,14 @@ class BuiltinAutoscaling:
             last = ms.status.autoscaling.last_scale_time if ms.status.autoscaling else None
             state = self.states[(namespace, name)] = AutoscalerState(last_scale_time=last)
         now = time.time()
+        if woken_from_zero:
+            # The rounds at zero replicas say nothing about demand: the scale-down delay starts now.
+            state.history.clear()
+            state.last_scale_time = rfc3339(now)
+            message = f"0 -> {replicas} replicas: a request is waiting in the router (scale from zero)"
+            log.info("%s/%s: %s", namespace, name, message)
+            event = kube.event_body(body, "Normal", "ScaledUp", message, state.last_scale_time)
+            await self.controller.kube.create(kube.EVENTS.path(namespace), event)
         decision = await evaluate(
             state,
             autoscaling,

@@ -31,7 +31,7 @@ from inflight.operator.model_cache import (
     newest_pod,
 )
 from inflight.operator.placement import Placement, SizingError, place
-from inflight.operator.replicas import desired_replicas
+from inflight.operator.replicas import desired_replicas, woken
 from inflight.operator.spec import HFTokenSecretRef, ModelServer, SecretKeyRef
 from inflight.operator.status import Observed, Problem, build_status, condition_of, not_fitting, status_patch
 
@@ -328,7 +328,7 @@ class Controller:
             return
 
         placement, problem = await self._size(ms)
-        replicas = desired_replicas(ms.spec, ms.status)
+        replicas = desired_replicas(ms.spec, ms.status, woken(ms))
         deployment: dict[str, Any] | None = None
         template_hash = None
         download: Download | None = None

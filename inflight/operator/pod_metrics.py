@@ -62,9 +62,14 @@ class PodEndpoint:
     port: int
 
     @property
-    def metrics_url(self) -> str:
+    def url(self) -> str:
+        """Where the pod's server listens: http://IP:PORT."""
         host = f"[{self.ip}]" if ":" in self.ip else self.ip
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.url}/metrics"
 
 
 SERVER_PORT_NAME = "http"

@@ -375,10 +375,21 @@ class AutoscalingSpec(SpecModel):
                 "self.actuator == 'keda' || !has(self.prometheus)",
                 "autoscaling.prometheus applies only to actuator keda",
             ),
+            cel(
+                "self.minReplicas > 0 || self.actuator == 'builtin'",
+                "autoscaling.minReplicas 0 (scale to zero) needs actuator builtin: the router wakes "
+                "the ModelServer through the operator",
+            ),
         )
     )
 
-    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest replicas.")
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Fewest replicas. 0 (actuator builtin only): an idle ModelServer scales to zero after "
+        "scaleDownDelaySeconds, and `inflight router` wakes it when a request arrives.",
+    )
     max_replicas: int = Field(ge=1, le=1000, description="Most replicas.")
     metric: AutoscalingMetric = Field(
         default=AutoscalingMetric.REQUESTS_IN_FLIGHT,
@@ -405,6 +416,13 @@ class AutoscalingSpec(SpecModel):
         "ScaledObject with a Prometheus trigger).",
     )
     prometheus: PrometheusSpec | None = Field(default=None, description="Prometheus settings for keda.")
+    scale_from_zero_timeout_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=3600,
+        description="How long `inflight router` holds a request while no replica is ready (scaling from "
+        "zero, or starting) before answering 503 with Retry-After.",
+    )
 
 
 class AuthSpec(SpecModel):

@@ -41,6 +41,16 @@ class _EngineCollector(Collector):
             ("inflight:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions),
             ("inflight:prompt_tokens", "Prompt tokens prefilled.", stats.num_prompt_tokens),
             ("inflight:generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+            (
+                "inflight:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (full blocks only).",
+                stats.num_prefix_cache_queries,
+            ),
+            (
+                "inflight:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (not recomputed).",
+                stats.num_prefix_cache_hits,
+            ),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -14,6 +14,7 @@ VARIANTS = {
     "existing-service-account": ("--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"),
     "pinned-digest": ("--set", "image.digest=sha256:" + "a" * 64, "--set", "imagePullSecrets={regcred}"),
     "watch-namespaces": ("--set", "watchNamespaces={team-a,team-b}", "--set", "verbose=true"),
+    "router": ("--set", "router.namespaces={team-a,team-b}", "--set", "router.policy=round-robin"),
     "scheduling": (
         "--set",
         "nodeSelector.pool=system",
@@ -34,7 +35,11 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def operator_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    deployments = by_kind(objects, "Deployment")
+    deployments = [
+        obj
+        for obj in by_kind(objects, "Deployment")
+        if obj["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
     assert len(deployments) == 1
     return deployments[0]
 
@@ -61,8 +66,10 @@ def test_every_object_passes_the_kubernetes_schema(helm: Any, variant: str) -> N
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_namespaced_objects_go_to_the_release_namespace(helm: Any, variant: str) -> None:
     values = VARIANTS[variant]
-    watched = {"team-a", "team-b"} if variant == "watch-namespaces" else set()
+    watched = {"team-a", "team-b"} if variant in ("watch-namespaces", "router") else set()
     for obj in helm.render(*values):
+        if obj["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router":
+            continue  # tests/install/test_router_chart.py
         if obj["kind"] in ("ServiceAccount", "Deployment", "PodDisruptionBudget"):
             assert obj["metadata"]["namespace"] == helm.namespace, obj["metadata"]
         if obj["kind"] in ("Role", "RoleBinding"):

@@ -66,3 +66,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - --verbose
 {{- end }}
 {{- end }}
+
+{{/* Labels that select the router pods. */}}
+{{- define "inflight.routerSelectorLabels" -}}
+app.kubernetes.io/name: inflight-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{/* The recommended labels on the router's objects. */}}
+{{- define "inflight.routerLabels" -}}
+{{ include "inflight.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: inflight
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end }}

@@ -68,3 +68,15 @@
   resources: ["leases"]
   verbs: ["get", "create", "patch"]
 {{- end }}
+
+{{/* RBAC rules for the router namespace. */}}
+{{- define "inflight.rbac.routerRules" -}}
+# route by served model name; patch sets the wake annotation (scale from zero)
+- apiGroups: ["inflight.dev"]
+  resources: ["modelservers"]
+  verbs: ["get", "list", "watch", "patch"]
+# the ready server pods are the replicas
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+{{- end }}
