@@ -36,6 +36,11 @@ def cache_labels(cache: Cache) -> dict[str, str]:
     }
 
 
+def cache_selector() -> dict[str, str]:
+    """Labels every model cache's claim and Job carry (to list them)."""
+    return {"app.kubernetes.io/component": "model-cache", "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
 def _metadata(ms: ModelServer, cache: Cache, name: str) -> dict[str, Any]:
     return {
         "name": name,

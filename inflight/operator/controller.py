@@ -4,8 +4,10 @@ Every trigger (a ModelServer event, an event of one of its children, the periodi
 idempotent `reconcile`: it reads the ModelServer, the nodes' GPU labels, the Secrets it references and the
 live children, then creates what is missing, merge-patches what drifted, and merge-patches `status` when
 it changed. It never writes `spec` and never PUTs; the children carry owner references, so the garbage
-collector removes them with the ModelServer. The one deletion: an HPA or ScaledObject of an actuator no
-longer in use (it would be a second writer of replicas). Reconciles of one ModelServer never overlap.
+collector removes them with the ModelServer. The deletions: an HPA or ScaledObject of an actuator no
+longer in use (it would be a second writer of replicas), and a model cache's claim and Job whose last
+ModelServer moved to another source, revision or cache. With a model cache the Deployment is created or
+changed only after the cache's download Job succeeded. Reconciles of one ModelServer never overlap.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from inflight.operator.autoscaling_builders import autoscaler_object
 from inflight.operator.model_cache import (
     DOWNLOAD_CONTAINER,
     JOB_POD_LABEL,
+    LABEL_CACHE,
     Cache,
     Download,
     cache_of,
@@ -205,6 +208,37 @@ class Controller:
             )
         return state, None
 
+    async def _release_caches(self, ms: ModelServer, keep: Cache | None) -> None:
+        """Leave the model caches this ModelServer no longer uses (its source, revision or cache changed):
+        drop it from their owners, and delete a claim or Job it was the last owner of. A claim still
+        mounted by the old pods stays until they are gone (the API server's PVC protection)."""
+        selector = cache_builders.cache_selector()
+        for resource in (kube.JOBS, kube.PERSISTENT_VOLUME_CLAIMS):
+            for obj in await self.kube.list(resource.path(ms.metadata.namespace), selector):
+                meta = obj.get("metadata", {})
+                owners = meta.get("ownerReferences") or []
+                others = [ref for ref in owners if ref.get("uid") != ms.metadata.uid]
+                if len(others) == len(owners) or (
+                    keep is not None and (meta.get("labels") or {}).get(LABEL_CACHE) == keep.key
+                ):
+                    continue
+                path = resource.path(ms.metadata.namespace, meta["name"])
+                try:
+                    if others:
+                        patch = {"resourceVersion": meta.get("resourceVersion"), "ownerReferences": others}
+                        await self.kube.merge_patch(path, {"metadata": patch})
+                    else:
+                        await self.kube.delete(path)
+                        log.info(
+                            "deleted %s %s/%s (no longer used)",
+                            obj.get("kind"),
+                            ms.metadata.namespace,
+                            meta["name"],
+                        )
+                except kube.KubeError as error:
+                    if error.status != 409:  # a concurrent owner change: the next spec change retries
+                        raise
+
     async def _node_labels(self) -> list[dict[str, str]]:
         if self._nodes is None or time.monotonic() - self._nodes[0] > NODE_CACHE_SECONDS:
             nodes = await self.kube.list(kube.NODES.path())
@@ -333,6 +367,8 @@ class Controller:
         template_hash = None
         download: Download | None = None
         cache = cache_of(ms)
+        if ms.status.observed_generation != ms.metadata.generation:  # the spec changed: the cache may have
+            await self._release_caches(ms, keep=cache)
         if problem is None and cache is not None:
             download, problem = await self._download(ms, cache)
             if download is not None and download.phase == "Downloading":

@@ -1,8 +1,8 @@
 """A small Kubernetes API client for the operator's own calls: get, list, create, merge-patch, delete.
 
 Kopf watches and posts Events with its own client; this one reads and writes the ModelServer's children
-and status. It never PUTs; children go away through owner references, and the one thing it deletes is an
-HPA or ScaledObject left from an autoscaling actuator no longer in use. Credentials come
+and status. It never PUTs; children go away through owner references; it deletes an HPA or ScaledObject
+left from an autoscaling actuator no longer in use and an unused model cache's claim and Job. Credentials come
 from `kopf.login_with_service_account()` in a pod, else `kopf.login_with_kubeconfig()`; a 401 logs in again
 once (projected service-account tokens rotate).
 """
@@ -202,8 +202,8 @@ class KubeClient:
             return text
 
     async def delete(self, path: str) -> None:
-        """DELETE (background propagation); an object already gone is fine."""
-        await self._request("DELETE", path)
+        """DELETE with background propagation (a Job's pods go too); an object already gone is fine."""
+        await self._request("DELETE", path, body={"propagationPolicy": "Background"})
 
 
 def _selector_params(label_selector: Mapping[str, str] | None) -> dict[str, str]:

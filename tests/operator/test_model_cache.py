@@ -364,3 +364,38 @@ async def test_a_missing_existing_claim_is_degraded(cluster: KubeEmulator) -> No
         assert job[0]["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"] == {
             "claimName": "models"
         }
+
+
+async def test_a_cache_no_modelserver_uses_any_more_is_released(cluster: KubeEmulator) -> None:
+    cache = {"pvc": {"size": "5Gi"}}
+    async with running_operator():
+        await cluster.post(MS_URL, json=created("a", cache))
+        await cluster.post(MS_URL, json=created("b", cache))
+        await eventually(
+            lambda: [len(j["metadata"]["ownerReferences"]) for j in stored_all(cluster, JOBS)] == [2],
+            what="one Job shared by a and b",
+        )
+        (main_job,) = stored_all(cluster, JOBS)
+        (main_claim,) = stored_all(cluster, PVCS)
+        uid_b = cluster.stored(MODELSERVERS, NS, "b")["metadata"]["uid"]
+
+        # a moves to another revision: a second cache; the first one stays for b alone.
+        await patch(cluster, f"{MS_URL}/a", {"spec": {"model": {"revision": "v2"}}})
+        await eventually(lambda: len(stored_all(cluster, JOBS)) == 2, what="the Job of revision v2")
+        first = lambda: cluster.stored(JOBS, NS, main_job["metadata"]["name"])  # noqa: E731
+        await eventually(
+            lambda: [r["uid"] for r in first()["metadata"]["ownerReferences"]] == [uid_b], what="a released"
+        )
+        claim = cluster.stored(PVCS, NS, main_claim["metadata"]["name"])
+        assert [r["uid"] for r in claim["metadata"]["ownerReferences"]] == [uid_b]
+
+        # b drops its cache: it was the last user of the first cache, which goes.
+        await patch(cluster, f"{MS_URL}/b", {"spec": {"model": {"cache": None}}})
+        await eventually(lambda: first() is None, what="the unused Job deleted")
+        await eventually(
+            lambda: cluster.stored(PVCS, NS, main_claim["metadata"]["name"]) is None,
+            what="the unused PVC deleted",
+        )
+        assert len(stored_all(cluster, JOBS)) == 1 and len(stored_all(cluster, PVCS)) == 1  # a's v2 cache
+        dep = await eventually(lambda: cluster.stored(DEPLOYMENTS, NS, "b"), what="b without a cache")
+        assert dep["spec"]["template"]["spec"]["initContainers"][0]["name"] == "fetch-model"
