@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
-from inflight.download.errors import PERMANENT, DownloadError, ExitCode
+from inflight.download.errors import MEANINGS, PERMANENT, DownloadError, ExitCode
 
-EXIT_CODES = """exit codes:
-  0  done (or DEST already held this source and revision)
-  1  unexpected error (a bug: the traceback is printed)
-  2  bad source or flags, or no weights the engine loads at the source
-  3  authentication: HTTP 401/403 (no token, a rejected token, a gated repository)
-  4  not found: HTTP 404 (repository, revision or file)
-  5  disk full: not enough space at DEST (checked up front, or ENOSPC while writing)
-  6  checksum: a file's size or sha256 differs from the source's metadata (the bad file is deleted)
-  7  network: connection errors, timeouts, HTTP 5xx/429 after every retry (run again: it resumes)
-  8  s3:// without boto3 installed"""
+EXIT_CODES = "exit codes:\n" + "\n".join(f"  {int(code)}  {meaning}" for code, meaning in MEANINGS.items())
+DESCRIPTION = (
+    "Fetch what `inflight serve` needs (config, tokenizer and generation files, the *.safetensors weights "
+    "and their index, or one named GGUF file) into DEST. Interrupted files resume (HTTP Range on "
+    "NAME.part); every file is checked against the Hub's size and sha256; a complete DEST is marked and a "
+    "later run returns at once. HF_ENDPOINT selects a mirror. See docs/model-cache.md."
+)
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
@@ -25,10 +23,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     parser = commands.add_parser(
         "download",
         help="fetch a model's files from the Hugging Face Hub or S3 (resumable, verified)",
-        description="Fetch what `inflight serve` needs (config, tokenizer and generation files, the "
-        "*.safetensors weights and their index, or one named GGUF file) into DEST. Interrupted files "
-        "resume (HTTP Range on NAME.part); every file is checked against the Hub's size and sha256; a "
-        "complete DEST is marked and a later run returns at once. HF_ENDPOINT selects a mirror.",
+        description=textwrap.fill(DESCRIPTION, 100),
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -7,20 +7,34 @@ from enum import IntEnum
 
 class ExitCode(IntEnum):
     OK = 0
-    FAILED = 1  # anything unexpected (a bug): the traceback is printed
-    USAGE = 2  # a bad source or flag, or a repository without weights the engine can load
-    AUTH = 3  # HTTP 401/403: no token, a rejected token, or a gated repository not accepted
-    NOT_FOUND = 4  # HTTP 404: no such repository, revision or file
-    DISK_FULL = 5  # not enough free space at the destination (checked up front, or ENOSPC)
-    CHECKSUM = 6  # a file's size or sha256 differs from the source's metadata
-    NETWORK = 7  # connection errors, timeouts or HTTP 5xx/429 after every retry
-    MISSING_DEPENDENCY = 8  # s3:// without boto3 installed
+    FAILED = 1
+    USAGE = 2
+    AUTH = 3
+    NOT_FOUND = 4
+    DISK_FULL = 5
+    CHECKSUM = 6
+    NETWORK = 7
+    MISSING_DEPENDENCY = 8
 
     @property
     def kind(self) -> str:
         """What failed, in words, for the error line."""
         return self.name.lower().replace("_", " ").replace("auth", "authentication")
 
+
+MEANINGS = {
+    ExitCode.OK: "done (or DEST already held this source and revision)",
+    ExitCode.FAILED: "unexpected error (a bug: the traceback is printed)",
+    ExitCode.USAGE: "bad source or flags, or no weights the engine loads at the source",
+    ExitCode.AUTH: "authentication: HTTP 401/403 (no token, a rejected token, a gated repository)",
+    ExitCode.NOT_FOUND: "not found: HTTP 404 (repository, revision or file)",
+    ExitCode.DISK_FULL: "disk full: not enough space at DEST (checked up front, or ENOSPC while writing)",
+    ExitCode.CHECKSUM: "checksum: a file's size or sha256 differs from the source's metadata (the bad file "
+    "is deleted)",
+    ExitCode.NETWORK: "network: connection errors, timeouts, HTTP 5xx/429 after every retry (run again: it "
+    "resumes)",
+    ExitCode.MISSING_DEPENDENCY: "s3:// without boto3 installed",
+}
 
 # Codes a retry cannot fix: the operator's Job fails at once on them instead of backing off.
 PERMANENT = (

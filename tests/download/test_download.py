@@ -220,3 +220,12 @@ def test_bad_sources(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert code == ExitCode.USAGE and "expected an hf:// or s3:// source" in err
     code, _, err = run(capsys, "hf://a/b/c", str(tmp_path))
     assert code == ExitCode.USAGE and "hf://ORG/REPO" in err
+
+
+def test_every_exit_code_is_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["download", "--help"])
+    help_text = capsys.readouterr().out
+    docs = (REPO_ROOT / "docs" / "model-cache.md").read_text()
+    for code in ExitCode:
+        assert f"\n  {int(code)}  " in help_text and f"\n| {int(code)} | " in docs, code
