@@ -62,7 +62,8 @@ PERMISSIONS: tuple[Permission, ...] = (
         "",
         "pods",
         ("list",),
-        "find the ready server pods whose /metrics builtin autoscaling reads, and the download Job's pods",
+        "read the ready server pods' /metrics (measured sizing, builtin autoscaling); find the download "
+        "Job's pods",
     ),
     Permission(
         "autoscaling",

@@ -43,7 +43,7 @@
 - apiGroups: [""]
   resources: ["pods/log"]
   verbs: ["get"]
-# find the ready server pods whose /metrics builtin autoscaling reads, and the download Job's pods
+# read the ready server pods' /metrics (measured sizing, builtin autoscaling); find the download Job's pods
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
