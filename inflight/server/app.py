@@ -42,7 +42,10 @@ def engine_info(engine: AsyncEngine) -> dict[str, str]:
         loaded = engine.engine
     except EngineUnavailableError:
         return {}
-    return {"dtype": str(loaded.dtype).removeprefix("torch.")}
+    return {
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "tensor_parallel_size": str(loaded.config.tensor_parallel_size),
+    }
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:

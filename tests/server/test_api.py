@@ -294,7 +294,7 @@ def test_metrics_count_exactly_what_was_served(live: LiveServer) -> None:
         assert f"\n{name}" in text, name
     assert live.metric("inflight:kv_cache_blocks_total") == 128
     assert live.metric("inflight:max_slots") == 8
-    assert 'inflight:engine_info{dtype="float32"} 1.0' in text
+    assert 'inflight:engine_info{dtype="float32",tensor_parallel_size="1"} 1.0' in text
     hits = live.metric("inflight:prefix_cache_hits_total")
     assert live.metric("inflight:prefix_cache_queries_total") >= hits
 
