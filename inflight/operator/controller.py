@@ -446,7 +446,8 @@ class Controller:
         template_hash = None
         download: Download | None = None
         cache = cache_of(ms)
-        if ms.status.observed_generation != ms.metadata.generation:  # the spec changed: the cache may have
+        # The spec changed: the model cache may have moved. (A new ModelServer holds no cache yet.)
+        if ms.status.observed_generation not in (None, ms.metadata.generation):
             await self._release_caches(ms, keep=cache)
         if problem is None and cache is not None:
             download, problem = await self._download(ms, cache)

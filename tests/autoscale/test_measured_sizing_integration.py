@@ -195,7 +195,10 @@ async def test_measured_sizing_matches_the_plan_and_a_short_replica_is_sizing_dr
             lambda: cluster.stored(DEPLOYMENTS, NS, NAME), timeout=15, what="the Deployment"
         )
         args = server_container(deployment)["args"]
-        planned = status(cluster)["sizing"]
+        # The reconcile writes status after the Deployment: wait for it rather than race it.
+        planned = await eventually(
+            lambda: status(cluster).get("sizing"), timeout=15, what="the sizing status"
+        )
         assert int(flag(args, "--num-kv-blocks")) == planned["kvBlocks"] > 100
         ports = [free_port(), free_port()]
         short = planned["kvBlocks"] // 2  # replica 1 finds memory for only half the plan
