@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,12 +42,30 @@ def ttft(client: httpx.Client, url: str, prompt: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="run the router under py-spy and write its samples there (collapsed stacks, for flame graphs)",
+    )
     args = parser.parse_args()
     (server,) = start_servers(
         cached_model("tiny", "llama"), 1, Path(tempfile.mkdtemp(prefix="router-overhead-"))
     )
     port = free_port()
     command = [sys.executable, "-m", "inflight.cli", "router", "--upstream", f"{MODEL}={server.url}"]
+    if args.profile:
+        command = [
+            str(Path(sys.executable).with_name("py-spy")),
+            "record",
+            "--format",
+            "raw",
+            "--rate",
+            "1000",
+            "-o",
+            args.profile,
+            "--",
+            *command,
+        ]
     router = subprocess.Popen(
         [*command, "--port", str(port), "--log-level", "warning"], env=os.environ.copy()
     )
@@ -65,8 +84,8 @@ def main() -> int:
                 direct.append(ttft(client, server.url, prompt))
                 routed.append(ttft(client, router_url, prompt + " "))
     finally:
-        router.terminate()
-        router.wait(10)
+        router.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT
+        router.wait(30)
         stop_servers([server])
     d, r = statistics.median(direct) * 1000, statistics.median(routed) * 1000
     print(f"TTFT median: direct {d:.2f} ms, through the router {r:.2f} ms, overhead {r - d:+.2f} ms "
