@@ -109,5 +109,14 @@ def _router(args: argparse.Namespace) -> int:
 
         discovery = kubernetes_discovery(operator_namespace(args.namespace), args.hold_timeout)
     app = RouterApp(Router(settings), discovery)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on")
+    # proxy_headers off: the router reads no client address, so the middleware would only cost time
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        proxy_headers=False,
+    )
     return 0
