@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
@@ -27,8 +26,6 @@ from inflight.router.proxy import Policy, forward, forwarded_headers, upstream_s
 from inflight.router.routing_key import DEFAULT_KEY_CHARS, routing_key
 from inflight.router.scrape import scrape_forever
 from inflight.server.errors import APIError, install_error_handlers
-
-log = logging.getLogger("inflight.router")
 
 RETRY_AFTER_S = 10
 WAKE_REPEAT_S = 10.0  # while requests are held, the operator is asked again this often
@@ -195,7 +192,9 @@ async def _cancelled_when_client_leaves(receive: Receive) -> AsyncIterator[None]
     state = {"inside": True, "left": False}
 
     def on_message(watcher: asyncio.Future[Message]) -> None:
-        if state["inside"] and not watcher.cancelled() and watcher.result()["type"] == "http.disconnect":
+        if watcher.cancelled() or watcher.exception() is not None:
+            return
+        if state["inside"] and watcher.result()["type"] == "http.disconnect":
             state["left"] = True
             task.cancel()
 
