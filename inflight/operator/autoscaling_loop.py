@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from inflight.operator import builders, kube
+from inflight.operator import kube
 from inflight.operator.autoscaler import Direction
 from inflight.operator.builtin_autoscaler import (
     AutoscalerState,
@@ -29,13 +29,11 @@ from inflight.operator.builtin_autoscaler import (
     rfc3339,
     scaled,
 )
-from inflight.operator.controller import Controller, is_subset
+from inflight.operator.controller import SERVER_CONTAINER, Controller
 from inflight.operator.replicas import desired_replicas, woken
 from inflight.operator.spec import Actuator, ModelServer
 
 log = logging.getLogger("inflight.operator.autoscaling")
-
-SERVER_CONTAINER = "server"
 
 
 class BuiltinAutoscaling:
@@ -97,12 +95,7 @@ class BuiltinAutoscaling:
         woken_from_zero = woken(ms) and desired_replicas(ms.spec, ms.status) == 0
         # what the reconcile holds the Deployment at (one replica at once when the router asked for it)
         replicas = desired_replicas(ms.spec, ms.status, woken(ms))
-        selector = builders.selector_labels(ms)
-        pods = [
-            pod
-            for pod in await self.controller.kube.list(kube.PODS.path(namespace), label_selector=selector)
-            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
-        ]
+        pods = await self.controller.server_pods(ms)
         state = self.states.get((namespace, name))
         if state is None:
             last = ms.status.autoscaling.last_scale_time if ms.status.autoscaling else None
@@ -128,6 +121,7 @@ class BuiltinAutoscaling:
             now,
         )
         changed = scaled(decision, replicas)
+        self.controller.metrics.autoscaling_decisions.labels(direction=decision.direction.value).inc()
         if changed:
             state.last_scale_time = rfc3339(now)
             log.info(

@@ -76,15 +76,21 @@ def login() -> kopf.ConnectionInfo:
 class KubeClient:
     """get / list / create / merge-patch against one API server."""
 
-    def __init__(self, info: kopf.ConnectionInfo, relogin: Callable[[], kopf.ConnectionInfo] = login) -> None:
+    def __init__(
+        self,
+        info: kopf.ConnectionInfo,
+        relogin: Callable[[], kopf.ConnectionInfo] = login,
+        on_error: Callable[[str, str], None] | None = None,
+    ) -> None:
         self._relogin = relogin
+        self._on_error = on_error  # (method, HTTP status or "connection") of each failed call
         self._info = info
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
 
     @classmethod
-    def from_environment(cls) -> KubeClient:
-        return cls(login())
+    def from_environment(cls, on_error: Callable[[str, str], None] | None = None) -> KubeClient:
+        return cls(login(), on_error=on_error)
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -105,6 +111,20 @@ class KubeClient:
 
     async def _request(
         self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None
+    ) -> dict[str, Any] | None:
+        try:
+            return await self._send(method, path, body, params)
+        except KubeError as error:
+            if self._on_error is not None:
+                self._on_error(method, str(error.status))
+            raise
+        except (aiohttp.ClientError, TimeoutError):
+            if self._on_error is not None:
+                self._on_error(method, "connection")
+            raise
+
+    async def _send(
+        self, method: str, path: str, body: Any, params: Mapping[str, str] | None
     ) -> dict[str, Any] | None:
         for attempt in range(2):
             session = self._open()

@@ -40,7 +40,9 @@ PERMISSIONS: tuple[Permission, ...] = (
         "check that the API-key and HF-token Secrets exist (values are never read out)",
     ),
     Permission("", "nodes", ("list",), "read GPU feature discovery labels for sizing", scope="cluster"),
-    Permission("", "pods", ("list",), "find the ready server pods whose /metrics builtin autoscaling reads"),
+    Permission(
+        "", "pods", ("list",), "read the ready server pods' /metrics (measured sizing, builtin autoscaling)"
+    ),
     Permission(
         "autoscaling",
         "horizontalpodautoscalers",

@@ -430,7 +430,7 @@ class ModelServerSpec(SpecModel):
 class Condition(SpecModel):
     """A kstatus-style condition."""
 
-    type: str = Field(description="Ready, Progressing, Degraded or Sized.")
+    type: str = Field(description="Ready, Progressing, Degraded, Sized or SizingDrift.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="One CamelCase word for machines.")
     message: str = Field(description="What happened and what to change, for people.")
@@ -438,8 +438,25 @@ class Condition(SpecModel):
     last_transition_time: str = Field(description="When status last changed (RFC 3339).")
 
 
+class MeasuredSizing(SpecModel):
+    """What the ready replicas of the current template really run with, read from their /metrics."""
+
+    replicas: int = Field(description="Replicas measured (ready, on the current template, answering).")
+    kv_blocks_min: int = Field(alias="kvBlocksMin", description="Fewest KV-cache blocks of one replica.")
+    kv_blocks_max: int = Field(alias="kvBlocksMax", description="Most KV-cache blocks of one replica.")
+    kv_blocks_ratio: float = Field(description="kvBlocksMin / the planned kvBlocks (1.0: as planned).")
+    slots_min: int = Field(description="Fewest slots of one replica.")
+    slots_max: int = Field(description="Most slots of one replica.")
+    dtype: str | None = Field(
+        default=None, description="The dtype the replicas report (comma-separated if mixed)."
+    )
+    tensor_parallel: int | None = Field(
+        default=None, description="Tensor-parallel degree the replicas report, where the server exports it."
+    )
+
+
 class SizingStatus(SpecModel):
-    """The sizing plan the Deployment runs with."""
+    """The sizing plan the Deployment runs with, and what its replicas measured."""
 
     fits: bool = Field(description="Whether the model fits (weights + at least one max-length sequence).")
     gpu_type: str = Field(description="GPU product the plan is for (or `cpu`).")
@@ -455,6 +472,9 @@ class SizingStatus(SpecModel):
         default=None, alias="minGPUs", description="Smallest GPU count of this type that fits."
     )
     message: str = Field(description="The plan in one sentence.")
+    measured: MeasuredSizing | None = Field(
+        default=None, description="What the ready replicas report; absent until one is ready."
+    )
 
 
 class AutoscalingStatus(SpecModel):
@@ -473,7 +493,8 @@ class ModelServerStatus(SpecModel):
 
     observed_generation: int | None = Field(default=None, description="Generation last reconciled.")
     conditions: list[Condition] | None = Field(
-        default=None, description="Ready, Progressing, Degraded, Sized."
+        default=None,
+        description="Ready, Progressing, Degraded, Sized; SizingDrift while a replica runs short.",
     )
     replicas: int | None = Field(default=None, description="Pods of the Deployment (scale subresource).")
     ready_replicas: int | None = Field(default=None, description="Ready pods.")

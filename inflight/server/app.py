@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 
 from inflight import __version__
-from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.async_engine import AsyncEngine, EngineUnavailableError
 from inflight.server.access_log import AccessLogMiddleware
 from inflight.server.errors import install_error_handlers
-from inflight.server.metrics import ServerMetrics
+from inflight.server.metrics import ResponseCountingMiddleware, ServerMetrics
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,18 @@ async def get_context(request: Request) -> ServerContext:
     return ctx
 
 
+def engine_info(engine: AsyncEngine) -> dict[str, str]:
+    """The loaded engine's resolved settings for `inflight:engine_info` ({} while the model loads)."""
+    try:
+        loaded = engine.engine
+    except EngineUnavailableError:
+        return {}
+    return {
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "tensor_parallel_size": str(loaded.config.tensor_parallel_size),
+    }
+
+
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; the engine thread starts (load + warm-up) with the app's lifespan."""
     from inflight.server.demo import demo_router
@@ -56,9 +68,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         summary="OpenAI-compatible LLM server with continuous batching over a paged KV cache.",
         lifespan=lifespan,
     )
-    app.state.ctx = ServerContext(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats))
+    metrics = ServerMetrics(engine.stats, lambda: engine_info(engine))
+    app.state.ctx = ServerContext(engine=engine, settings=settings, metrics=metrics)
     app.state.api_key = settings.api_key
     install_error_handlers(app)
+    app.add_middleware(ResponseCountingMiddleware, metrics=metrics)
     app.add_middleware(AccessLogMiddleware)
     app.include_router(probe_router)
     app.include_router(api_router)

@@ -106,6 +106,7 @@ def test_default_operator_deployment(helm: Any) -> None:
     assert container["args"] == [
         "--all-namespaces",
         "--liveness=http://0.0.0.0:8080/healthz",
+        "--metrics-address=0.0.0.0:8081",
         "--resync-seconds=60",
         "--autoscale-seconds=15",
         "--scrape-timeout-seconds=2",
@@ -114,6 +115,7 @@ def test_default_operator_deployment(helm: Any) -> None:
     assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
     assert pod["serviceAccountName"] == "inflight"
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     selector = deployment["spec"]["selector"]["matchLabels"]

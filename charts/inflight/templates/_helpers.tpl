@@ -59,11 +59,26 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - --no-leader-election
 {{- end }}
 - --liveness=http://0.0.0.0:{{ .Values.healthPort }}/healthz
+- --metrics-address=0.0.0.0:{{ .Values.metricsPort }}
 - --resync-seconds={{ .Values.resyncSeconds }}
 - --autoscale-seconds={{ .Values.builtinAutoscaling.intervalSeconds }}
 - --scrape-timeout-seconds={{ .Values.builtinAutoscaling.scrapeTimeoutSeconds }}
 {{- if .Values.verbose }}
 - --verbose
+{{- end }}
+{{- end }}
+
+{{/* Labels on the ModelServer server pods the operator creates (inflight/operator/builders.py). */}}
+{{- define "inflight.serverPodSelector" -}}
+app.kubernetes.io/name: inflight-server
+app.kubernetes.io/managed-by: inflight-operator
+{{- end }}
+
+{{/* The monitoring objects' labels: the release's plus the ones the user's Prometheus selects on. */}}
+{{- define "inflight.monitoringLabels" -}}
+{{ include "inflight.labels" .root }}
+{{- with .extra }}
+{{ toYaml . }}
 {{- end }}
 {{- end }}
 

@@ -31,7 +31,7 @@
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
-# find the ready server pods whose /metrics builtin autoscaling reads
+# read the ready server pods' /metrics (measured sizing, builtin autoscaling)
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
