@@ -129,7 +129,8 @@ def download_state(
         return Download(cache, "Failed", message + (f" [{reason}]" if detail else ""))
     progress = parse_progress(log or "")
     if progress is None:
-        return Download(cache, "Downloading", f"downloading {where}: waiting for the Job's pod")
+        waiting = "the Job's pod runs, no progress line yet" if pods else "waiting for the Job's pod"
+        return Download(cache, "Downloading", f"downloading {where}: {waiting}")
     done, total = progress
     percent = f" ({100 * done / total:.0f}%)" if total else ""
     return Download(

@@ -220,6 +220,7 @@ async def test_one_job_for_two_modelservers_replicas_and_a_restart(cluster: Kube
         assert claim[0]["spec"]["resources"]["requests"]["storage"] == "5Gi"
         await eventually(lambda: model_cache(cluster, "a").get("phase") == "Downloading", what="Downloading")
         assert condition(cluster, "a", "Ready")["reason"] == "Downloading"
+        assert model_cache(cluster, "a")["message"].endswith("waiting for the Job's pod")
         assert condition(cluster, "a", "Progressing")["status"] == "True"
         assert cluster.stored(DEPLOYMENTS, NS, "a") is None  # the pods wait for the download
 
