@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from inflight.engine.config import EngineConfig
-from inflight.engine.cpu_linear import can_prepack, prepack_linears
+from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.model.config import ModelConfig

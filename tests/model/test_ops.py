@@ -8,7 +8,7 @@ from typing import TypeVar
 import pytest
 import torch
 
-from inflight.engine import cpu_kernels
+from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.model import ops
 
 pytestmark = pytest.mark.skipif(

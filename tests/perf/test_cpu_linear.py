@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from inflight.engine.cpu_linear import PrepackedLinear, can_prepack, prepack_linears
+from inflight.engine.cpu.linear import PrepackedLinear, can_prepack, prepack_linears
 
 pytestmark = pytest.mark.skipif(
     not can_prepack(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"

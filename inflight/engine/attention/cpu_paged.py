@@ -1,20 +1,20 @@
-"""Paged attention on CPU: decode rows through the C kernel in engine/cpu_kernels.c.
+"""Paged attention on CPU: decode rows through the C kernel in engine/cpu/kernels.c.
 
 The torch path (torch_paged.py) gathers every decode sequence's blocks into a contiguous buffer and then
 runs SDPA over it: on CPU that is two trips through memory for every key and value, and the gather alone
 was a third of attention's time. The kernel scores, softmaxes and sums straight from the blocks, one work
 item per sequence (or per (sequence, KV head) when there are few sequences) over torch's threads.
 Prefill and chunked-prefill sequences keep the torch path (one SDPA each, where SDPA is at its best).
-Where the kernels are unavailable (see cpu_kernels.py) or cannot take the inputs, this is the torch path.
+Where the kernels are unavailable (see cpu/kernels.py) or cannot take the inputs, this is the torch path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from inflight.engine import cpu_kernels
 from inflight.engine.attention import torch_paged
 from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.cpu import kernels as cpu_kernels
 
 
 def kernel_available() -> bool:

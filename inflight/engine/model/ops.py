@@ -1,6 +1,6 @@
 """The decoder's elementwise steps: each a PyTorch reference and, on CPU, one fused C kernel call.
 
-On CPU (float32, bfloat16) with the kernels built (engine/cpu_kernels.py) every function below is a single
+On CPU (float32, bfloat16) with the kernels built (engine/cpu/kernels.py) every function below is a single
 pass over its data; elsewhere (CUDA, float16, no compiler) it is the PyTorch code, which is also the
 definition of what the kernel computes.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inflight.engine import cpu_kernels
+from inflight.engine.cpu import kernels as cpu_kernels
 
 
 def rms_norm(

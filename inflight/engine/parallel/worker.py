@@ -71,7 +71,7 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
     import torch
     import torch.distributed as dist
 
-    from inflight.engine.cpu_linear import can_prepack, prepack_linears
+    from inflight.engine.cpu.linear import can_prepack, prepack_linears
     from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
     from inflight.engine.model.llama import allocate_kv_caches
     from inflight.engine.model.loader import load_model

@@ -1,4 +1,4 @@
-"""Small C kernels for CPU inference (cpu_kernels.c), compiled at first use and called through ctypes.
+"""Small C kernels for CPU inference (kernels.c), compiled at first use and called through ctypes.
 
 PyTorch on CPU spends a large share of a decode step outside its matrix multiplies: paged attention
 gathers every sequence's K/V blocks into a contiguous buffer before SDPA reads them again, and each
@@ -33,7 +33,7 @@ from inflight.cache import cache_dir
 
 logger = logging.getLogger("inflight.engine")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 DISABLE_ENV = "INFLIGHT_CPU_KERNELS"
 COMPILE_FLAGS = (
     "-O3",
@@ -88,7 +88,7 @@ def _cpu_signature() -> str:
 def build_library(
     compiler: str | None = None, out_dir: Path | None = None, flags: tuple[str, ...] = COMPILE_FLAGS
 ) -> Path:
-    """Compile cpu_kernels.c (once per source, compiler, flags and CPU) and return the shared library's path.
+    """Compile kernels.c (once per source, compiler, flags and CPU) and return the shared library's path.
 
     `flags` other than the default are for tests (e.g. without -march=native: the portable C path)."""
     compiler = compiler or os.environ.get("CC") or "cc"
