@@ -7,7 +7,7 @@ passes, each with its own dispatch. The kernels here do each of those in one pas
 straight from the blocks (attention/cpu_paged.py) and one fused call per elementwise step (model/ops.py).
 
 The library is compiled with the system C compiler (`$CC`, else `cc`) into $INFLIGHT_CACHE_DIR/kernels
-(default ~/.cache/inflight/kernels), keyed by the source, the compiler and the CPU, so it is built once
+(default ~/.cache/inflight/kernels), keyed by the C sources, the compiler and the CPU, so it is built once
 per machine type (about a second). Where there is no compiler, the build fails, or INFLIGHT_CPU_KERNELS=0,
 the engine logs why and uses the PyTorch code: same results within float rounding, slower.
 float32 and bfloat16 use the kernels; float16 always uses PyTorch.
@@ -96,10 +96,19 @@ def build_library(
     if compiler_path is None:
         raise KernelBuildError(f"no C compiler: {compiler!r} is not on PATH (install gcc, or set CC)")
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=False).stdout
-    inputs = [SOURCE.read_bytes(), version, " ".join(flags), _cpu_signature()]
+    # Every C file beside the source (headers included) and the compiler's path: a change to any of them
+    # is a different library, never a stale one from the cache.
+    sources = sorted(SOURCE.parent.glob("*.[ch]"))
+    inputs = [
+        *(path.read_bytes() for path in sources),
+        compiler_path,
+        version,
+        " ".join(flags),
+        _cpu_signature(),
+    ]
     key = hashlib.sha256(repr(inputs).encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir() / "kernels"
-    target = out_dir / f"cpu_kernels-{key}.so"
+    target = out_dir / f"kernels-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
