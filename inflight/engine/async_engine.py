@@ -36,7 +36,8 @@ from inflight.engine.errors import EngineDeadError
 from inflight.engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from inflight.engine.engine import LLMEngine, RequestOutput
+    from inflight.engine.engine import LLMEngine
+    from inflight.engine.output_processor import RequestOutput
     from inflight.engine.sequence import SamplingParams
     from inflight.engine.tokenizer import Tokenizer
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from inflight.engine.engine import RequestOutput
+    from inflight.engine.output_processor import RequestOutput
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:

@@ -31,7 +31,6 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     dtype: DType = Field(default="auto", description="auto = float32 on CPU, bfloat16 on CUDA")
     device: str = Field(default="auto", description="auto = cuda if available, else cpu")
-    max_queue: int | None = Field(default=None, ge=1, description="cap on waiting requests (back-pressure)")
     kv_cache_memory_gib: float = Field(
         default=1.0, gt=0, description="KV pool size on CPU if num_kv_blocks unset"
     )

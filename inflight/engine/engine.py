@@ -17,7 +17,6 @@ import math
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,111 +26,19 @@ from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.llama import allocate_kv_caches
 from inflight.engine.model.loader import load_model
+from inflight.engine.output_processor import OutputProcessor, RequestOutput
 from inflight.engine.parallel.group import TensorParallelGroup
-from inflight.engine.runner import ModelRunner, RunnerOutput
-from inflight.engine.sampler import Sampler, SampleResult
-from inflight.engine.scheduler import SchedulerOutput, create_scheduler
-from inflight.engine.sequence import FinishReason, PositionLogprobs, SamplingParams, Sequence
+from inflight.engine.runner import ModelRunner, allocate_kv_caches
+from inflight.engine.sampler import Sampler
+from inflight.engine.scheduler import create_scheduler
+from inflight.engine.sequence import SamplingParams, Sequence
 from inflight.engine.stats import EngineStats
-from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from inflight.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("inflight.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class CompletionOutput:
-    """One of a request's n completions, cumulative so far."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    # The stop string or stop token id that ended it (None for EOS, length, abort, error).
-    stop_reason: int | str | None = None
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    # Why this completion failed (finish_reason "error"), else None.
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def merge(self, later: CompletionOutput) -> None:
-        """Append a later delta of the same completion to this one (in place)."""
-        self.text += later.text
-        self.token_ids.extend(later.token_ids)
-        if later.logprobs is not None:
-            self.logprobs = [*(self.logprobs or []), *later.logprobs]
-        self.finish_reason = later.finish_reason
-        self.stop_reason = later.stop_reason
-        self.cumulative_logprob = later.cumulative_logprob
-        self.error = later.error
-
-
-@dataclass
-class RequestMetrics:
-    """time.monotonic() timestamps (arrival as given to add_request)."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    # Why the request failed (a completion with finish_reason "error"), else None.
-    error: str | None = None
-
-    def merge(self, later: RequestOutput) -> None:
-        """Fold a later delta output of the same request into this one (in place): what a consumer that
-        has not read this one yet would have seen in both."""
-        for completion, more in zip(self.outputs, later.outputs, strict=True):
-            completion.merge(more)
-        self.finished = later.finished
-        self.metrics = later.metrics
-        self.error = later.error
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = later.prompt_logprobs
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    seqs: list[Sequence | None]
-    detokenizers: list[IncrementalDetokenizer]
-    texts: list[str] = field(default_factory=list)
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    prompt_counted: bool = False
-    # Delta outputs: per completion, tokens and characters of text already sent; prompt logprobs sent.
-    sent_tokens: list[int] = field(default_factory=list)
-    sent_chars: list[int] = field(default_factory=list)
-    sent_prompt_logprobs: bool = False
-
-    @property
-    def finished(self) -> bool:
-        parent = self.seqs[0]
-        assert parent is not None
-        if parent.num_forks_pending and parent.is_finished:
-            return True
-        return all(s is not None and s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -195,7 +102,6 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            max_queue=config.max_queue,
         )
         kv_caches = allocate_kv_caches(
             self.model_config,
@@ -218,20 +124,14 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model,
             kv_caches,
-            self.kv_cache,
+            config.block_size,
             Sampler(config.seed, self.device),
             self.device,
             broadcast=self.workers,
         )
-        self._requests: dict[str, _Request] = {}
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self._last_step_tokens = 0
         self._num_generate_calls = 0
-
-    @classmethod
-    def from_config(cls, model_dir: str | Path, **overrides: object) -> LLMEngine:
-        return cls(model_dir, EngineConfig.model_validate(overrides))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them); no step may run afterwards."""
@@ -294,10 +194,9 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError for a duplicate id or a token id outside the vocabulary,
-        QueueFullError when the waiting queue is at max_queue."""
+        """Queue a request. Raises ValueError for a duplicate id or a token id outside the vocabulary."""
         params = params or SamplingParams()
-        if request_id in self._requests:
+        if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -316,186 +215,29 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
         self.scheduler.add(seq)
-        self._requests[request_id] = _Request(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            params=params,
-            metrics=RequestMetrics(arrival_time=seq.arrival_time),
-            seqs=[seq] + [None] * (params.n - 1),
-            detokenizers=[
-                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-                for _ in range(params.n)
-            ],
-            texts=[""] * params.n,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            sent_tokens=[0] * params.n,
-            sent_chars=[0] * params.n,
-        )
+        self.outputs.add(seq, text)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks; unknown or finished ids are ignored."""
-        if self._requests.pop(request_id, None) is not None:
+        if self.outputs.remove(request_id):
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self.scheduler.has_unfinished()
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return bool(self.outputs) or self.scheduler.has_unfinished()
 
     # ---- one step
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        now = time.monotonic()
-        for item in out.scheduled:
-            request = self._requests[item.seq.request_id]
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
         result = self.runner.execute(out)
         for seq_id, reason in result.failed.items():  # one request's failure ends that request only
             self.scheduler.finish(seq_id, "error", error=reason)
         forked = self.scheduler.update(
             out, {sid: [s.token_id for s in r] for sid, r in result.samples.items()}
         )
-        for child in forked:
-            self._requests[child.request_id].seqs[child.index] = child
+        self.outputs.add_forks(forked)
         self._last_step_tokens = out.num_batched_tokens
-        return self._process(out, result)
-
-    def _process(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        now = time.monotonic()
-        progressed: dict[str, _Request] = {}
-        for seq_id, (first_token, chunk) in result.prompt_logprobs.items():
-            request = self._requests[seq_id]
-            # A recompute after preemption repeats chunks already recorded: keep each position once.
-            if request.prompt_logprobs is not None and len(request.prompt_logprobs) == first_token:
-                request.prompt_logprobs.extend(chunk)
-        for item in out.sampling:
-            parent = item.seq
-            request = self._requests[parent.request_id]
-            progressed[request.request_id] = request
-            samples = result.samples.get(parent.seq_id)
-            if samples is None:  # its draw failed: already finished with "error"
-                continue
-            members = [parent] if len(samples) == 1 else [s for s in request.seqs if s is not None]
-            try:
-                for member, sample in zip(members, samples, strict=True):
-                    self._record_sample(request, member, sample)
-            except Exception as error:
-                logger.warning(
-                    "request %s failed: processing its tokens raised %r", request.request_id, error
-                )
-                self._fail(request, f"processing this request's output failed: {error}")
-                continue
-            if not request.prompt_counted:
-                request.prompt_counted = True
-                self._num_prompt_tokens += len(request.prompt_token_ids)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-        for seq in out.failed:
-            if seq.request_id in self._requests:
-                progressed[seq.request_id] = self._requests[seq.request_id]
-        outputs = []
-        for request in progressed.values():
-            finished = request.finished
-            if finished:
-                request.metrics.finished_time = now
-                del self._requests[request.request_id]
-            outputs.append(self._output(request, finished))
-        return outputs
-
-    def _record_sample(self, request: _Request, member: Sequence, sample: SampleResult) -> None:
-        self._num_generation_tokens += 1
-        if member.params.logprobs is not None:
-            if member.logprobs is None:
-                member.logprobs = []
-            assert sample.top_logprobs is not None
-            for token_id, logprob in sample.top_logprobs.items():
-                logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            member.logprobs.append(sample.top_logprobs)
-            member.cumulative_logprob += sample.logprob
-        self._detokenize(request, member)
-
-    def _fail(self, request: _Request, reason: str) -> None:
-        """End every unfinished sequence of the request with finish_reason "error"; free their blocks."""
-        for seq in request.seqs:
-            if seq is not None and not seq.is_finished:
-                self.scheduler.finish(seq.seq_id, "error", error=reason)
-
-    def _detokenize(self, request: _Request, seq: Sequence) -> None:
-        detok = request.detokenizers[seq.index]
-        before = len(detok.text)
-        detok.add(seq.output_token_ids[-1])
-        if seq.is_finished:
-            detok.flush()
-        stops = seq.params.stop_strings
-        if stops and len(detok.text) > before:
-            # Only text that this token added can complete a stop string.
-            search_from = max(0, before - max(len(s) for s in stops) + 1)
-            found = [(i, s) for s in stops if (i := detok.text.find(s, search_from)) >= 0]
-            if found:
-                index, stop = min(found)
-                detok.text = detok.text[:index]
-                if not seq.is_finished:
-                    self.scheduler.finish(seq.seq_id, "stop", stop_reason=stop)
-                elif seq.finish_reason == "length":
-                    seq.finish("stop", stop_reason=stop)
-        request.texts[seq.index] = detok.text
-
-    def _output(self, request: _Request, finished: bool) -> RequestOutput:
-        parent = request.seqs[0]
-        assert parent is not None
-        delta = request.params.output_kind == "delta"
-        completions = []
-        for index, seq in enumerate(request.seqs):
-            if seq is None:  # a sibling not forked yet (the parent failed before its prompt finished)
-                completions.append(CompletionOutput(index, "", [], parent.finish_reason, error=parent.error))
-                continue
-            text = request.texts[index]
-            stops = seq.params.stop_strings
-            if stops and not seq.is_finished:
-                # Hold back a tail that may still grow into a stop string.
-                text = text[: max(0, len(text) - max(len(s) for s in stops) + 1)]
-            token_ids, logprobs = seq.output_token_ids, seq.logprobs
-            if delta:
-                sent, sent_chars = request.sent_tokens[index], request.sent_chars[index]
-                request.sent_tokens[index], request.sent_chars[index] = (
-                    len(token_ids),
-                    max(sent_chars, len(text)),
-                )
-                token_ids, text = token_ids[sent:], text[sent_chars:]
-                if logprobs is not None:
-                    seq.logprobs = []  # they go out now: the engine keeps none of them
-            completions.append(
-                CompletionOutput(
-                    index=index,
-                    text=text,
-                    token_ids=list(token_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=None if logprobs is None else list(logprobs),
-                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-                    error=seq.error,
-                )
-            )
-        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
-        if delta and request.sent_prompt_logprobs:
-            prompt_logprobs = None
-        request.sent_prompt_logprobs = True
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=request.metrics,
-            prompt_logprobs=prompt_logprobs,
-            error=next((c.error for c in completions if c.error is not None), None),
-        )
+        return self.outputs.process(out, result)
 
     # ---- figures and the offline loop
 
@@ -510,8 +252,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions_total,
             num_prefix_cache_queries=kv.prefix_cache_queries,
             num_prefix_cache_hits=kv.prefix_cache_hits,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generation_tokens=self._num_generation_tokens,
+            num_prompt_tokens=self.outputs.num_prompt_tokens,
+            num_generation_tokens=self.outputs.num_generation_tokens,
             num_steps=self.scheduler.num_steps,
             last_step_num_batched_tokens=self._last_step_tokens,
             max_num_seqs=self.config.max_num_seqs,

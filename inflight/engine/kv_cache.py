@@ -13,8 +13,8 @@ this module only decides which block ids each sequence uses.
   are handed out least-recently-freed first, uncached blocks before cached ones, and a sequence's tail
   blocks before its head blocks (heads are the likeliest shared prefixes).
 - Copy-on-write: writing into a partially filled block that another sequence also holds (after a fork)
-  first moves the writer to a fresh block; the (src, dst) pair is queued in `pending_copies` for the
-  runner to copy K/V before the step runs.
+  first moves the writer to a fresh block; the (src, dst) pair is queued for the scheduler to
+  hand to the runner (`take_pending_copies()`), which copies K/V before the step runs.
 """
 
 from __future__ import annotations
@@ -55,10 +55,6 @@ class KVCacheStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_evictions: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class KVCacheManager:
@@ -124,6 +120,11 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         """The sequence's blocks in token order (empty if it holds none). Do not mutate."""
         return self._tables.get(seq_id, [])
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies queued since the last call; the caller performs them."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def holds(self, seq_id: str) -> bool:
         return seq_id in self._tables

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from inflight.engine.config import DType, EngineConfig, SchedulerPolicy
-from inflight.engine.engine import LLMEngine, RequestOutput
+from inflight.engine.engine import LLMEngine
+from inflight.engine.output_processor import RequestOutput
 from inflight.engine.sequence import SamplingParams
 
 

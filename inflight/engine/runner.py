@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
-from inflight.engine.kv_cache import KVCacheManager
+from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.sampler import Sampler, SampleResult, SamplingRow, top_logprobs
 from inflight.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -115,12 +115,36 @@ def copy_blocks(
         v_cache[dst] = v_cache[src]
 
 
+def kv_cache_shape(
+    config: ModelConfig, num_blocks: int, block_size: int, num_kv_heads: int | None = None
+) -> tuple[int, ...]:
+    """Shape of one layer's K (or V) cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    (`num_kv_heads`: this rank's, default all of the model's)."""
+    return (num_blocks, block_size, num_kv_heads or config.num_key_value_heads, config.head_dim)
+
+
+def allocate_kv_caches(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    num_kv_heads: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed (K, V) cache pairs, one per layer."""
+    shape = kv_cache_shape(config, num_blocks, block_size, num_kv_heads)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        kv_cache: KVCacheManager,
+        block_size: int,
         sampler: Sampler,
         device: torch.device,
         broadcast: StepBroadcast | None = None,
@@ -128,8 +152,7 @@ class ModelRunner:
         """`broadcast`: the other tensor-parallel ranks (None without tensor parallelism)."""
         self.model = model
         self.kv_caches = kv_caches
-        self.kv_cache = kv_cache
-        self.block_size = kv_cache.block_size
+        self.block_size = block_size
         self.sampler = sampler
         self.device = device
         self.broadcast = broadcast
@@ -237,7 +260,7 @@ class ModelRunner:
         for item in out.scheduled:
             start = item.num_computed_tokens
             end = start + item.num_new_tokens
-            table = self.kv_cache.block_table(item.seq.seq_id)
+            table = item.block_table
             inputs.input_ids.extend(item.seq.token_ids[start:end])
             inputs.positions.extend(range(start, end))
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))

@@ -1,12 +1,13 @@
 """Which sequences run each step, and how many new tokens each computes (no torch).
 
-One interface, two policies:
+One scheduler, two admission policies (`AdmissionPolicy` objects; `ContinuousScheduler` and
+`StaticScheduler` are the scheduler with each):
 
-- `ContinuousScheduler`: every step, the running sequences first (one decode token each, or the next
+- continuous (`CONTINUOUS`): every step, the running sequences first (one decode token each, or the next
   chunk of an unfinished prefill), then waiting requests are admitted into free slots while the token
   budget lasts (prefill, chunked when it exceeds the budget). A finished sequence's slot is refilled on
   the very next step.
-- `StaticScheduler`: admits up to `max_num_seqs` requests only when nothing is running; the batch runs
+- static (`STATIC`): admits up to `max_num_seqs` requests only when nothing is running; the batch runs
   until its longest member finishes (members that finish early leave their slot idle).
 
 Out of KV blocks, both preempt the most recently admitted running sequence: its blocks are freed, it goes
@@ -16,7 +17,7 @@ failed with finish_reason "error" and a message, never retried forever.
 
 Driving it (what LLMEngine does; the simulator does the same with fake tokens):
 
-    out = scheduler.schedule()                 # SchedulerOutput: scheduled (seq, num_new_tokens), ...
+    out = scheduler.schedule()                 # SchedulerOutput: scheduled (seq, num_new_tokens, block_table)
     ... compute out.scheduled; sample a token for each seq in out.sampling (n tokens if it forks) ...
     scheduler.update(out, {seq.seq_id: [token, ...]})   # appends tokens, finishes, frees, forks
     scheduler.finish(seq_id, "stop", stop_reason)       # optional: engine-side stops (stop strings)
@@ -30,14 +31,28 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
-from inflight.engine.kv_cache import KVCacheManager, KVCacheStats
+from inflight.engine.config import SchedulerPolicy
+from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.sequence import Sequence, SequenceStatus
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue is at `max_queue`; retry later (the server answers 503)."""
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """When waiting requests may join the running ones."""
+
+    name: SchedulerPolicy
+    # Admit only while nothing runs (a batch runs until all its members finish).
+    only_when_idle: bool
+    # Stop admitting once the step's token budget is spent (else admit and prefill in later steps).
+    within_budget: bool
+
+    def may_admit(self, num_running: int) -> bool:
+        return not (self.only_when_idle and num_running)
+
+
+CONTINUOUS = AdmissionPolicy("continuous", only_when_idle=False, within_budget=True)
+STATIC = AdmissionPolicy("static", only_when_idle=True, within_budget=False)
 
 
 @dataclass
@@ -46,6 +61,8 @@ class ScheduledSequence:
     num_new_tokens: int
     # Tokens already in the KV cache before this step (the new tokens start at this position).
     num_computed_tokens: int
+    # The sequence's KV blocks in token order as of this step (the runner reads them, not the manager).
+    block_table: list[int] = field(default_factory=list)
     # True if this step computes the sequence's last token, so a next token is sampled (fixed at
     # schedule time; the sequence grows in `update`).
     samples: bool = field(init=False)
@@ -90,19 +107,10 @@ class StepRecord:
     failed: tuple[str, ...]
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions_total: int
-    num_steps: int
-    kv: KVCacheStats
-
-
 class Scheduler:
-    """Shared machinery; subclasses decide when waiting requests may be admitted."""
+    """Batches sequences over a KV cache; `admission` decides when waiting requests may join."""
 
-    policy: Literal["continuous", "static"]
+    admission: AdmissionPolicy = CONTINUOUS
 
     def __init__(
         self,
@@ -111,7 +119,6 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        max_queue: int | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
@@ -120,7 +127,6 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.max_queue = max_queue
         self.on_step = on_step
         self.waiting: deque[Sequence] = deque()
         # In admission order: the last one is the first to be preempted.
@@ -156,15 +162,11 @@ class Scheduler:
         return None
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request (its index-0 sequence). Raises QueueFullError at max_queue.
+        """Queue a new request (its index-0 sequence).
 
         A request that can never fit is not queued: it is failed ("error") and reported by the next
         `schedule()` in `SchedulerOutput.failed`.
         """
-        if self.max_queue is not None and len(self.waiting) >= self.max_queue:
-            raise QueueFullError(
-                f"{len(self.waiting)} requests are already waiting (max_queue={self.max_queue}); retry later"
-            )
         seq.max_model_len = self.max_model_len
         seq.max_tokens = (
             seq.params.max_tokens
@@ -224,19 +226,11 @@ class Scheduler:
     def _slots_used(self) -> int:
         return sum(s.slots_needed for s in self.running)
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            num_preemptions_total=self.num_preemptions_total,
-            num_steps=self.num_steps,
-            kv=self.kv_cache.stats(),
-        )
+    @property
+    def policy(self) -> SchedulerPolicy:
+        return self.admission.name
 
     # ---- one step
-
-    def _may_admit(self) -> bool:
-        raise NotImplementedError
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.num_steps, scheduled=[], failed=self._failed)
@@ -264,12 +258,12 @@ class Scheduler:
                 i += 1
 
         # 2. Admit waiting requests into free slots (none after a preemption: blocks are short).
-        if not out.preempted and self._may_admit():
+        if not out.preempted and self.admission.may_admit(len(self.running)):
             while self.waiting:
                 seq = self.waiting[0]
                 if self._slots_used() + seq.slots_needed > self.max_num_seqs:
                     break
-                if budget <= 0 and self.policy == "continuous":
+                if budget <= 0 and self.admission.within_budget:
                     break
                 if not self.kv_cache.holds(seq.seq_id):
                     self._match_prefix(seq)
@@ -286,8 +280,9 @@ class Scheduler:
                     out.scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
                     budget -= num_new
 
-        out.block_copies = self.kv_cache.pending_copies
-        self.kv_cache.pending_copies = []
+        for item in out.scheduled:
+            item.block_table = list(self.kv_cache.block_table(item.seq.seq_id))
+        out.block_copies = self.kv_cache.take_pending_copies()
         self.num_steps += 1
         return out
 
@@ -358,35 +353,31 @@ class Scheduler:
 class ContinuousScheduler(Scheduler):
     """Admit waiting requests whenever slots, budget and blocks allow (in-flight batching)."""
 
-    policy = "continuous"
-
-    def _may_admit(self) -> bool:
-        return True
+    admission = CONTINUOUS
 
 
 class StaticScheduler(Scheduler):
     """Admit a batch of up to max_num_seqs requests only when nothing runs; it runs until all finish."""
 
-    policy = "static"
+    admission = STATIC
 
-    def _may_admit(self) -> bool:
-        return not self.running
+
+SCHEDULERS: dict[SchedulerPolicy, type[Scheduler]] = {
+    cls.admission.name: cls for cls in (ContinuousScheduler, StaticScheduler)
+}
 
 
 def create_scheduler(
-    policy: Literal["continuous", "static"],
+    policy: SchedulerPolicy,
     kv_cache: KVCacheManager,
     *,
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int,
-    max_queue: int | None = None,
 ) -> Scheduler:
-    cls: type[Scheduler] = ContinuousScheduler if policy == "continuous" else StaticScheduler
-    return cls(
+    return SCHEDULERS[policy](
         kv_cache,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        max_queue=max_queue,
     )

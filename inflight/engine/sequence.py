@@ -169,7 +169,6 @@ class Sequence:
     num_forks_pending: int = 0
     num_preemptions: int = 0
     logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:
@@ -197,11 +196,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def in_prefill(self) -> bool:
-        """True while tokens the model has not seen remain besides the newest sampled one."""
-        return self.num_tokens - self.num_computed_tokens > 1
 
     @property
     def slots_needed(self) -> int:
@@ -242,6 +236,5 @@ class Sequence:
             max_tokens=self.max_tokens,
             max_model_len=self.max_model_len,
             logprobs=None if self.logprobs is None else list(self.logprobs),
-            prompt_logprobs=self.prompt_logprobs,
             cumulative_logprob=self.cumulative_logprob,
         )

@@ -57,7 +57,7 @@ from inflight.server.protocol import (
 )
 
 if TYPE_CHECKING:
-    from inflight.engine.engine import CompletionOutput
+    from inflight.engine.output_processor import CompletionOutput
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only the access log sees it
 

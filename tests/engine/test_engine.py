@@ -12,7 +12,8 @@ import torch
 
 from inflight import LLM, SamplingParams
 from inflight.engine.config import EngineConfig
-from inflight.engine.engine import LLMEngine, RequestOutput
+from inflight.engine.engine import LLMEngine
+from inflight.engine.output_processor import RequestOutput
 from inflight.engine.sampler import SampleResult, SamplingRow
 
 PROMPTS = ["def main(", "import os\nimport sys", "class Foo:\n    def", "x = 1", "for i in range(10):"]
@@ -305,14 +306,14 @@ def test_a_request_whose_output_processing_fails_fails_alone(
         tiny_llama_dir, EngineConfig(max_num_seqs=8, num_kv_blocks=64, block_size=8, device="cpu")
     )
     reference = engine.generate(PROMPTS[:2], greedy(6))
-    detokenize = engine._detokenize
+    detokenize = engine.outputs._detokenize
 
     def broken(request: Any, seq: Any) -> None:
         if request.request_id.endswith("-1") and seq.num_output_tokens >= 3:  # the second prompt only
             raise UnicodeError("undecodable bytes")
         detokenize(request, seq)
 
-    monkeypatch.setattr(engine, "_detokenize", broken)
+    monkeypatch.setattr(engine.outputs, "_detokenize", broken)
     good, bad = engine.generate(PROMPTS[:2], greedy(6))
     assert good.outputs[0].token_ids == reference[0].outputs[0].token_ids
     assert bad.outputs[0].finish_reason == "error"

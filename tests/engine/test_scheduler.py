@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.scheduler import (
     ContinuousScheduler,
-    QueueFullError,
     Scheduler,
     StaticScheduler,
     StepRecord,
@@ -26,7 +25,6 @@ def make(
     budget: int = 64,
     max_model_len: int = 256,
     caching: bool = True,
-    max_queue: int | None = None,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
     return create_scheduler(
@@ -35,7 +33,6 @@ def make(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
-        max_queue=max_queue,
     )
 
 
@@ -146,17 +143,6 @@ def test_abort_frees_blocks_everywhere() -> None:
     assert sched.abort("b") == [b]
     assert sched.kv_cache.num_used_blocks == 0
     assert not sched.has_unfinished()
-
-
-def test_queue_cap_raises() -> None:
-    sched = make(max_queue=1)
-    sched.add(request("a", 4, 1))
-    try:
-        sched.add(request("b", 4, 1))
-    except QueueFullError as e:
-        assert "max_queue=1" in str(e)
-    else:
-        raise AssertionError("expected QueueFullError")
 
 
 def test_prefix_cache_hit_skips_computed_blocks() -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
-from inflight.engine.model.llama import LlamaForCausalLM, allocate_kv_caches
+from inflight.engine.model.llama import LlamaForCausalLM
+from inflight.engine.runner import allocate_kv_caches
 
 PAGED_BLOCK_SIZE = 8
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
-from inflight.engine.model.llama import LlamaForCausalLM, allocate_kv_caches
+from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.model.loader import load_model
+from inflight.engine.runner import allocate_kv_caches
 
 ARCHS = ["llama", "qwen2", "mistral"]
 ATOL = 1e-4

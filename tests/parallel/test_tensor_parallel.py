@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from inflight.engine.config import EngineConfig
-from inflight.engine.engine import LLMEngine, RequestOutput
+from inflight.engine.engine import LLMEngine
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
+from inflight.engine.output_processor import RequestOutput
 from inflight.engine.parallel.layout import ShardLayout, valid_degrees
 from inflight.engine.sequence import SamplingParams
 from tests.conftest import cached_model

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from inflight.cli import main
-from inflight.engine.engine import LLMEngine, RequestOutput
+from inflight.engine.engine import LLMEngine
+from inflight.engine.output_processor import RequestOutput
 
 
 def hold_steps_while(hold: Path) -> None:

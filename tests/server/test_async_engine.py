@@ -21,7 +21,8 @@ from inflight.engine.async_engine import (
     RequestFailedError,
 )
 from inflight.engine.config import EngineConfig
-from inflight.engine.engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
+from inflight.engine.engine import LLMEngine
+from inflight.engine.output_processor import CompletionOutput, RequestOutput
 from inflight.engine.sampler import SampleResult, SamplingRow
 from inflight.engine.sequence import Logprob, SamplingParams
 from inflight.engine.stats import EngineStats
@@ -96,7 +97,6 @@ class ScriptedEngine:
                         )
                     ],
                     finished=finished,
-                    metrics=RequestMetrics(arrival_time=0.0),
                 )
             )
         return outputs

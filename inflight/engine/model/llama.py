@@ -354,27 +354,3 @@ class LlamaForCausalLM(nn.Module):
                     params[f"{layer}.{norm}.weight"], (hidden,)
                 )
         return targets
-
-
-def kv_cache_shape(
-    config: ModelConfig, num_blocks: int, block_size: int, num_kv_heads: int | None = None
-) -> tuple[int, ...]:
-    """Shape of one layer's K (or V) cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    (`num_kv_heads`: this rank's, default all of the model's)."""
-    return (num_blocks, block_size, num_kv_heads or config.num_key_value_heads, config.head_dim)
-
-
-def allocate_kv_caches(
-    config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: str | torch.device,
-    num_kv_heads: int | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed (K, V) cache pairs, one per layer."""
-    shape = kv_cache_shape(config, num_blocks, block_size, num_kv_heads)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_hidden_layers)
-    ]
