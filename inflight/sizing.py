@@ -11,8 +11,9 @@ Per tensor-parallel shard (one GPU):
 A plan *fits* when the KV pool holds at least one sequence of `max_model_len` tokens: a server that
 cannot hold one full-length request is not a working server. When it does not fit, the plan names the
 smallest GPU count (tensor parallel, on one node) and the smallest catalog GPU type that would.
-The operator and the engine share this module; the engine re-measures free memory at start and takes
-the smaller of the two plans.
+The operator and the engine share this module (the engine sizes its KV pool with `kv_token_bytes` and
+`choose_num_kv_blocks`); the engine re-measures free memory at start and takes the smaller of the two
+plans.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from inflight.engine.dtypes import DTYPE_BYTES, DTYPE_CHOICES
 from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
 from inflight.engine.parallel.layout import degree_error, valid_degrees
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Tensor-parallel degrees tried when a model does not fit: one node has at most 8 GPUs.
 TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
@@ -313,8 +313,8 @@ class SizingPlan:
 
 def resolve_dtype(dtype: str, gpus: int, gpu: GPUType | None = None) -> str:
     """`auto`: float32 on CPU, float16 on GPUs without bfloat16 (T4), bfloat16 elsewhere."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     if dtype != "auto":
         return dtype
     if gpus == 0:
@@ -344,9 +344,23 @@ def activation_reserve_bytes(
     return activations + logits
 
 
+def kv_token_bytes(num_layers: int, kv_heads_per_gpu: int, head_dim: int, dtype: str) -> int:
+    """Bytes of one token's K and V over all layers on one GPU (the formula above; the engine sizes its
+    KV pool with it too)."""
+    return 2 * num_layers * kv_heads_per_gpu * head_dim * DTYPE_BYTES[dtype]
+
+
+def choose_num_kv_blocks(requested: int | None, fit: int, enough: int, measured: bool) -> int:
+    """Blocks for the engine's KV pool: the request if given (cut to `fit` when `fit` was measured on the
+    device), else what fits, capped at `enough` (every slot at full length)."""
+    if requested is None:
+        return min(fit, enough)
+    return min(requested, fit) if measured else requested
+
+
 def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel: int) -> int:
     kv_heads_per_gpu = max(1, shape.num_key_value_heads // tensor_parallel)
-    return 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * DTYPE_BYTES[dtype]
+    return kv_token_bytes(shape.num_layers, kv_heads_per_gpu, shape.head_dim, dtype)
 
 
 def _plan_one(

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from inflight.engine.commands import add_tensor_parallel_argument
+from inflight.engine.dtypes import DTYPE_NAMES
 
 SYSTEM_NAMES = ("hf-naive", "hf-static", "hf-continuous", "vllm", "inflight-static", "inflight-continuous")
 DEFAULT_MODEL = Path(".cache/models/small-llama-seed0")
@@ -41,7 +42,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     )
     parser.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float16"),
+        choices=DTYPE_NAMES,
         default="float32",
         help="weights (default float32)",
     )

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from inflight.engine.dtypes import DTYPE_CHOICES
+
 if TYPE_CHECKING:
     from inflight.engine.output_processor import RequestOutput
 
@@ -45,7 +47,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     engine.add_argument("--max-model-len", type=int, default=None, help="context cap (default: the model's)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    engine.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     engine.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: auto)")
     add_tensor_parallel_argument(engine)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")

@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from inflight.engine.dtypes import DType
+
 SchedulerPolicy = Literal["continuous", "static"]
-DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class EngineConfig(BaseModel):

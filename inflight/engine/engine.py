@@ -23,6 +23,7 @@ import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
+from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.model.config import ModelConfig
@@ -35,10 +36,9 @@ from inflight.engine.scheduler import create_scheduler
 from inflight.engine.sequence import SamplingParams, Sequence
 from inflight.engine.stats import EngineStats
 from inflight.engine.tokenizer import Tokenizer
+from inflight.sizing import choose_num_kv_blocks
 
 logger = logging.getLogger("inflight.engine")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLMEngine:
@@ -58,10 +58,7 @@ class LLMEngine:
         self.device = torch.device(
             config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        dtype_name = config.dtype
-        if dtype_name == "auto":
-            dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = DTYPES[dtype_name]
+        self.dtype: torch.dtype = getattr(torch, resolve_dtype_name(config.dtype, self.device.type == "cuda"))
         # Ranks 1..N-1 of a tensor-parallel engine (see parallel/group.py); None without.
         self.workers = (
             TensorParallelGroup.start(self.model_dir, config, self.dtype, self.device)
@@ -293,11 +290,3 @@ class LLMEngine:
             if on_progress is not None:
                 on_progress(len(done))
         return [done[i] for i in ids]
-
-
-def choose_num_kv_blocks(requested: int | None, fit: int, enough: int, measured: bool) -> int:
-    """Blocks for the KV pool: the request if given (cut to `fit` when `fit` was measured on the device),
-    else what fits, capped at `enough` (every slot at full length)."""
-    if requested is None:
-        return min(fit, enough)
-    return min(requested, fit) if measured else requested

@@ -6,11 +6,14 @@ import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.model.config import ModelConfig
+from inflight.sizing import kv_token_bytes
 
 
 def kv_block_bytes(model: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers for `num_kv_heads` heads (a rank's, with tensor parallelism)."""
-    return 2 * model.num_hidden_layers * num_kv_heads * model.head_dim * block_size * dtype.itemsize
+    """Bytes of one KV block over all layers for `num_kv_heads` heads (a rank's, with tensor parallelism):
+    sizing.py's formula, the one the operator plans with."""
+    name = str(dtype).removeprefix("torch.")
+    return block_size * kv_token_bytes(model.num_hidden_layers, num_kv_heads, model.head_dim, name)
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> float:

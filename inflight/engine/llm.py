@@ -13,7 +13,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from inflight.engine.config import DType, EngineConfig, SchedulerPolicy
+from inflight.engine.config import EngineConfig, SchedulerPolicy
+from inflight.engine.dtypes import DType
 from inflight.engine.engine import LLMEngine
 from inflight.engine.output_processor import RequestOutput
 from inflight.engine.sequence import SamplingParams

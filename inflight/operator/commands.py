@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from inflight.engine.dtypes import DTYPE_CHOICES
+
 SHAPE_KEYS = {
     "layers": "num_layers",
     "hidden": "hidden_size",
@@ -94,7 +96,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     size.add_argument("--gpu-memory-mib", type=int, default=None, help="GPU (or CPU) memory in MiB instead")
     size.add_argument("--gpus", type=int, default=1, help="GPUs per replica (tensor parallel); 0 = CPU")
     size.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    size.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    size.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     size.add_argument("--block-size", type=int, default=16)
     size.add_argument("--max-slots", type=int, default=256)
     size.add_argument("--max-model-len", type=int, default=4096)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inflight.engine.commands import add_tensor_parallel_argument
+from inflight.engine.dtypes import DTYPE_CHOICES
 
 if TYPE_CHECKING:
     from inflight.engine.config import EngineConfig
@@ -94,7 +95,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=DTYPE_CHOICES,
         help="weights and KV cache (default: auto = float32 on CPU, bfloat16 on CUDA)",
     )
     parser.add_argument("--max-slots", type=int, default=64, help="sequences running at once (default: 64)")

@@ -8,11 +8,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from inflight.engine.dtypes import DTYPE_NAMES, DTypeName
 from inflight.engine.model.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class RopeScaling(BaseModel):
@@ -53,7 +53,7 @@ class ModelConfig(BaseModel):
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = []
-    torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    torch_dtype: DTypeName = "float32"
 
     @property
     def num_queries_per_kv(self) -> int:

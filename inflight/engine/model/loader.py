@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
+from inflight.engine.dtypes import DTYPE_NAMES
 from inflight.engine.gguf import is_gguf
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint, open_checkpoint
 from inflight.engine.model.config import ModelConfig
@@ -24,7 +25,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Tensors some checkpoints carry that this model derives itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(
@@ -49,9 +49,10 @@ def load_model(
             f"{model_dir}: not a directory or .gguf file. Pass a Hugging Face checkpoint folder "
             "(make one with `inflight make-model --out DIR`) or a GGUF file."
         )
-    torch_dtype = DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
-    if torch_dtype is None or torch_dtype not in DTYPES.values():
-        raise ModelLoadError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16.")
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ModelLoadError(f"dtype {dtype} is not supported; use {', '.join(DTYPE_NAMES)}.")
+    torch_dtype: torch.dtype = getattr(torch, name)
     config = read_config(model_dir)
     try:
         layout = shard_layout(config, rank, world_size)
