@@ -38,6 +38,7 @@ from inflight.engine.stats import EngineStats
 if TYPE_CHECKING:
     from inflight.engine.engine import LLMEngine
     from inflight.engine.output_processor import RequestOutput
+    from inflight.engine.scheduler import CapacityError
     from inflight.engine.sequence import SamplingParams
     from inflight.engine.tokenizer import Tokenizer
 
@@ -210,9 +211,11 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 
-    def capacity_error(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
+    def capacity_error(
+        self, num_prompt_tokens: int, max_tokens: int | None, n: int = 1
+    ) -> CapacityError | None:
         """Why a request of this size could never run here (the engine's sizes never change after load)."""
-        return self.engine.scheduler.capacity_error(num_prompt_tokens, max_tokens)
+        return self.engine.scheduler.capacity_error(num_prompt_tokens, max_tokens, n)
 
     @property
     def num_in_flight(self) -> int:

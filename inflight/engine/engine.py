@@ -32,7 +32,7 @@ from inflight.engine.output_processor import OutputProcessor, RequestOutput
 from inflight.engine.parallel.group import TensorParallelGroup
 from inflight.engine.runner import ModelRunner, allocate_kv_caches
 from inflight.engine.sampler import Sampler
-from inflight.engine.scheduler import create_scheduler
+from inflight.engine.scheduler import CapacityError, create_scheduler
 from inflight.engine.sequence import SamplingParams, Sequence
 from inflight.engine.stats import EngineStats
 from inflight.engine.tokenizer import Tokenizer
@@ -180,9 +180,9 @@ class LLMEngine:
 
     # ---- requests
 
-    def capacity_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
+    def capacity_error(self, num_prompt_tokens: int, params: SamplingParams) -> CapacityError | None:
         """Why a request of this size can never run on this engine (None if it can); for early 400s."""
-        return self.scheduler.capacity_error(num_prompt_tokens, params.max_tokens)
+        return self.scheduler.capacity_error(num_prompt_tokens, params.max_tokens, params.n)
 
     def add_request(
         self,

@@ -55,6 +55,17 @@ CONTINUOUS = AdmissionPolicy("continuous", only_when_idle=False, within_budget=T
 STATIC = AdmissionPolicy("static", only_when_idle=True, within_budget=False)
 
 
+@dataclass(frozen=True)
+class CapacityError:
+    """Why a request can never run on this engine, whatever else runs: `message` says what to change,
+    `param` names the request field it is about ("prompt", "max_tokens" or "n"), `code` is the OpenAI
+    error code an API answers with."""
+
+    code: str
+    message: str
+    param: str
+
+
 @dataclass
 class ScheduledSequence:
     seq: Sequence
@@ -137,27 +148,40 @@ class Scheduler:
 
     # ---- requests in and out
 
-    def capacity_error(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
-        """Why a request of this size can never run here, or None if it can."""
+    def capacity_error(
+        self, num_prompt_tokens: int, max_tokens: int | None, n: int = 1
+    ) -> CapacityError | None:
+        """Why a request of this size (n completions) can never run here, or None if it can."""
+        too_long = "context_length_exceeded"
         if num_prompt_tokens < 1:
-            return "the prompt is empty; send at least one token"
+            return CapacityError("invalid_value", "the prompt is empty; send at least one token", "prompt")
         if num_prompt_tokens >= self.max_model_len:
-            return (
+            return CapacityError(
+                too_long,
                 f"the prompt has {num_prompt_tokens} tokens but this engine's max_model_len is "
-                f"{self.max_model_len} (prompt + at least one generated token must fit); shorten the prompt"
+                f"{self.max_model_len} (prompt + at least one generated token must fit); shorten the prompt",
+                "prompt",
             )
         total = num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
         if total > self.max_model_len:
-            return (
+            return CapacityError(
+                too_long,
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len {self.max_model_len}; lower max_tokens or shorten the prompt"
+                f"max_model_len {self.max_model_len}; lower max_tokens or shorten the prompt",
+                "max_tokens",
             )
         pool_tokens = self.kv_cache.num_blocks * self.kv_cache.block_size
         if total > pool_tokens:
-            return (
+            return CapacityError(
+                too_long,
                 f"prompt + max_tokens = {total} tokens needs {self.kv_cache.blocks_for(total)} KV blocks but "
                 f"the whole pool has {self.kv_cache.num_blocks} ({pool_tokens} tokens); "
-                "lower max_tokens or give the engine more KV blocks"
+                "lower max_tokens or give the engine more KV blocks",
+                "max_tokens",
+            )
+        if n > self.max_num_seqs:
+            return CapacityError(
+                "invalid_value", f"n={n} needs {n} slots but the engine has {self.max_num_seqs}; lower n", "n"
             )
         return None
 
@@ -173,11 +197,9 @@ class Scheduler:
             if seq.params.max_tokens is not None
             else self.max_model_len - seq.num_prompt_tokens
         )
-        error = self.capacity_error(seq.num_prompt_tokens, seq.params.max_tokens)
-        if error is None and seq.slots_needed > self.max_num_seqs:
-            error = f"n={seq.params.n} needs {seq.params.n} slots but the engine has {self.max_num_seqs}"
+        error = self.capacity_error(seq.num_prompt_tokens, seq.params.max_tokens, seq.slots_needed)
         if error is not None:
-            seq.finish("error", error=error)
+            seq.finish("error", error=error.message)
             self._failed.append(seq)
             return
         seq.status = SequenceStatus.WAITING

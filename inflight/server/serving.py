@@ -90,10 +90,6 @@ def _check_common(ctx: ServerContext, body: SamplingFields) -> None:
         raise bad_request(f"stop takes at most {MAX_STOP_SEQUENCES} strings, got {len(stops)}.", param="stop")
     if any(not s for s in stops):
         raise bad_request("stop strings must not be empty.", param="stop")
-    if body.n > ctx.engine.max_slots:
-        raise bad_request(
-            f"n={body.n} needs {body.n} slots but this server has {ctx.engine.max_slots}; lower n.", param="n"
-        )
     vocab = ctx.engine.vocab_size
     bad_ids = [t for t in body.stop_token_ids or [] if t >= vocab]
     if bad_ids:
@@ -128,37 +124,25 @@ def _sampling_params(
         raise bad_request(str(error)) from error
 
 
-def _check_lengths(ctx: ServerContext, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
-    limit = ctx.engine.max_model_len
+def _check_lengths(
+    ctx: ServerContext, prompts: list[list[int]], max_tokens: int | None, n: int, param: str
+) -> None:
+    """`param`: the request field that holds the prompt(s)."""
     vocab = ctx.engine.vocab_size
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
     for ids in prompts:
-        if not ids:
-            raise bad_request("The prompt is empty; send at least one token.", param=param)
         out_of_vocab = [t for t in ids if t >= vocab]
         if out_of_vocab:
             raise bad_request(
                 f"token ids {out_of_vocab[:5]} are outside the vocabulary (size {vocab}).", param=param
             )
-        if len(ids) >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens, but the prompt has {len(ids)} "
-                "tokens (and at least one must be generated). Shorten the prompt.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and len(ids) + max_tokens > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens, but you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the completion). "
-                "Lower max_tokens or shorten the prompt.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        error = ctx.engine.capacity_error(len(ids), max_tokens)
+        # The engine's capacity rules, mapped once to the HTTP error.
+        error = ctx.engine.capacity_error(len(ids), max_tokens, n)
         if error is not None:
-            raise bad_request(error, param="max_tokens", code="context_length_exceeded")
+            raise bad_request(
+                error.message, param=param if error.param == "prompt" else error.param, code=error.code
+            )
 
 
 def _completion_prompts(ctx: ServerContext, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
@@ -432,7 +416,7 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is only supported equal to n.", param="best_of")
     prompts, prompt_texts = _completion_prompts(ctx, body.prompt)
-    _check_lengths(ctx, prompts, body.max_tokens, param="prompt")
+    _check_lengths(ctx, prompts, body.max_tokens, body.n, param="prompt")
     want_prompt_logprobs = body.echo and body.logprobs is not None
     params = _sampling_params(
         body, body.max_tokens, body.logprobs, body.logprobs if want_prompt_logprobs else None
@@ -574,7 +558,7 @@ async def chat_completion(ctx: ServerContext, body: ChatCompletionRequest, reque
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prompt = _chat_prompt(ctx, body.messages)
-    _check_lengths(ctx, [prompt], max_tokens, param="messages")
+    _check_lengths(ctx, [prompt], max_tokens, body.n, param="messages")
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, max_tokens, top_n if body.logprobs else None, None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
