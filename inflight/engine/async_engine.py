@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 from inflight.engine.errors import EngineDeadError
 from inflight.engine.stats import EngineStats
+from inflight.engine.warmup import warm_up
 
 if TYPE_CHECKING:
     from inflight.engine.engine import LLMEngine
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("inflight.engine")
 
 State = Literal["loading", "ready", "draining", "stopped", "failed"]
-WARMUP_REQUEST_ID = "inflight-warmup"
 
 
 class QueueFullError(Exception):
@@ -397,14 +397,7 @@ class AsyncEngine:
             self._wakeup.notify()
 
     def _warm_up(self, engine: LLMEngine) -> None:
-        from inflight.engine.sequence import SamplingParams
-
-        prompt = engine.tokenizer.encode("Warm up.")
-        engine.add_request(
-            WARMUP_REQUEST_ID, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        )
-        while engine.has_unfinished_requests():
-            engine.step()
+        warm_up(engine)
         self._baseline = self._stats = engine.stats()
 
     def _serve(self, engine: LLMEngine) -> None:

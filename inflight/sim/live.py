@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inflight.engine.scheduler import StepRecord
+from inflight.engine.warmup import warm_up
 from inflight.sim.comparison import DemoComparison, compare
 from inflight.sim.simulator import DemoEngineSettings, sampling_params, validate_slots
 from inflight.sim.timeline import POLICIES, Policy, TimelineRecorder
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from inflight.engine.config import EngineConfig
     from inflight.engine.engine import LLMEngine
 
-WARMUP_REQUEST_ID = "demo-warmup"
 PROGRESS_EVERY_S = 5.0
 
 
@@ -73,7 +73,7 @@ def run_live_policy(
 
     config = demo_engine_config(policy, settings, base_config)
     engine = LLMEngine(model_dir, config, share_model_of=share_model_of)
-    _warm_up(engine)
+    warm_up(engine)
     recorder = TimelineRecorder(policy, settings.slots, requests)
     records: list[StepRecord] = []
     first_step = engine.scheduler.num_steps
@@ -100,15 +100,6 @@ def run_live_policy(
             last_report = end
             progress(f"  {policy}: {len(step_times)} steps, {finished}/{len(requests)} requests done")
     return LiveRun(recorder, step_times)
-
-
-def _warm_up(engine: LLMEngine) -> None:
-    """One short request first, so lazy initialisation is not timed as the demo's first step."""
-    from inflight.engine.sequence import SamplingParams
-
-    engine.add_request(WARMUP_REQUEST_ID, [16, 17, 18, 19], SamplingParams(max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def run_live(
