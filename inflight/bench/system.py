@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from inflight.bench.workload import BenchRequest
-
-BenchDType = Literal["float32", "bfloat16", "float16"]
+from inflight.engine.dtypes import DTypeName
 
 
 @dataclass(frozen=True)
@@ -18,7 +17,7 @@ class BenchSettings:
     requests: list[BenchRequest]
     # Most requests in flight at once, for every system that batches.
     max_slots: int
-    dtype: BenchDType
+    dtype: DTypeName
     vllm_python: Path | None
     max_num_batched_tokens: int
     # torch intra-op threads for the in-process systems; vLLM's OpenMP threads are bound to as many cores.
