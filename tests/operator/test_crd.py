@@ -134,10 +134,10 @@ def test_cel_rules_accept_the_boundaries() -> None:
     assert cel_errors(spec_schema, apply_defaults(spec_schema, hpa_with_replicas)) == []
 
 
-def test_readme_reference_is_current() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert render_reference_markdown() in readme, (
-        "README's CRD reference is stale: paste `inflight crd --reference`"
+def test_docs_reference_is_current() -> None:
+    page = (REPO / "docs" / "reference" / "modelserver.md").read_text()
+    assert render_reference_markdown() in page, (
+        "docs/reference/modelserver.md is stale: run `make docs-reference`"
     )
 
 
