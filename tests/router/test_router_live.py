@@ -18,11 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-from router_harness import MODEL, LiveRouter, ServerProcess, start_router
 
 from inflight.router.app import RouterSettings
 from inflight.router.static import static_discovery
 from inflight.router.workload import run_conversations
+
+from support.router_harness import MODEL, LiveRouter, ServerProcess, start_router
 
 pytestmark = pytest.mark.timeout(240)
 
