@@ -11,6 +11,17 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 MAX_LOGPROBS = 20
+# Bounds of the numeric sampling fields, enforced here and read by the server's protocol (one source).
+# The sampler works in float32 and int64: a top_k or seed beyond int64 overflows, a temperature or
+# repetition penalty near 0 turns logits into inf/NaN.
+MAX_TOP_K = 2**31 - 1  # above the vocabulary size it is the same as off (0)
+MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 1e-2  # a temperature in (0, MIN_TEMPERATURE) is raised to it (vLLM does the same)
+MIN_TOP_P = 1e-6  # a top_p in (0, MIN_TOP_P) is raised to it: both keep only the most likely token
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
 
@@ -50,6 +61,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k < 0:
             self.top_k = 0
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if 0 < self.top_p < MIN_TOP_P:
+            self.top_p = MIN_TOP_P
         self._validate()
 
     def _validate(self) -> None:
@@ -59,17 +74,29 @@ class SamplingParams:
                 self.max_tokens is None or self.max_tokens >= 1,
                 f"max_tokens must be >= 1 (or None for 'up to the context length'), got {self.max_tokens}",
             ),
-            (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
+            (
+                0 <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be in [0, {MAX_TEMPERATURE}] (0 = greedy), got {self.temperature}",
+            ),
+            (self.top_k <= MAX_TOP_K, f"top_k must be <= {MAX_TOP_K} (0 or -1 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (
-                -2 <= self.presence_penalty <= 2,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}",
             ),
             (
-                -2 <= self.frequency_penalty <= 2,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
+                f"presence_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {self.presence_penalty}",
+            ),
+            (
+                -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
+                f"frequency_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {self.frequency_penalty}",
+            ),
+            (
+                self.seed is None or 0 <= self.seed <= MAX_SEED,
+                f"seed must be in [0, {MAX_SEED}] (or None), got {self.seed}",
             ),
             (all(s for s in self.stop or []), "stop strings must be non-empty"),
             (all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be >= 0"),
