@@ -67,6 +67,10 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param, code=code)
 
 
+def not_supported(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="not_supported")
+
+
 def _location(loc: Sequence[int | str]) -> str:
     """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
     parts: list[str] = []
@@ -125,7 +129,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         if exc.status_code == 404:
             message = "Not found: no such endpoint. See /docs for the API."
-        error = APIError(exc.status_code, message, code=None)
+        error = APIError(exc.status_code, message, code="body_too_large" if exc.status_code == 413 else None)
         error.headers = dict(exc.headers or {})
         return error.response()
 
