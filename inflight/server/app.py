@@ -12,6 +12,7 @@ from inflight import __version__
 from inflight.engine.async_engine import AsyncEngine
 from inflight.server.access_log import AccessLogMiddleware
 from inflight.server.errors import install_error_handlers
+from inflight.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from inflight.server.metrics import ServerMetrics
 
 
@@ -19,6 +20,7 @@ from inflight.server.metrics import ServerMetrics
 class ServerSettings:
     served_model_name: str
     api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass
@@ -59,6 +61,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.ctx = ServerContext(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats))
     app.state.api_key = settings.api_key
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(AccessLogMiddleware)
     app.include_router(probe_router)
     app.include_router(api_router)
