@@ -195,7 +195,7 @@ def _chat_prompt(
 ) -> list[int]:
     tokenizer = ctx.engine.tokenizer
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.encode_chat(
             [{"role": m.role, "content": m.text()} for m in messages],
             add_generation_prompt=add_generation_prompt,
         )
@@ -203,7 +203,6 @@ def _chat_prompt(
         raise bad_request(str(error), param="messages") from error
     except Exception as error:  # a template's raise_exception(...) or a rendering error
         raise bad_request(f"The chat template rejected the messages: {error}", param="messages") from error
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 # ---------------------------------------------------------------- running
@@ -460,7 +459,7 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is only supported equal to n.", param="best_of")
     _check_fits(ctx, len(body.prompt) if _is_prompt_list(body.prompt) else 1, body.n)
-    prompts, prompt_texts = await asyncio.to_thread(_completion_prompts, ctx, body.prompt)
+    prompts, prompt_texts = await ctx.off_loop(_completion_prompts, ctx, body.prompt)
     _check_lengths(ctx, prompts, body.max_tokens, param="prompt")
     want_prompt_logprobs = body.echo and body.logprobs is not None
     params = _sampling_params(
@@ -617,7 +616,7 @@ async def chat_completion(ctx: ServerContext, body: ChatCompletionRequest, reque
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    prompt = await asyncio.to_thread(_chat_prompt, ctx, body.messages)
+    prompt = await ctx.off_loop(_chat_prompt, ctx, body.messages)
     _check_lengths(ctx, [prompt], max_tokens, param="messages")
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, max_tokens, top_n if body.logprobs else None, None)
@@ -695,10 +694,10 @@ async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> TokenizeRespons
     if body.messages is not None:
         if not body.messages:
             raise bad_request("messages is empty.", param="messages")
-        tokens = await asyncio.to_thread(_chat_prompt, ctx, body.messages, body.add_generation_prompt)
+        tokens = await ctx.off_loop(_chat_prompt, ctx, body.messages, body.add_generation_prompt)
     else:
         assert body.prompt is not None
-        tokens = await asyncio.to_thread(
+        tokens = await ctx.off_loop(
             ctx.engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
         )
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.engine.max_model_len)
@@ -711,4 +710,4 @@ async def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> DetokenizeR
     bad = [t for t in body.tokens if t >= vocab]
     if bad:
         raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (size {vocab}).", param="tokens")
-    return DetokenizeResponse(prompt=await asyncio.to_thread(ctx.engine.tokenizer.decode, body.tokens))
+    return DetokenizeResponse(prompt=await ctx.off_loop(ctx.engine.tokenizer.decode, body.tokens))

@@ -21,7 +21,8 @@ from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.server.app import ServerSettings, create_app
-from inflight.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits, guarded_protocol
+from inflight.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits
+from inflight.server.transport import guarded_protocol
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 256
@@ -69,6 +70,7 @@ def start_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     connection_limits: ConnectionLimits | None = None,
     engine_max_slots: int | None = None,
+    served_model_name: str = MODEL_NAME,
 ) -> LiveServer:
     """`engine_max_slots`: give the engine fewer slots than the server admits (to make it fail requests)."""
     config = EngineConfig(
@@ -79,7 +81,9 @@ def start_server(
         max_num_batched_tokens=512,
     )
     engine = AsyncEngine(lambda: LLMEngine(model_dir, config), max_slots=max_slots, max_queue=max_queue)
-    settings = ServerSettings(served_model_name=MODEL_NAME, api_key=api_key, max_body_bytes=max_body_bytes)
+    settings = ServerSettings(
+        served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes
+    )
     app = create_app(engine, settings)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
