@@ -277,41 +277,61 @@ def test_failed_choices_are_counted_as_error(server: Any) -> None:
     assert success(server, "error") == before + 3  # every choice of the request
 
 
+class StepBudget:
+    """Lets the engine take only `allow(n)` more steps (then waits); unlimited until the first allow."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.limited = False
+
+    def allow(self, steps: int) -> None:
+        self.limited = True
+        for _ in range(steps):
+            self.permits.release()
+
+    def unlimit(self) -> None:
+        self.limited = False
+        self.permits.release()  # wake a step that is waiting
+
+    def take(self) -> None:
+        if self.limited:
+            assert self.permits.acquire(timeout=PATIENCE), "the engine was held too long"
+
+
 @pytest.fixture
-def held_engine(server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
-    """Engine steps wait for `release` once `hold()` is called, so a request cannot finish meanwhile."""
+def held_engine(server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[StepBudget]:
+    """The engine's steps under a budget, so a request cannot finish before the test lets it."""
     engine = server.engine.engine
     real_step = engine.step
-    gate = Gate()
-    gate.release.set()
+    budget = StepBudget()
 
     def step() -> Any:
-        assert gate.release.wait(PATIENCE), "the engine was held too long"
+        budget.take()
         return real_step()
 
     monkeypatch.setattr(engine, "step", step)
-    yield gate
-    gate.release.set()
+    yield budget
+    budget.unlimit()
 
 
-def test_a_client_that_leaves_a_stream_is_counted_as_abort(server: Any, held_engine: Gate) -> None:
+def test_a_client_that_leaves_a_stream_is_counted_as_abort(server: Any, held_engine: StepBudget) -> None:
     before = success(server, "abort")
+    held_engine.allow(2)  # prefill (the first token) and one more: 200 tokens cannot be reached
     body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "n": 2, "stream": True}
     with (
         httpx.Client(timeout=PATIENCE) as client,
         client.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as stream,
     ):
         lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))  # generating
-        held_engine.release.clear()  # the request cannot finish now
+        next(line for line in lines if line.startswith("data: {"))  # generating; then leave
     wait_until(lambda: success(server, "abort") == before + 2, "both choices to count as abort")
-    held_engine.release.set()
+    held_engine.unlimit()
     wait_until(lambda: server.engine.num_in_flight == 0, "the aborted request to leave the engine")
 
 
-def test_a_non_streaming_client_that_leaves_is_counted_as_abort(server: Any, held_engine: Gate) -> None:
+def test_a_non_streaming_client_that_leaves_is_counted_as_abort(server: Any, held_engine: StepBudget) -> None:
     before = success(server, "abort")
-    held_engine.release.clear()
+    held_engine.allow(0)  # not a single step: the request cannot finish
     body = json.dumps({"prompt": "hi", "max_tokens": 8}).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -321,7 +341,7 @@ def test_a_non_streaming_client_that_leaves_is_counted_as_abort(server: Any, hel
     wait_until(lambda: server.engine.num_in_flight == 1, "the request to be submitted")
     sock.close()
     wait_until(lambda: success(server, "abort") == before + 1, "the choice to count as abort")
-    held_engine.release.set()
+    held_engine.unlimit()
     wait_until(lambda: server.engine.num_in_flight == 0, "the aborted request to leave the engine")
 
 
