@@ -11,6 +11,7 @@ from inflight.bench import commands as benchmark_commands
 from inflight.engine import commands as engine_commands
 from inflight.engine.model import commands as model_commands
 from inflight.operator import commands as operator_commands
+from inflight.router import commands as router_commands
 from inflight.server import commands as server_commands
 from inflight.sim import commands as sim_commands
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         server_commands,
         sim_commands,
         operator_commands,
+        router_commands,
         benchmark_commands,
     ):
         area.register(commands, bench_commands)

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from inflight.engine.parallel.layout import degree_error, valid_degrees
+
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
@@ -87,10 +89,14 @@ class ModelShape:
         lm_head = 0 if self.tie_word_embeddings else embeddings
         return self.num_layers * (attention + mlp) + embeddings + lm_head + self.replicated_parameter_count()
 
+    def tensor_parallel_error(self, degree: int) -> str | None:
+        """Why `degree` GPUs cannot split this model (the engine's rule, engine/parallel/layout.py)."""
+        return degree_error(
+            self.num_attention_heads, self.num_key_value_heads, self.intermediate_size, degree
+        )
+
     def valid_tensor_parallel(self, degree: int) -> bool:
-        """Heads split evenly; KV heads either split evenly or are replicated across shards."""
-        kv = self.num_key_value_heads
-        return self.num_attention_heads % degree == 0 and (kv % degree == 0 or degree % kv == 0)
+        return self.tensor_parallel_error(degree) is None
 
 
 @dataclass(frozen=True)
@@ -318,11 +324,13 @@ def _plan_one(
     kv_tokens = kv_blocks * limits.block_size
     slots = min(limits.max_slots, kv_tokens // min(limits.expected_tokens_per_seq, limits.max_model_len))
     budget = f"{limits.gpu_memory_utilization:g} x {gpu_memory_bytes / GIB:.1f} GiB"
-    if not shape.valid_tensor_parallel(tensor_parallel):
+    degree_problem = shape.tensor_parallel_error(tensor_parallel)
+    if degree_problem is not None:
         fits = False
+        valid = valid_degrees(shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size)
         reason = (
-            f"{tensor_parallel} GPUs cannot split {shape.num_attention_heads} attention heads / "
-            f"{shape.num_key_value_heads} KV heads evenly"
+            f"{tensor_parallel} GPUs cannot split {shape.name}: {degree_problem} "
+            f"(valid tensor-parallel sizes: {', '.join(map(str, valid))})"
         )
     elif usable <= 0:
         fits = False

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from inflight.operator.rbac import PERMISSIONS
+from inflight.operator.rbac import PERMISSIONS, ROUTER_PERMISSIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "charts" / "inflight" / "templates" / "_rbac_rules.tpl"
@@ -24,11 +24,12 @@ TEMPLATE_NAMES = {
     "cluster": "inflight.rbac.clusterRules",
     "watched namespaces": "inflight.rbac.watchedNamespaceRules",
     "operator namespace": "inflight.rbac.operatorNamespaceRules",
+    "router namespace": "inflight.rbac.routerRules",
 }
 
 
 def render() -> str:
-    unknown = {permission.scope for permission in PERMISSIONS} - set(TEMPLATE_NAMES)
+    unknown = {permission.scope for permission in (*PERMISSIONS, *ROUTER_PERMISSIONS)} - set(TEMPLATE_NAMES)
     if unknown:
         raise SystemExit(f"inflight.operator.rbac uses scopes this chart does not place: {sorted(unknown)}")
     lines = [
@@ -39,7 +40,7 @@ def render() -> str:
         lines.append("")
         lines.append(f"{{{{/* RBAC rules for the {scope}. */}}}}")
         lines.append(f'{{{{- define "{template}" -}}}}')
-        for permission in PERMISSIONS:
+        for permission in (*PERMISSIONS, *ROUTER_PERMISSIONS):
             if permission.scope != scope:
                 continue
             lines.append(f"# {permission.why}")

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from inflight.engine.commands import add_tensor_parallel_argument
+
 SYSTEM_NAMES = ("hf-naive", "hf-static", "hf-continuous", "vllm", "inflight-static", "inflight-continuous")
 DEFAULT_MODEL = Path(".cache/models/small-llama-seed0")
 DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
@@ -56,6 +58,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         default=None,
         help="CPU threads for every system (default: all cores; on a busy machine fewer can be faster)",
     )
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.set_defaults(func=run_offline_command)
 
@@ -103,6 +106,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
         vllm_python=vllm_python,
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     report = run_offline(names, settings, _say)
     print(format_table(report))

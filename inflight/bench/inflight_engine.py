@@ -33,6 +33,7 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
             scheduler=scheduler,
             dtype=settings.dtype,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            tensor_parallel_size=settings.tensor_parallel_size,
         )
         warmup = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
         llm.generate([settings.requests[0].prompt_token_ids] * 2, warmup)
@@ -45,12 +46,14 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
         start = time.perf_counter()
         outputs = llm.generate([r.prompt_token_ids for r in settings.requests], params)
         seconds = time.perf_counter() - start
+        llm.close()
         config = {
             "scheduler": scheduler,
             "max_slots": settings.max_slots,
             "num_kv_blocks": num_kv_blocks,
             "block_size": BLOCK_SIZE,
             "max_num_batched_tokens": settings.max_num_batched_tokens,
+            "tensor_parallel_size": settings.tensor_parallel_size,
         }
         return SystemRun([list(o.outputs[0].token_ids) for o in outputs], seconds, setup, config)
 

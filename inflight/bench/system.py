@@ -24,6 +24,8 @@ class BenchSettings:
     # torch intra-op threads for the in-process systems; vLLM's OpenMP threads are bound to as many cores.
     # None: torch's default (all cores).
     threads: int | None = None
+    # Ranks of the inflight engines (tensor parallelism); the other systems run unsplit.
+    tensor_parallel_size: int = 1
 
 
 @dataclass

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from inflight.engine.errors import EngineDeadError
 from inflight.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -138,6 +139,8 @@ class AsyncEngine:
         self._wakeup = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._stopping = False
+        # Set (from another thread) when a part of the engine outside this process died.
+        self._dead: BaseException | None = None
         # Event-loop side bookkeeping.
         self._generations: dict[str, tuple[Generation, int]] = {}
         self._seqs_in_flight = 0
@@ -326,12 +329,15 @@ class AsyncEngine:
         try:
             engine = self._load()
             self._engine = engine
+            engine.set_failure_callback(self._engine_died)
             self._warm_up(engine)
         except Exception as error:
             # The message says what is wrong (missing weights, bad config...); traceback at debug level.
             logger.error(
                 "the engine failed to load or warm up: %s", error, exc_info=logger.isEnabledFor(logging.DEBUG)
             )
+            if self._engine is not None:
+                self._engine.close()
             self._post(self._set_failed, error)
             return
         logger.info(
@@ -351,6 +357,13 @@ class AsyncEngine:
         except Exception as error:
             logger.exception("the engine loop stopped")
             self._post(self._set_failed, error)
+        finally:
+            engine.close()
+
+    def _engine_died(self, error: BaseException) -> None:
+        with self._wakeup:
+            self._dead = error
+            self._wakeup.notify()
 
     def _warm_up(self, engine: LLMEngine) -> None:
         from inflight.engine.sequence import SamplingParams
@@ -367,10 +380,14 @@ class AsyncEngine:
         live: set[str] = set()
         while True:
             with self._wakeup:
-                while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                while not (
+                    self._commands or self._stopping or self._dead or engine.has_unfinished_requests()
+                ):
                     self._wakeup.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
+            if self._dead is not None:
+                raise self._dead
             failures: list[tuple[str, BaseException]] = []
             for command in commands:
                 if isinstance(command, _Abort):
@@ -394,6 +411,8 @@ class AsyncEngine:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
+                except EngineDeadError:
+                    raise  # nothing can run any more: fail everything (see _thread_main)
                 except Exception as error:
                     logger.exception("engine step failed; failing the %d requests in the engine", len(live))
                     for request_id in live:

@@ -50,6 +50,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     engine.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: auto)")
+    add_tensor_parallel_argument(engine)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     parser.set_defaults(func=_generate)
 
@@ -93,6 +94,7 @@ def _generate(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             dtype=args.dtype,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         engine = LLMEngine(model_dir, config)
         if args.chat:
@@ -144,3 +146,15 @@ def _as_json(output: RequestOutput) -> dict[str, Any]:
             for c in output.outputs
         ],
     }
+
+
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--tensor-parallel-size` (vLLM's name), the same for serve, generate and the benchmarks."""
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks the model is split over (one GPU each on CUDA, processes on CPU); must divide the "
+        "attention heads and the MLP's intermediate size (default: 1)",
+    )

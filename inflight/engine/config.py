@@ -37,3 +37,6 @@ class EngineConfig(BaseModel):
     )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of GPU memory to use")
     seed: int = Field(default=0, description="seed for requests without their own")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="ranks (processes, one GPU each on CUDA) the model is split over"
+    )

@@ -21,10 +21,12 @@ import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu_linear import can_prepack, prepack_linears
+from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import allocate_kv_caches
 from inflight.engine.model.loader import load_model
+from inflight.engine.parallel.group import TensorParallelGroup
 from inflight.engine.runner import ModelRunner, RunnerOutput
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import SchedulerOutput, create_scheduler
@@ -122,10 +124,27 @@ class LLMEngine:
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = DTYPES[dtype_name]
-        donor = share_model_of
-        if donor is None or donor.device != self.device or donor.dtype != self.dtype:
+        # Ranks 1..N-1 of a tensor-parallel engine (see parallel/group.py); None without.
+        self.workers = (
+            TensorParallelGroup.start(self.model_dir, config, self.dtype, self.device)
+            if config.tensor_parallel_size > 1
+            else None
+        )
+        try:
+            self._build(share_model_of)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, donor: LLMEngine | None) -> None:
+        config = self.config
+        # A tensor-parallel engine always loads its own shard.
+        shares = donor is not None and (donor.device, donor.dtype) == (self.device, self.dtype)
+        if donor is None or not shares or self.workers is not None:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
-            self.model = load_model(self.model_dir, self.dtype, self.device)
+            self.model = load_model(
+                self.model_dir, self.dtype, self.device, world_size=config.tensor_parallel_size
+            )
             if can_prepack(self.device, self.dtype):
                 prepack_linears(self.model, batch_size_hint=config.max_num_seqs)
         else:
@@ -148,10 +167,30 @@ class LLMEngine:
             max_queue=config.max_queue,
         )
         kv_caches = allocate_kv_caches(
-            self.model_config, self.num_kv_blocks, config.block_size, self.dtype, self.device
+            self.model_config,
+            self.num_kv_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            self.model.layout.kv_heads,
         )
+        # Parameter bytes held by each tensor-parallel rank (one entry without tensor parallelism).
+        self.parameter_bytes_per_rank = [sum(p.numel() * p.element_size() for p in self.model.parameters())]
+        if self.workers is not None:
+            self.workers.allocate(self.num_kv_blocks)
+            self.parameter_bytes_per_rank += self.workers.parameter_bytes
+            logger.info(
+                "tensor parallel: %d ranks, parameter bytes per rank: %s",
+                config.tensor_parallel_size,
+                ", ".join(f"{b / 2**20:.1f} MiB" for b in self.parameter_bytes_per_rank),
+            )
         self.runner = ModelRunner(
-            self.model, kv_caches, self.kv_cache, Sampler(config.seed, self.device), self.device
+            self.model,
+            kv_caches,
+            self.kv_cache,
+            Sampler(config.seed, self.device),
+            self.device,
+            broadcast=self.workers,
         )
         self._requests: dict[str, _Request] = {}
         self._num_prompt_tokens = 0
@@ -163,6 +202,16 @@ class LLMEngine:
     def from_config(cls, model_dir: str | Path, **overrides: object) -> LLMEngine:
         return cls(model_dir, EngineConfig.model_validate(overrides))
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); no step may run afterwards."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def set_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)` runs (on another thread) when a tensor-parallel rank dies between steps."""
+        if self.workers is not None:
+            self.workers.on_failure = callback
+
     def _plan_num_blocks(self) -> int:
         """The KV pool size: `num_kv_blocks` if given, else what fits the memory budget.
 
@@ -170,18 +219,16 @@ class LLMEngine:
         than that (a plan made from node labels, say) is cut to what fits, and the log says so.
         """
         mc = self.model_config
-        bytes_per_block = (
-            2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.config.block_size
-        ) * self.dtype.itemsize
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.gpu_memory_utilization)
-        else:
-            budget = self.config.kv_cache_memory_gib * 2**30
+        bytes_per_block = kv_block_bytes(mc, self.model.layout.kv_heads, self.config.block_size, self.dtype)
+        budget = kv_budget_bytes(self.config, self.device)
+        fit = int(budget // bytes_per_block)
+        if self.workers is not None:
+            # Every rank measured its own memory; the pool is the same size everywhere: the smallest.
+            fit = self.workers.smallest_fit(fit)
         max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         blocks = choose_num_kv_blocks(
             requested=self.config.num_kv_blocks,
-            fit=int(budget // bytes_per_block),
+            fit=fit,
             enough=self.config.max_num_seqs * math.ceil(max_len / self.config.block_size),
             measured=self.device.type == "cuda",
         )

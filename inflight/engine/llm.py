@@ -23,6 +23,8 @@ class LLM:
 
     `max_slots` is how many sequences run together; `num_kv_blocks` None sizes the KV pool from memory.
     `llm.engine` is the underlying LLMEngine (stats: preemptions, prefix-cache hits, KV usage).
+    `tensor_parallel_size` N > 1 splits the model over N ranks (worker processes; see
+    docs/tensor-parallel.md); `close()` stops them (they also stop when this process exits).
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class LLM:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             max_num_seqs=max_slots,
@@ -51,6 +54,7 @@ class LLM:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(model, config)
         self.tokenizer = self.engine.tokenizer
@@ -72,6 +76,10 @@ class LLM:
         if reporter is not None:
             reporter.close()
         return outputs
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
+        self.engine.close()
 
 
 class _ProgressReporter:

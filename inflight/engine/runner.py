@@ -3,11 +3,16 @@
 Builds the flattened batch (see attention/metadata.py) from the scheduled sequences, runs the model,
 computes logits only where they are needed (the last token of each sequence whose context is complete
 after this step, and every prompt position of sequences that asked for prompt logprobs) and samples.
+
+The model's inputs of a step are first gathered as plain lists (`StepInputs`), then turned into tensors
+by `run_model`; with tensor parallelism rank 0 sends those lists to the other ranks, which run
+`run_model` on their shards with the same inputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -27,6 +32,84 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
+@dataclass
+class StepInputs:
+    """Everything the model needs for one step, as plain lists (small to pickle and send)."""
+
+    # (src, dst) KV blocks to copy before the step (copy-on-write).
+    block_copies: list[tuple[int, int]]
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    # Padded with 0 to the longest table.
+    block_tables: list[list[int]]
+    # Sequences whose last new token alone needs a hidden state (see LlamaForCausalLM.forward), or None.
+    last_rows_of: list[int] | None = None
+    # With last_rows_of None: the rows of the step's tokens that need logits.
+    logit_rows: list[int] = field(default_factory=list)
+
+
+class StepBroadcast(Protocol):
+    """The other tensor-parallel ranks, seen from rank 0 (parallel/group.py)."""
+
+    def send_step(self, inputs: StepInputs) -> None:
+        """Hand the step's inputs to every other rank before rank 0 runs it."""
+
+    def failure(self, error: BaseException) -> Exception:
+        """The error to raise instead of `error` after a step failed: the ranks are out of step now."""
+
+
+@torch.inference_mode()
+def run_model(
+    model: LlamaForCausalLM,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    inputs: StepInputs,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Copy the step's KV blocks, run the model on its tokens and return the logits of the rows that need
+    them (None when no row does). Every tensor-parallel rank runs this with the same inputs."""
+    copy_blocks(kv_caches, inputs.block_copies, device)
+    if not inputs.input_ids:
+        return None
+    input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)
+    positions = torch.tensor(inputs.positions, dtype=torch.long, device=device)
+    query_start = [0]
+    for n in inputs.query_lens:
+        query_start.append(query_start[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32, device=device),
+        query_lens_list=inputs.query_lens,
+        seq_lens_list=inputs.seq_lens,
+        max_query_len=max(inputs.query_lens),
+        max_seq_len=max(inputs.seq_lens),
+    )
+    if inputs.last_rows_of is not None:
+        hidden = model(input_ids, positions, kv_caches, meta, last_rows_of=inputs.last_rows_of)
+    else:
+        hidden = model(input_ids, positions, kv_caches, meta)
+        if not inputs.logit_rows:
+            return None
+        hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.long, device=device)]
+    return model.compute_logits(hidden)
+
+
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]], device: torch.device
+) -> None:
+    if not copies:
+        return
+    src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+    for k_cache, v_cache in kv_caches:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -35,21 +118,25 @@ class ModelRunner:
         kv_cache: KVCacheManager,
         sampler: Sampler,
         device: torch.device,
+        broadcast: StepBroadcast | None = None,
     ) -> None:
+        """`broadcast`: the other tensor-parallel ranks (None without tensor parallelism)."""
         self.model = model
         self.kv_caches = kv_caches
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.sampler = sampler
         self.device = device
+        self.broadcast = broadcast
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self._copy_blocks(out.block_copies)
         result = RunnerOutput()
         if not out.scheduled:
+            if out.block_copies:
+                self._run(StepInputs(out.block_copies, [], [], [], [], [], []))
             return result
-        input_ids, positions, meta = self._prepare(out.scheduled)
+        inputs = self._prepare(out)
 
         # Rows of the step's tokens that need logits: prompt-logprob rows first, then one per sampling
         # sequence (its last new token).
@@ -88,13 +175,14 @@ class ModelRunner:
 
         num_prompt_rows = len(logit_rows)
         draws_per_row = [item.seq.slots_needed for item in out.scheduled if item.samples]
-        if not logit_rows and sample_rows and len(sample_rows) < len(input_ids):
+        if not logit_rows and sample_rows and len(sample_rows) < len(inputs.input_ids):
             # Only last tokens are read (a prefill or chunked step): the last layer computes just those.
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, last_rows_of=sample_seqs)
+            inputs.last_rows_of = sample_seqs
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            hidden = hidden[torch.tensor(logit_rows + sample_rows, dtype=torch.long, device=self.device)]
-        logits = self.model.compute_logits(hidden)
+            inputs.logit_rows = logit_rows + sample_rows
+        logits = self._run(inputs)
+        if logits is None:
+            return result
         if prompt_spans:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_spans, out.scheduled, result)
         if sampling:
@@ -106,56 +194,32 @@ class ModelRunner:
                 result.samples.setdefault(owner, []).append(sample)
         return result
 
-    def _prepare(
-        self, scheduled: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _run(self, inputs: StepInputs) -> torch.Tensor | None:
+        if self.broadcast is None:
+            return run_model(self.model, self.kv_caches, inputs, self.device)
+        try:
+            self.broadcast.send_step(inputs)
+            return run_model(self.model, self.kv_caches, inputs, self.device)
+        except Exception as error:
+            raise self.broadcast.failure(error) from error
+
+    def _prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
+        inputs = StepInputs(out.block_copies, [], [], [], [], [], [])
         tables: list[list[int]] = []
-        for item in scheduled:
+        for item in out.scheduled:
             start = item.num_computed_tokens
             end = start + item.num_new_tokens
             table = self.kv_cache.block_table(item.seq.seq_id)
-            input_ids.extend(item.seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
+            inputs.input_ids.extend(item.seq.token_ids[start:end])
+            inputs.positions.extend(range(start, end))
+            inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            inputs.query_lens.append(item.num_new_tokens)
+            inputs.seq_lens.append(end)
             tables.append(table)
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        query_start = [0]
-        for n in query_lens:
-            query_start.append(query_start[-1] + n)
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            meta,
-        )
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        inputs.block_tables = [t + [0] * (width - len(t)) for t in tables]
+        return inputs
 
     def _prompt_logprobs(
         self,

@@ -36,8 +36,8 @@ class ScalingPolicy:
     scale_down_delay_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.min_replicas < 1:
-            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
+        if self.min_replicas < 0:
+            raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
         if self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
@@ -133,7 +133,8 @@ def decide(
             )
         return Decision(up_to, Direction.UP, f"{load} needs {up_to} replicas", metric_value)
 
-    fits_now = recommend(latest, policy) or current_replicas
+    fits_now = recommend(latest, policy)
+    fits_now = current_replicas if fits_now is None else fits_now
     if fits_now >= current_replicas:
         return hold(f"{load} fits {current_replicas} replicas")
     delay = f"{policy.scale_down_delay_s:g}s"

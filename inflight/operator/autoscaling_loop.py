@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from inflight.operator import builders, kube
+from inflight.operator import kube
 from inflight.operator.autoscaler import Direction
 from inflight.operator.builtin_autoscaler import (
     AutoscalerState,
@@ -29,14 +29,11 @@ from inflight.operator.builtin_autoscaler import (
     rfc3339,
     scaled,
 )
-from inflight.operator.controller import Controller, is_subset
-from inflight.operator.replicas import desired_replicas
+from inflight.operator.controller import SERVER_CONTAINER, Controller
+from inflight.operator.replicas import desired_replicas, woken
 from inflight.operator.spec import Actuator, ModelServer
 
 log = logging.getLogger("inflight.operator.autoscaling")
-
-PODS = kube.Resource("", "v1", "pods")
-SERVER_CONTAINER = "server"
 
 
 class BuiltinAutoscaling:
@@ -95,18 +92,23 @@ class BuiltinAutoscaling:
         deployment = await self.controller.kube.get(kube.DEPLOYMENTS.path(namespace, name))
         if deployment is None:
             return  # not created yet (or the spec is Degraded): nothing to scale
-        replicas = desired_replicas(ms.spec, ms.status)  # what the reconcile holds the Deployment at
-        selector = builders.selector_labels(ms)
-        pods = [
-            pod
-            for pod in await self.controller.kube.list(PODS.path(namespace), label_selector=selector)
-            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
-        ]
+        woken_from_zero = woken(ms) and desired_replicas(ms.spec, ms.status) == 0
+        # what the reconcile holds the Deployment at (one replica at once when the router asked for it)
+        replicas = desired_replicas(ms.spec, ms.status, woken(ms))
+        pods = await self.controller.server_pods(ms)
         state = self.states.get((namespace, name))
         if state is None:
             last = ms.status.autoscaling.last_scale_time if ms.status.autoscaling else None
             state = self.states[(namespace, name)] = AutoscalerState(last_scale_time=last)
         now = time.time()
+        if woken_from_zero:
+            # The rounds at zero replicas say nothing about demand: the scale-down delay starts now.
+            state.history.clear()
+            state.last_scale_time = rfc3339(now)
+            message = f"0 -> {replicas} replicas: a request is waiting in the router (scale from zero)"
+            log.info("%s/%s: %s", namespace, name, message)
+            event = kube.event_body(body, "Normal", "ScaledUp", message, state.last_scale_time)
+            await self.controller.kube.create(kube.EVENTS.path(namespace), event)
         decision = await evaluate(
             state,
             autoscaling,
@@ -119,6 +121,7 @@ class BuiltinAutoscaling:
             now,
         )
         changed = scaled(decision, replicas)
+        self.controller.metrics.autoscaling_decisions.labels(direction=decision.direction.value).inc()
         if changed:
             state.last_scale_time = rfc3339(now)
             log.info(

@@ -24,6 +24,8 @@ API_KEY_FILE = f"{API_KEY_DIR}/api-key"
 MODELS_DIR = "/models"
 SERVER_UID = 10001  # the `inflight` user of server/Dockerfile
 AWS_CLI_IMAGE = "public.ecr.aws/aws-cli/aws-cli:2.22.35"
+# /dev/shm per tensor-parallel rank (memory-backed; NCCL's intra-node buffers need far less).
+SHM_GIB_PER_RANK = 1
 
 LABEL_MODELSERVER = "inflight.dev/modelserver"
 LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -128,9 +130,18 @@ def server_args(ms: ModelServer, placement: Placement) -> list[str]:
         "--gpu-memory-utilization",
         f"{spec.engine.gpu_memory_utilization:g}",
     ]
+    if plan.tensor_parallel > 1:
+        # One rank per GPU of the plan (the pod asks for resources.gpu.count GPUs, the plan's degree).
+        args += ["--tensor-parallel-size", str(plan.tensor_parallel)]
     if spec.auth is not None:
         args += ["--api-key-file", API_KEY_FILE]
     return args
+
+
+def shm_size_limit(tensor_parallel: int) -> str:
+    """The memory-backed /dev/shm of a tensor-parallel pod: NCCL's shared-memory transport between the
+    GPUs of one node uses it (the container runtime's 64 MiB default is too small for it)."""
+    return f"{SHM_GIB_PER_RANK * tensor_parallel}Gi"
 
 
 def _container_security() -> dict[str, Any]:
@@ -187,9 +198,16 @@ def _resources(ms: ModelServer) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _volumes_and_mounts(ms: ModelServer) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes_and_mounts(
+    ms: ModelServer, placement: Placement
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    tensor_parallel = placement.plan.tensor_parallel
+    if tensor_parallel > 1:
+        shm = {"medium": "Memory", "sizeLimit": shm_size_limit(tensor_parallel)}
+        volumes.append({"name": "dshm", "emptyDir": shm})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     source = ms.spec.model.source
     if source.startswith("pvc://"):
         claim = source.removeprefix("pvc://").split("/", 1)[0]
@@ -212,7 +230,7 @@ def _volumes_and_mounts(ms: ModelServer) -> tuple[list[dict[str, Any]], list[dic
 
 def pod_template(ms: ModelServer, placement: Placement) -> dict[str, Any]:
     spec = ms.spec
-    volumes, mounts = _volumes_and_mounts(ms)
+    volumes, mounts = _volumes_and_mounts(ms, placement)
     http_get = {"port": "http", "scheme": "HTTP"}
     container = {
         "name": "server",

@@ -61,6 +61,11 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         default=2.0,
         help="builtin autoscaling: a pod slower than this to answer /metrics counts as unknown",
     )
+    operator.add_argument(
+        "--metrics-address",
+        default="0.0.0.0:8081",
+        help="host:port serving the operator's own Prometheus /metrics; empty: none (default: 0.0.0.0:8081)",
+    )
     operator.add_argument("--verbose", action="store_true", help="debug logging")
     operator.set_defaults(func=_run_operator)
 
@@ -110,6 +115,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         resync_seconds=args.resync_seconds,
         autoscale_seconds=args.autoscale_seconds,
         scrape_timeout_seconds=args.scrape_timeout_seconds,
+        metrics_address=args.metrics_address or None,
         verbose=args.verbose,
     )
     return run_operator(options)
@@ -222,7 +228,13 @@ def _run_size(args: argparse.Namespace) -> int:
         print(f"  slots:                {result.slots}")
         if args.gpus > 0:
             min_gpus = result.min_gpus if result.min_gpus is not None else "more than 8"
-            print(f"  min GPUs of this type: {min_gpus}")
+            print(f"  min GPUs of this type: {min_gpus} (tensor parallel)")
+            valid = sizing.valid_degrees(
+                shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size
+            )
+            print(
+                f"  valid GPU counts:     {', '.join(map(str, valid))} (tensor-parallel sizes that split it)"
+            )
             print(f"  smallest GPU type:    {result.smallest_gpu_type or 'none in the catalog'}")
         print(f"  {result.reason}")
     return 0 if result.fits else 1

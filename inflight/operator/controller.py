@@ -17,12 +17,15 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 from pydantic import ValidationError
 
 from inflight.operator import builders, kube
 from inflight.operator.autoscaling_builders import autoscaler_object
+from inflight.operator.metrics import OperatorMetrics
 from inflight.operator.placement import Placement, SizingError, place
-from inflight.operator.replicas import desired_replicas
+from inflight.operator.pod_metrics import PodSizing, ready_pod_endpoints, scrape_sizing
+from inflight.operator.replicas import desired_replicas, woken
 from inflight.operator.spec import HFTokenSecretRef, ModelServer, SecretKeyRef
 from inflight.operator.status import Observed, Problem, build_status, condition_of, not_fitting, status_patch
 
@@ -32,6 +35,7 @@ log = logging.getLogger("inflight.operator")
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 
 NODE_CACHE_SECONDS = 10.0
+SERVER_CONTAINER = "server"
 
 
 def now_rfc3339() -> str:
@@ -70,16 +74,37 @@ def child_patch(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str
 
 
 class Controller:
-    """Reconciles ModelServers through a KubeClient; posts Kubernetes Events through `post_event`."""
+    """Reconciles ModelServers through a KubeClient; posts Kubernetes Events through `post_event`.
 
-    def __init__(self, client: kube.KubeClient, post_event: EventPoster) -> None:
+    It also reads what each ready replica of the current template runs with from its /metrics (once per
+    pod: a pod's pool never changes) and records every outcome in `metrics`.
+    """
+
+    def __init__(
+        self,
+        client: kube.KubeClient,
+        post_event: EventPoster,
+        metrics: OperatorMetrics | None = None,
+        scrape_timeout_s: float = 2.0,
+    ) -> None:
         self.kube = client
         self.post_event = post_event
+        self.metrics = metrics or OperatorMetrics()
+        self.scrape_timeout_s = scrape_timeout_s
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._nodes: tuple[float, list[dict[str, str]]] | None = None
+        self._measured: dict[tuple[str, str], dict[str, tuple[str, PodSizing]]] = {}  # pod -> (uid, sizing)
+        self._http: httpx.AsyncClient | None = None
 
     def forget(self, namespace: str, name: str) -> None:
         self._locks.pop((namespace, name), None)
+        self._measured.pop((namespace, name), None)
+        self.metrics.forget(namespace, name)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+        await self.kube.close()
 
     async def resync(self) -> None:
         """Reconcile every ModelServer once (repairs drift no watch event reported)."""
@@ -94,10 +119,23 @@ class Controller:
         """Reconcile the ModelServer `namespace/name` as it is now (read fresh: triggers may be stale)."""
         key = (namespace, name)
         async with self._locks.setdefault(key, asyncio.Lock()):
-            body = await self.kube.get(kube.MODELSERVERS.path(namespace, name))
-            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-                return
-            await self._reconcile(body)
+            started = time.perf_counter()
+            try:
+                result = await self._read_and_reconcile(namespace, name)
+            except Exception:
+                self.metrics.reconciles.labels(result="error").inc()
+                raise
+            finally:
+                self.metrics.reconcile_duration.observe(time.perf_counter() - started)
+            if result is not None:
+                self.metrics.reconciles.labels(result=result).inc()
+
+    async def _read_and_reconcile(self, namespace: str, name: str) -> str | None:
+        body = await self.kube.get(kube.MODELSERVERS.path(namespace, name))
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            self.metrics.forget(namespace, name)
+            return None
+        return await self._reconcile(body)
 
     async def _node_labels(self) -> list[dict[str, str]]:
         if self._nodes is None or time.monotonic() - self._nodes[0] > NODE_CACHE_SECONDS:
@@ -210,7 +248,47 @@ class Controller:
                     ms.metadata.name,
                 )
 
-    async def _reconcile(self, body: dict[str, Any]) -> None:
+    async def server_pods(self, ms: ModelServer) -> list[dict[str, Any]]:
+        """The ModelServer's pods (the label selector checked again: a client may ignore it)."""
+        selector = builders.selector_labels(ms)
+        return [
+            pod
+            for pod in await self.kube.list(kube.PODS.path(ms.metadata.namespace), label_selector=selector)
+            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
+        ]
+
+    async def _measure(
+        self, ms: ModelServer, deployment: Mapping[str, Any] | None, template_hash: str | None
+    ) -> dict[str, PodSizing]:
+        """What each ready pod of the current template runs with (pods already measured are not re-read)."""
+        key = (ms.metadata.namespace, ms.metadata.name)
+        ready = ((deployment or {}).get("status") or {}).get("readyReplicas", 0)
+        if template_hash is None or not ready:
+            self._measured.pop(key, None)
+            return {}
+        pods = [
+            pod
+            for pod in await self.server_pods(ms)
+            if (pod.get("metadata", {}).get("annotations") or {}).get(builders.ANNOTATION_TEMPLATE_HASH)
+            == template_hash
+        ]
+        endpoints = ready_pod_endpoints(pods, SERVER_CONTAINER)
+        uids = {str(pod["metadata"].get("name")): str(pod["metadata"].get("uid", "")) for pod in pods}
+        known = self._measured.get(key, {})
+        kept = {
+            e.name: known[e.name] for e in endpoints if e.name in known and known[e.name][0] == uids[e.name]
+        }
+        missing = [e for e in endpoints if e.name not in kept]
+        if missing:
+            if self._http is None:
+                self._http = httpx.AsyncClient()
+            for name, sizing in (await scrape_sizing(self._http, missing, self.scrape_timeout_s)).items():
+                kept[name] = (uids[name], sizing)
+        self._measured[key] = kept
+        return {name: sizing for name, (_, sizing) in kept.items()}
+
+    async def _reconcile(self, body: dict[str, Any]) -> str:
+        """One reconcile; returns its result for the metrics: ok, or degraded (a Problem in the status)."""
         meta = body["metadata"]
         try:
             ms = ModelServer.model_validate(body)
@@ -219,10 +297,10 @@ class Controller:
             message = f"spec does not match this operator's ModelServer schema (upgrade the CRD): {error}"
             log.error("%s/%s: %s", meta.get("namespace"), meta["name"], message)
             self.post_event(body, "Warning", "InvalidSpec", message[:1000])
-            return
+            return "degraded"
 
         placement, problem = await self._size(ms)
-        replicas = desired_replicas(ms.spec, ms.status)
+        replicas = desired_replicas(ms.spec, ms.status, woken(ms))
         deployment: dict[str, Any] | None = None
         template_hash = None
         if problem is None and placement is not None:
@@ -235,8 +313,10 @@ class Controller:
         _, service_problem = await self._ensure(ms, kube.SERVICES, builders.service(ms))
         problem = problem or service_problem or await self._ensure_autoscaler(ms)
 
-        observed = Observed(placement, problem, deployment, replicas, template_hash)
+        measured = await self._measure(ms, deployment, template_hash) if problem is None else {}
+        observed = Observed(placement, problem, deployment, replicas, template_hash, measured)
         status = build_status(ms, observed, now_rfc3339())
+        self.metrics.record_status(ms.metadata.namespace, ms.metadata.name, status, replicas)
         current = body.get("status") or {}
         patch = status_patch(current, status)
         if patch:
@@ -244,6 +324,7 @@ class Controller:
                 kube.MODELSERVERS.path(ms.metadata.namespace, ms.metadata.name, "status"), {"status": patch}
             )
         self._post_transitions(body, current.get("conditions"), status["conditions"])
+        return "degraded" if problem is not None else "ok"
 
     def _post_transitions(
         self, body: Mapping[str, Any], before: list[dict[str, Any]] | None, after: list[dict[str, Any]]
@@ -251,11 +332,13 @@ class Controller:
         """Events for sizing decisions and failures, once per change (never on every resync).
 
         Sizing plans are Normal `Fits` Events; every failure (including a plan that does not fit) is one
-        Warning from the Degraded condition; becoming Ready is a Normal `Ready` Event.
+        Warning from the Degraded condition; becoming Ready is a Normal `Ready` Event; a replica running
+        short of the plan is a Warning `SizingDrift` Event (with the condition's message).
         """
-        for kind in ("Sized", "Degraded", "Ready"):
+        for kind in ("Sized", "Degraded", "Ready", "SizingDrift"):
             old, new = condition_of(before, kind), condition_of(after, kind)
-            assert new is not None
+            if new is None:
+                continue
             if old is not None and (old.get("status"), old.get("reason"), old.get("message")) == (
                 new["status"],
                 new["reason"],
@@ -268,3 +351,5 @@ class Controller:
                 self.post_event(body, "Warning", new["reason"], new["message"])
             elif kind == "Ready" and new["status"] == "True" and (old is None or old.get("status") != "True"):
                 self.post_event(body, "Normal", "Ready", new["message"])
+            elif kind == "SizingDrift":
+                self.post_event(body, "Warning", "SizingDrift", new["message"])

@@ -34,10 +34,16 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Slots per replica.",
     },
     {
-        "name": "KV Blocks",
+        "name": "KV Planned",
         "type": "integer",
         "jsonPath": ".status.sizing.kvBlocks",
-        "description": "KV-cache blocks per replica.",
+        "description": "KV-cache blocks per replica in the plan.",
+    },
+    {
+        "name": "KV Measured",
+        "type": "integer",
+        "jsonPath": ".status.sizing.measured.kvBlocksMin",
+        "description": "Fewest KV-cache blocks a ready replica reports (its /metrics).",
     },
     {
         "name": "Ready",

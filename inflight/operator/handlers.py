@@ -52,7 +52,7 @@ def build_registry() -> kopf.OperatorRegistry:
     async def stop(memo: kopf.Memo, **_: Any) -> None:
         memo.resync_task.cancel()
         memo.autoscaling_task.cancel()
-        await memo.controller.kube.close()
+        await memo.controller.close()
 
     @kopf.on.event(spec.GROUP, spec.VERSION, spec.PLURAL, registry=registry)
     async def modelserver_changed(type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:

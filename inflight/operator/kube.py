@@ -10,8 +10,9 @@ once (projected service-account tokens rotate).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ MODELSERVERS = Resource("inflight.dev", "v1alpha1", "modelservers")
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 SERVICES = Resource("", "v1", "services")
 SECRETS = Resource("", "v1", "secrets")
+PODS = Resource("", "v1", "pods")
 NODES = Resource("", "v1", "nodes", namespaced=False)
 EVENTS = Resource("", "v1", "events")
 HORIZONTAL_POD_AUTOSCALERS = Resource("autoscaling", "v2", "horizontalpodautoscalers")
@@ -74,15 +76,21 @@ def login() -> kopf.ConnectionInfo:
 class KubeClient:
     """get / list / create / merge-patch against one API server."""
 
-    def __init__(self, info: kopf.ConnectionInfo, relogin: Callable[[], kopf.ConnectionInfo] = login) -> None:
+    def __init__(
+        self,
+        info: kopf.ConnectionInfo,
+        relogin: Callable[[], kopf.ConnectionInfo] = login,
+        on_error: Callable[[str, str], None] | None = None,
+    ) -> None:
         self._relogin = relogin
+        self._on_error = on_error  # (method, HTTP status or "connection") of each failed call
         self._info = info
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
 
     @classmethod
-    def from_environment(cls) -> KubeClient:
-        return cls(login())
+    def from_environment(cls, on_error: Callable[[str, str], None] | None = None) -> KubeClient:
+        return cls(login(), on_error=on_error)
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -103,6 +111,20 @@ class KubeClient:
 
     async def _request(
         self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None
+    ) -> dict[str, Any] | None:
+        try:
+            return await self._send(method, path, body, params)
+        except KubeError as error:
+            if self._on_error is not None:
+                self._on_error(method, str(error.status))
+            raise
+        except (aiohttp.ClientError, TimeoutError):
+            if self._on_error is not None:
+                self._on_error(method, "connection")
+            raise
+
+    async def _send(
+        self, method: str, path: str, body: Any, params: Mapping[str, str] | None
     ) -> dict[str, Any] | None:
         for attempt in range(2):
             session = self._open()
@@ -134,12 +156,46 @@ class KubeClient:
         return await self._request("GET", path)
 
     async def list(self, path: str, label_selector: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-        params = None
-        if label_selector:
-            params = {"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))}
-        result = await self._request("GET", path, params=params) or {}
+        result = await self._request("GET", path, params=_selector_params(label_selector) or None) or {}
         items: list[dict[str, Any]] = result.get("items") or []
         return items
+
+    async def list_with_version(
+        self, path: str, label_selector: Mapping[str, str] | None = None
+    ) -> tuple[builtins.list[dict[str, Any]], str]:
+        """The items and the list's resourceVersion (where a watch of the same path starts)."""
+        result = await self._request("GET", path, params=_selector_params(label_selector)) or {}
+        return list(result.get("items") or []), str(result.get("metadata", {}).get("resourceVersion", ""))
+
+    async def watch(
+        self,
+        path: str,
+        resource_version: str,
+        label_selector: Mapping[str, str] | None = None,
+        timeout_s: int = 300,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The watch events (`{"type", "object"}`) after `resource_version`, until the server ends the
+        watch (after about `timeout_s`). A 410 Gone (the version is too old) raises KubeError: list again."""
+        params = {
+            **_selector_params(label_selector),
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(timeout_s),
+            "allowWatchBookmarks": "true",
+        }
+        session = self._open()
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_s + 30)
+        async with session.get(path.lstrip("/"), params=params, timeout=timeout) as resp:
+            if resp.status >= 400:
+                raise KubeError(resp.status, "WATCH", path, await resp.text())
+            async for line in resp.content:
+                if line.strip():
+                    event: dict[str, Any] = json.loads(line)
+                    if event.get("type") == "ERROR":
+                        status = event.get("object", {})
+                        code, message = int(status.get("code", 500)), str(status.get("message"))
+                        raise KubeError(code, "WATCH", path, message)
+                    yield event
 
     async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """POST; raises KubeError 409 when the object exists."""
@@ -153,6 +209,12 @@ class KubeClient:
     async def delete(self, path: str) -> None:
         """DELETE (background propagation); an object already gone is fine."""
         await self._request("DELETE", path)
+
+
+def _selector_params(label_selector: Mapping[str, str] | None) -> dict[str, str]:
+    if not label_selector:
+        return {}
+    return {"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))}
 
 
 def event_body(

@@ -21,6 +21,7 @@ from inflight.operator.controller import Controller
 from inflight.operator.handlers import build_registry
 from inflight.operator.kube import EVENTS, KubeClient, event_body
 from inflight.operator.leader import LeaderElector, default_identity
+from inflight.operator.metrics import OperatorMetrics, serve_metrics
 
 log = logging.getLogger("inflight.operator")
 
@@ -36,6 +37,7 @@ class OperatorOptions:
     resync_seconds: float = 60.0
     autoscale_seconds: float = 15.0  # builtin autoscaling: scrape and decide this often
     scrape_timeout_seconds: float = 2.0  # a pod slower than this to answer /metrics counts as unknown
+    metrics_address: str | None = "0.0.0.0:8081"  # host:port of the operator's own /metrics; None: off
     verbose: bool = False
 
 
@@ -110,9 +112,27 @@ async def run(
     stop_flag: asyncio.Event | threading.Event | None = None,
 ) -> int:
     """Run until `stop_flag` is set (0) or leadership is lost (1); a threading.Event works across threads."""
-    client = client or KubeClient.from_environment()
+    metrics = OperatorMetrics()
+    client = client or KubeClient.from_environment(on_error=metrics.api_error)
     stop_flag = stop_flag or asyncio.Event()
-    controller = Controller(client, event_poster(client))
+    controller = Controller(client, event_poster(client), metrics, options.scrape_timeout_seconds)
+    metrics_server = None
+    if options.metrics_address:
+        host, _, port = options.metrics_address.rpartition(":")
+        metrics_server = await serve_metrics(metrics, host.strip("[]") or "0.0.0.0", int(port))
+    try:
+        return await _lead_and_operate(options, client, controller, stop_flag)
+    finally:
+        if metrics_server is not None:
+            await metrics_server.cleanup()
+
+
+async def _lead_and_operate(
+    options: OperatorOptions,
+    client: KubeClient,
+    controller: Controller,
+    stop_flag: asyncio.Event | threading.Event,
+) -> int:
     elector = None
     if options.leader_election:
         elector = LeaderElector(client, operator_namespace(options.lease_namespace), default_identity())

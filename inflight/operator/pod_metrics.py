@@ -1,4 +1,4 @@
-"""Read the server's autoscaling metric from pods: the metric catalogue, a text-format parser, a scraper.
+"""Read the server's metrics from pods: the autoscaling catalogue, what each pod really sized, a scraper.
 
 The server exports Prometheus text on ``/metrics`` (names mirror vLLM's). Each autoscaling metric is the
 sum of one or more of those series on one pod:
@@ -6,11 +6,15 @@ sum of one or more of those series on one pod:
 - ``requestsInFlight``: requests a replica has accepted and not finished — running plus waiting;
 - ``queueDepth``: requests waiting for a slot;
 - ``kvCacheUsage``: the fraction of the KV block pool in use, 0.0 to 1.0 (not percent).
+
+`pod_sizing` reads what a pod's engine actually runs with (KV blocks, slots, dtype, tensor-parallel degree),
+which the operator compares with its plan (``status.sizing.measured``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -22,6 +26,9 @@ from inflight.operator.spec import AutoscalingMetric
 RUNNING = "inflight:num_requests_running"
 WAITING = "inflight:num_requests_waiting"
 KV_CACHE_USAGE = "inflight:kv_cache_usage_perc"
+KV_BLOCKS = "inflight:kv_cache_blocks_total"
+SLOTS = "inflight:max_slots"
+ENGINE_INFO = "inflight:engine_info"  # labels: dtype, and tensor_parallel_size where the server exports it
 
 
 SERIES: dict[AutoscalingMetric, tuple[str, ...]] = {
@@ -56,15 +63,57 @@ def metric_value(text: str, metric: AutoscalingMetric) -> float:
 
 
 @dataclass(frozen=True)
+class PodSizing:
+    """What one pod's engine runs with, as its /metrics says."""
+
+    kv_blocks: int
+    slots: int
+    dtype: str | None
+    tensor_parallel: int | None
+
+
+def pod_sizing(text: str) -> PodSizing:
+    """The sizing one pod's ``/metrics`` body reports."""
+    values: dict[str, float] = {}
+    info: dict[str, str] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in (KV_BLOCKS, SLOTS):
+                    values[sample.name] = float(sample.value)
+                elif sample.name == ENGINE_INFO:
+                    info = dict(sample.labels)
+    except ValueError as error:
+        raise MetricsFormatError(f"not Prometheus text format: {error}") from error
+    missing = [name for name in (KV_BLOCKS, SLOTS) if name not in values]
+    if missing:
+        raise MetricsFormatError(
+            f"/metrics has no {', '.join(missing)}; is this an inflight server of a matching version?"
+        )
+    tensor_parallel = info.get("tensor_parallel_size")
+    return PodSizing(
+        kv_blocks=int(values[KV_BLOCKS]),
+        slots=int(values[SLOTS]),
+        dtype=info.get("dtype"),
+        tensor_parallel=int(tensor_parallel) if tensor_parallel and tensor_parallel.isdigit() else None,
+    )
+
+
+@dataclass(frozen=True)
 class PodEndpoint:
     name: str
     ip: str
     port: int
 
     @property
-    def metrics_url(self) -> str:
+    def url(self) -> str:
+        """Where the pod's server listens: http://IP:PORT."""
         host = f"[{self.ip}]" if ":" in self.ip else self.ip
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.url}/metrics"
 
 
 SERVER_PORT_NAME = "http"
@@ -98,14 +147,38 @@ async def scrape(
     return {endpoint.name: value for endpoint, value in zip(endpoint_list, values, strict=True)}
 
 
-async def _scrape_one(
-    client: httpx.AsyncClient, endpoint: PodEndpoint, metric: AutoscalingMetric, timeout_s: float
-) -> float | None:
+async def scrape_sizing(
+    client: httpx.AsyncClient, endpoints: Iterable[PodEndpoint], timeout_s: float
+) -> dict[str, PodSizing]:
+    """The sizing of each pod that answered in time and well (the others are left out)."""
+    endpoint_list = list(endpoints)
+    texts = await asyncio.gather(*(_fetch(client, e, timeout_s) for e in endpoint_list))
+    measured = {}
+    for endpoint, text in zip(endpoint_list, texts, strict=True):
+        if text is not None:
+            with contextlib.suppress(MetricsFormatError):
+                measured[endpoint.name] = pod_sizing(text)
+    return measured
+
+
+async def _fetch(client: httpx.AsyncClient, endpoint: PodEndpoint, timeout_s: float) -> str | None:
     try:
         response = await client.get(endpoint.metrics_url, timeout=timeout_s)
         response.raise_for_status()
-        return metric_value(response.text, metric)
-    except (httpx.HTTPError, MetricsFormatError):
+        return response.text
+    except httpx.HTTPError:
+        return None
+
+
+async def _scrape_one(
+    client: httpx.AsyncClient, endpoint: PodEndpoint, metric: AutoscalingMetric, timeout_s: float
+) -> float | None:
+    text = await _fetch(client, endpoint, timeout_s)
+    if text is None:
+        return None
+    try:
+        return metric_value(text, metric)
+    except MetricsFormatError:
         return None
 
 

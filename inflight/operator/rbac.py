@@ -40,7 +40,9 @@ PERMISSIONS: tuple[Permission, ...] = (
         "check that the API-key and HF-token Secrets exist (values are never read out)",
     ),
     Permission("", "nodes", ("list",), "read GPU feature discovery labels for sizing", scope="cluster"),
-    Permission("", "pods", ("list",), "find the ready server pods whose /metrics builtin autoscaling reads"),
+    Permission(
+        "", "pods", ("list",), "read the ready server pods' /metrics (measured sizing, builtin autoscaling)"
+    ),
     Permission(
         "autoscaling",
         "horizontalpodautoscalers",
@@ -64,10 +66,29 @@ PERMISSIONS: tuple[Permission, ...] = (
 )
 
 
+ROUTER_PERMISSIONS: tuple[Permission, ...] = (
+    Permission(
+        "inflight.dev",
+        "modelservers",
+        ("get", "list", "watch", "patch"),
+        "route by served model name; patch sets the wake annotation (scale from zero)",
+        scope="router namespace",
+    ),
+    Permission(
+        "",
+        "pods",
+        ("get", "list", "watch"),
+        "the ready server pods are the replicas",
+        scope="router namespace",
+    ),
+)
+"""Every API call `inflight router` makes (in the namespace it routes)."""
+
+
 def rules(scope: str) -> list[dict[str, list[str]]]:
     """RBAC `rules` for one scope, in the shape of a (Cluster)Role."""
     return [
         {"apiGroups": [p.api_group], "resources": [p.resource], "verbs": list(p.verbs)}
-        for p in PERMISSIONS
+        for p in (*PERMISSIONS, *ROUTER_PERMISSIONS)
         if p.scope == scope
     ]

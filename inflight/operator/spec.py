@@ -299,10 +299,21 @@ class AutoscalingSpec(SpecModel):
                 "self.actuator == 'keda' || !has(self.prometheus)",
                 "autoscaling.prometheus applies only to actuator keda",
             ),
+            cel(
+                "self.minReplicas > 0 || self.actuator == 'builtin'",
+                "autoscaling.minReplicas 0 (scale to zero) needs actuator builtin: the router wakes "
+                "the ModelServer through the operator",
+            ),
         )
     )
 
-    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest replicas.")
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Fewest replicas. 0 (actuator builtin only): an idle ModelServer scales to zero after "
+        "scaleDownDelaySeconds, and `inflight router` wakes it when a request arrives.",
+    )
     max_replicas: int = Field(ge=1, le=1000, description="Most replicas.")
     metric: AutoscalingMetric = Field(
         default=AutoscalingMetric.REQUESTS_IN_FLIGHT,
@@ -329,6 +340,13 @@ class AutoscalingSpec(SpecModel):
         "ScaledObject with a Prometheus trigger).",
     )
     prometheus: PrometheusSpec | None = Field(default=None, description="Prometheus settings for keda.")
+    scale_from_zero_timeout_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=3600,
+        description="How long `inflight router` holds a request while no replica is ready (scaling from "
+        "zero, or starting) before answering 503 with Retry-After.",
+    )
 
 
 class AuthSpec(SpecModel):
@@ -412,7 +430,7 @@ class ModelServerSpec(SpecModel):
 class Condition(SpecModel):
     """A kstatus-style condition."""
 
-    type: str = Field(description="Ready, Progressing, Degraded or Sized.")
+    type: str = Field(description="Ready, Progressing, Degraded, Sized or SizingDrift.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="One CamelCase word for machines.")
     message: str = Field(description="What happened and what to change, for people.")
@@ -420,8 +438,25 @@ class Condition(SpecModel):
     last_transition_time: str = Field(description="When status last changed (RFC 3339).")
 
 
+class MeasuredSizing(SpecModel):
+    """What the ready replicas of the current template really run with, read from their /metrics."""
+
+    replicas: int = Field(description="Replicas measured (ready, on the current template, answering).")
+    kv_blocks_min: int = Field(alias="kvBlocksMin", description="Fewest KV-cache blocks of one replica.")
+    kv_blocks_max: int = Field(alias="kvBlocksMax", description="Most KV-cache blocks of one replica.")
+    kv_blocks_ratio: float = Field(description="kvBlocksMin / the planned kvBlocks (1.0: as planned).")
+    slots_min: int = Field(description="Fewest slots of one replica.")
+    slots_max: int = Field(description="Most slots of one replica.")
+    dtype: str | None = Field(
+        default=None, description="The dtype the replicas report (comma-separated if mixed)."
+    )
+    tensor_parallel: int | None = Field(
+        default=None, description="Tensor-parallel degree the replicas report, where the server exports it."
+    )
+
+
 class SizingStatus(SpecModel):
-    """The sizing plan the Deployment runs with."""
+    """The sizing plan the Deployment runs with, and what its replicas measured."""
 
     fits: bool = Field(description="Whether the model fits (weights + at least one max-length sequence).")
     gpu_type: str = Field(description="GPU product the plan is for (or `cpu`).")
@@ -437,6 +472,9 @@ class SizingStatus(SpecModel):
         default=None, alias="minGPUs", description="Smallest GPU count of this type that fits."
     )
     message: str = Field(description="The plan in one sentence.")
+    measured: MeasuredSizing | None = Field(
+        default=None, description="What the ready replicas report; absent until one is ready."
+    )
 
 
 class AutoscalingStatus(SpecModel):
@@ -455,7 +493,8 @@ class ModelServerStatus(SpecModel):
 
     observed_generation: int | None = Field(default=None, description="Generation last reconciled.")
     conditions: list[Condition] | None = Field(
-        default=None, description="Ready, Progressing, Degraded, Sized."
+        default=None,
+        description="Ready, Progressing, Degraded, Sized; SizingDrift while a replica runs short.",
     )
     replicas: int | None = Field(default=None, description="Pods of the Deployment (scale subresource).")
     ready_replicas: int | None = Field(default=None, description="Ready pods.")

@@ -7,20 +7,25 @@
 - `Ready`: True only when every replica runs the current template: the Deployment has observed its
   latest generation, carries this generation's template, and replicas == updated == ready == desired.
 - `Progressing`: True while a rollout or scaling is under way; False when Ready or Degraded.
+- `SizingDrift`: present (True) only while a ready replica runs with fewer than 90% of the planned KV
+  blocks (`status.sizing.measured`, read from the replicas' /metrics); the message names both numbers and
+  the likely cause. The replica serves, with less cache than planned, so this is not Degraded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inflight import sizing
 from inflight.operator import builders
 from inflight.operator.placement import Placement
+from inflight.operator.pod_metrics import PodSizing
 from inflight.operator.spec import ModelServer
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sized")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sized", "SizingDrift")
+DRIFT_RATIO = 0.9  # a replica with fewer than this share of the planned KV blocks is SizingDrift
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Observed:
     deployment: Mapping[str, Any] | None  # the live Deployment after this reconcile's writes
     desired_replicas: int
     desired_template_hash: str | None
+    measured: Mapping[str, PodSizing] = field(default_factory=dict)  # pod name -> what it runs with
 
 
 def _condition(
@@ -114,6 +120,58 @@ def sizing_status(placement: Placement) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}  # merge patch: null = delete
 
 
+def measured_sizing(plan: sizing.SizingPlan, measured: Mapping[str, PodSizing]) -> dict[str, Any] | None:
+    """`status.sizing.measured`: min/max over the measured replicas and the ratio to the plan."""
+    if not measured:
+        return None
+    pods = list(measured.values())
+    blocks = [pod.kv_blocks for pod in pods]
+    slots = [pod.slots for pod in pods]
+    dtypes = sorted({pod.dtype for pod in pods if pod.dtype})
+    degrees = {pod.tensor_parallel for pod in pods if pod.tensor_parallel is not None}
+    values: dict[str, Any] = {
+        "replicas": len(pods),
+        "kvBlocksMin": min(blocks),
+        "kvBlocksMax": max(blocks),
+        "kvBlocksRatio": round(min(blocks) / plan.kv_blocks, 3) if plan.kv_blocks else None,
+        "slotsMin": min(slots),
+        "slotsMax": max(slots),
+        "dtype": ",".join(dtypes) or None,
+        "tensorParallel": min(degrees) if len(degrees) == 1 else None,
+    }
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def sizing_drift(placement: Placement, measured: Mapping[str, PodSizing]) -> Problem | None:
+    """Why the replica with the fewest KV blocks runs short of the plan, or None when all are >= 90%."""
+    plan = placement.plan
+    if not measured or not plan.kv_blocks:
+        return None
+    name, pod = min(measured.items(), key=lambda item: (item[1].kv_blocks, item[0]))
+    if pod.kv_blocks >= DRIFT_RATIO * plan.kv_blocks:
+        return None
+    if placement.gpu_type == "cpu":
+        cause = (
+            "the server's memory budget held fewer blocks than planned (less free memory in the pod "
+            "than resources.memory promised, e.g. a limit lowered by a LimitRange)"
+        )
+    else:
+        cause = (
+            f"the server found less free GPU memory than the plan's {placement.gpu_memory_mib} MiB "
+            f"({placement.gpu_type}, from {placement.gpu_memory_source}) left after the weights: another "
+            "process on the GPU, a smaller GPU than planned, or more activation memory; set "
+            "resources.gpu.type or memoryMiB to what the node has, or lower engine.gpuMemoryUtilization"
+        )
+    if pod.dtype and pod.dtype != plan.dtype:
+        cause += f"; the pod also runs {pod.dtype}, the plan assumed {plan.dtype}"
+    return Problem(
+        "FewerKVBlocksThanPlanned",
+        f"pod {name} runs with {pod.kv_blocks} KV blocks, the plan has {plan.kv_blocks} "
+        f"({pod.kv_blocks / plan.kv_blocks:.0%}, below {DRIFT_RATIO:.0%}): {cause}; the pod's log says how "
+        "many blocks fit",
+    )
+
+
 def not_fitting(plan: sizing.SizingPlan) -> Problem:
     return Problem("DoesNotFit", f"{plan.model} does not fit: {plan.reason}")
 
@@ -149,6 +207,11 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
         _condition("Degraded", *degraded, generation, previous, now),
         _condition("Sized", *sized, generation, previous, now),
     ]
+    drift = sizing_drift(placement, observed.measured) if placement is not None else None
+    if drift is not None:
+        conditions.append(
+            _condition("SizingDrift", True, drift.reason, drift.message, generation, previous, now)
+        )
     live = (observed.deployment or {}).get("status") or {}
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -161,6 +224,9 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
     }
     if placement is not None:
         status["sizing"] = sizing_status(placement)
+        measured = measured_sizing(placement.plan, observed.measured)
+        if measured is not None:
+            status["sizing"]["measured"] = measured
     return status
 
 
@@ -172,6 +238,8 @@ def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict
             patch[key] = value
     if "sizing" not in desired and current.get("sizing") is not None:
         patch["sizing"] = None
+    elif "sizing" in patch and "measured" in (current.get("sizing") or {}):
+        patch["sizing"] = {"measured": None, **patch["sizing"]}  # a merge patch keeps keys it does not name
     return patch
 
 

@@ -19,7 +19,7 @@ from inflight.engine.async_engine import AsyncEngine, EngineUnavailableError
 from inflight.server.access_log import AccessLogMiddleware
 from inflight.server.errors import install_error_handlers
 from inflight.server.limits import DEFAULT_MAX_BODY_BYTES
-from inflight.server.metrics import ServerMetrics
+from inflight.server.metrics import ResponseCountingMiddleware, ServerMetrics
 from inflight.server.transport import BodySizeLimitMiddleware
 
 logger = logging.getLogger("inflight.server")
@@ -77,6 +77,18 @@ def model_loaded(engine: AsyncEngine) -> bool:
     return True
 
 
+def engine_info(engine: AsyncEngine) -> dict[str, str]:
+    """The loaded engine's resolved settings for `inflight:engine_info` ({} while the model loads)."""
+    try:
+        loaded = engine.engine
+    except EngineUnavailableError:
+        return {}
+    return {
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "tensor_parallel_size": str(loaded.config.tensor_parallel_size),
+    }
+
+
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; the engine thread starts (load + warm-up) with the app's lifespan."""
     from inflight.server.demo import demo_router
@@ -106,10 +118,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         docs_url=None,  # docs.py serves /docs without a CDN
         redoc_url=None,  # ReDoc has no offline bundle here; /docs covers the same schema
     )
-    app.state.ctx = ServerContext(engine=engine, settings=settings, metrics=ServerMetrics(engine.stats))
+    metrics = ServerMetrics(engine.stats, lambda: engine_info(engine))
+    app.state.ctx = ServerContext(engine=engine, settings=settings, metrics=metrics)
     app.state.api_key = settings.api_key
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ResponseCountingMiddleware, metrics=metrics)
     app.add_middleware(AccessLogMiddleware)
     app.include_router(probe_router)
     app.include_router(api_router)

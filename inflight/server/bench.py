@@ -199,7 +199,7 @@ def _server_command(args: argparse.Namespace, model_dir: Path, port: int, num_kv
         "--served-model-name", "bench", "--dtype", args.dtype, "--max-slots", str(args.max_slots),
         "--num-kv-blocks", str(num_kv_blocks), "--block-size", str(BLOCK_SIZE),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--scheduler", args.scheduler,
-        "--max-queue", str(args.num_requests),
+        "--max-queue", str(args.num_requests), "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--log-level", "warning",
     ]  # fmt: skip
     if not args.enable_prefix_caching:
@@ -240,6 +240,7 @@ def _offline_tokens_per_s(
         vllm_python=None,
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     run = (STATIC if args.scheduler == "static" else CONTINUOUS).run(settings)
     generated = sum(len(tokens) for tokens in run.outputs)

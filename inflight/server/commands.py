@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from inflight.engine.commands import add_tensor_parallel_argument
 from inflight.server.limits import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -174,6 +175,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share to use (default: 0.9)"
     )
+    add_tensor_parallel_argument(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -192,6 +194,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             dtype=args.dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValidationError as error:
         raise SystemExit(f"invalid engine settings: {error}") from error

@@ -6,11 +6,12 @@ are read from the engine's latest stats snapshot at scrape time; latencies are o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inflight.engine.stats import EngineStats
 
@@ -22,11 +23,20 @@ E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
+API_PATH_PREFIX = "/v1/"  # responses counted by status code: the OpenAI API, not probes or /metrics
+
+
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], info: Callable[[], Mapping[str, str]]) -> None:
         self._stats = stats
+        self._info = info
 
     def collect(self) -> Iterator[Metric]:
+        info = self._info()
+        if info:  # known once the model is loaded
+            yield InfoMetricFamily(
+                "inflight:engine", "The loaded engine's resolved settings.", value=dict(info)
+            )
         stats = self._stats()
         gauges = (
             ("inflight:num_requests_running", "Sequences in the running batch.", stats.num_running),
@@ -41,6 +51,16 @@ class _EngineCollector(Collector):
             ("inflight:num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions),
             ("inflight:prompt_tokens", "Prompt tokens prefilled.", stats.num_prompt_tokens),
             ("inflight:generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+            (
+                "inflight:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (full blocks only).",
+                stats.num_prefix_cache_queries,
+            ),
+            (
+                "inflight:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (not recomputed).",
+                stats.num_prefix_cache_hits,
+            ),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
@@ -49,9 +69,17 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The app's registry: engine state at scrape time plus per-request latency histograms."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats], info: Callable[[], Mapping[str, str]] = dict
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, info))
+        self.http_responses = Counter(
+            "inflight:http_responses",
+            "Responses of the OpenAI API routes by HTTP status code (429: at capacity).",
+            ["status_code"],
+            registry=self.registry,
+        )
         self.time_to_first_token = Histogram(
             "inflight:time_to_first_token_seconds",
             "Seconds from arrival to the first generated token.",
@@ -90,3 +118,32 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ResponseCountingMiddleware:
+    """Counts each OpenAI API response (paths under /v1/) in `inflight:http_responses_total{status_code}`."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API_PATH_PREFIX):
+            await self.app(scope, receive, send)
+            return
+
+        started = False
+
+        async def send_and_count(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.http_responses.labels(status_code=str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_count)
+        except Exception:
+            if not started:  # the outer error middleware answers 500
+                self.metrics.http_responses.labels(status_code="500").inc()
+            raise

@@ -11,7 +11,9 @@ import httpx
 import pytest
 
 from inflight.operator.autoscaling_loop import BuiltinAutoscaling
+from inflight.operator.controller import Controller
 from inflight.operator.kube import DEPLOYMENTS, MODELSERVERS
+from inflight.operator.metrics import OperatorMetrics
 from inflight.operator.replicas import desired_replicas
 from inflight.operator.spec import ModelServer
 
@@ -53,10 +55,13 @@ class MemoryKube:
 
 
 class RecordingController:
-    """What the loop needs of the Controller: its API client."""
+    """What the loop needs of the Controller: its API client, its metrics and how it finds the pods."""
+
+    server_pods = Controller.server_pods
 
     def __init__(self, kube: MemoryKube) -> None:
         self.kube = kube
+        self.metrics = OperatorMetrics()
 
     @property
     def events(self) -> list[tuple[str, str, str]]:
@@ -147,6 +152,12 @@ async def test_a_round_records_the_decision_the_reconcile_applies(cluster: Memor
     await loop.round()
     assert len(cluster.patches) == patches
     assert len(controller.events) == 1
+    registry = controller.metrics.registry
+    decisions = [
+        registry.get_sample_value("inflight_operator_autoscaling_decisions_total", {"direction": direction})
+        for direction in ("up", "down", "hold")
+    ]
+    assert decisions == [1, 0, 2]
 
 
 async def test_turning_builtin_autoscaling_off_clears_its_status(cluster: MemoryKube) -> None:

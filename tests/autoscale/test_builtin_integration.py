@@ -10,11 +10,9 @@ port (the operator finds a pod's server the same way in a cluster: pod IP + the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +25,7 @@ import httpx
 import kmock
 import pytest
 from emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
-from harness import running_operator
+from harness import background, free_port, ready, running_operator, server_ready
 from kube_emulator import KubeEmulator
 
 pytestmark = pytest.mark.timeout(150)
@@ -41,12 +39,6 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 POD_STARTUP_S = 1.0  # how long a new "pod" takes to become Ready
 SCALE_DOWN_DELAY_S = 5
 CLIENTS = 6  # concurrent request loops
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -94,17 +86,6 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
         yield emulator
 
 
-@contextlib.asynccontextmanager
-async def background(coroutine: Any) -> AsyncIterator[None]:
-    task = asyncio.create_task(coroutine)
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 def pods(cluster: KubeEmulator) -> dict[str, dict[str, Any]]:
     resource = kmock.resource(PODS)
     return {
@@ -112,10 +93,6 @@ def pods(cluster: KubeEmulator) -> dict[str, dict[str, Any]]:
         for key, obj in cluster.objects.items()
         if key[0] == resource and key[1] == NS and not obj.deleted
     }
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"]["conditions"])
 
 
 def served_port(pod: dict[str, Any]) -> int:
@@ -140,13 +117,6 @@ def pod_for(deployment: dict[str, Any], index: int, port: int) -> dict[str, Any]
             "conditions": [{"type": "Ready", "status": "False"}],
         },
     }
-
-
-async def server_ready(http: httpx.AsyncClient, port: int) -> bool:
-    """The readiness probe: GET /ready on the pod's server port."""
-    with contextlib.suppress(httpx.HTTPError):
-        return (await http.get(f"http://127.0.0.1:{port}/ready", timeout=1)).status_code == 200
-    return False
 
 
 async def play_controllers(cluster: KubeEmulator, servers: Servers) -> None:

@@ -171,7 +171,7 @@ def test_metric_value_is_the_average_per_readable_pod() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"min_replicas": 0, "max_replicas": 2, "target": 1.0}, "min_replicas must be >= 1"),
+        ({"min_replicas": -1, "max_replicas": 2, "target": 1.0}, "min_replicas must be >= 0"),
         ({"min_replicas": 3, "max_replicas": 2, "target": 1.0}, "max_replicas (2) must be >= min"),
         ({"min_replicas": 1, "max_replicas": 2, "target": 0.0}, "target must be > 0"),
     ],
@@ -210,3 +210,14 @@ def test_invariants_on_any_input(
         assert history[0].time <= now - delay
     if inside and decision.desired > replicas:  # a scale-up never happens while replicas are starting
         assert starting == 0
+
+
+ZERO = ScalingPolicy(min_replicas=0, max_replicas=2, target=4.0, scale_down_delay_s=10.0)
+
+
+def test_idle_scales_to_zero_after_the_delay_and_zero_replicas_hold() -> None:
+    decisions = run([[0.0]] * 12 + [[]] * 5, policy=ZERO)
+    assert replicas_over_time(decisions) == [1] * 10 + [0] * 7
+    assert decisions[10].direction is Direction.DOWN
+    # at zero there are no pods to read: the count holds (the router wakes it, not the metrics)
+    assert all(d.direction is Direction.HOLD for d in decisions[11:])

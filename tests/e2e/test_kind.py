@@ -95,6 +95,7 @@ def operator(kubeconfig: Path) -> Iterator[subprocess.Popen[bytes]]:
     )
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     command = [sys.executable, "-m", "inflight.cli", "operator", "--no-leader-election", "--liveness", ""]
+    command += ["--metrics-address", ""]
     process = subprocess.Popen(command, env=env, cwd=REPO)
     yield process
     process.terminate()

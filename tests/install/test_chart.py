@@ -14,6 +14,7 @@ VARIANTS = {
     "existing-service-account": ("--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"),
     "pinned-digest": ("--set", "image.digest=sha256:" + "a" * 64, "--set", "imagePullSecrets={regcred}"),
     "watch-namespaces": ("--set", "watchNamespaces={team-a,team-b}", "--set", "verbose=true"),
+    "router": ("--set", "router.namespaces={team-a,team-b}", "--set", "router.policy=round-robin"),
     "scheduling": (
         "--set",
         "nodeSelector.pool=system",
@@ -34,7 +35,11 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def operator_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    deployments = by_kind(objects, "Deployment")
+    deployments = [
+        obj
+        for obj in by_kind(objects, "Deployment")
+        if obj["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
     assert len(deployments) == 1
     return deployments[0]
 
@@ -61,8 +66,10 @@ def test_every_object_passes_the_kubernetes_schema(helm: Any, variant: str) -> N
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_namespaced_objects_go_to_the_release_namespace(helm: Any, variant: str) -> None:
     values = VARIANTS[variant]
-    watched = {"team-a", "team-b"} if variant == "watch-namespaces" else set()
+    watched = {"team-a", "team-b"} if variant in ("watch-namespaces", "router") else set()
     for obj in helm.render(*values):
+        if obj["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router":
+            continue  # tests/install/test_router_chart.py
         if obj["kind"] in ("ServiceAccount", "Deployment", "PodDisruptionBudget"):
             assert obj["metadata"]["namespace"] == helm.namespace, obj["metadata"]
         if obj["kind"] in ("Role", "RoleBinding"):
@@ -99,6 +106,7 @@ def test_default_operator_deployment(helm: Any) -> None:
     assert container["args"] == [
         "--all-namespaces",
         "--liveness=http://0.0.0.0:8080/healthz",
+        "--metrics-address=0.0.0.0:8081",
         "--resync-seconds=60",
         "--autoscale-seconds=15",
         "--scrape-timeout-seconds=2",
@@ -107,6 +115,7 @@ def test_default_operator_deployment(helm: Any) -> None:
     assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
     assert pod["serviceAccountName"] == "inflight"
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     selector = deployment["spec"]["selector"]["matchLabels"]

@@ -62,15 +62,23 @@ async def test_operator_waiting_for_the_lease_is_healthy(monkeypatch: pytest.Mon
         await asyncio.Event().wait()  # another replica holds the Lease
 
     monkeypatch.setattr(main.LeaderElector, "acquire", acquire_never)
-    port = free_port()
-    options = OperatorOptions(liveness=f"http://127.0.0.1:{port}/healthz", lease_namespace="inflight-system")
+    port, metrics_port = free_port(), free_port()
+    options = OperatorOptions(
+        liveness=f"http://127.0.0.1:{port}/healthz",
+        lease_namespace="inflight-system",
+        metrics_address=f"127.0.0.1:{metrics_port}",
+    )
     operator = asyncio.create_task(main.run(options, client=object()))  # type: ignore[arg-type]
     try:
         await asyncio.wait_for(waiting.wait(), timeout=10)
         status, body = await get(f"http://127.0.0.1:{port}/healthz")
         assert status == 200 and body["leader"] is False
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # a standby serves its (idle) metrics too
+        async with aiohttp.ClientSession() as session, session.get(metrics_url) as response:
+            assert response.status == 200
+            assert "inflight_operator_reconciles_total" in await response.text()
     finally:
         operator.cancel()
         with pytest.raises(asyncio.CancelledError):
             await operator
-    assert port_is_free(port)
+    assert port_is_free(port) and port_is_free(metrics_port)

@@ -74,10 +74,10 @@ def posted_events(cluster: KubeEmulator) -> list[dict[str, Any]]:
 async def running_operator(**options: Any) -> AsyncIterator[None]:
     """The real operator in a thread with an event loop of its own, as kopf's KopfRunner runs it.
 
-    `options` override OperatorOptions (leader election and the liveness endpoint are off).
+    `options` override OperatorOptions (leader election, the liveness and the metrics endpoints are off).
     """
     stop = threading.Event()
-    settings = OperatorOptions(leader_election=False, liveness=None, **options)
+    settings = OperatorOptions(leader_election=False, liveness=None, **{"metrics_address": None, **options})
     outcome: list[int | BaseException] = []
 
     def target() -> None:

@@ -86,12 +86,30 @@ def test_server_command_follows_the_contract() -> None:
         "--scheduler": "continuous",
         "--enable-prefix-caching": "",
         "--gpu-memory-utilization": "0.9",
+        "--tensor-parallel-size": "4",
     }
     assert placement.plan.fits and placement.plan.tensor_parallel == 4
     assert placement.gpu_memory_source == "node-labels"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    volume = deployment["spec"]["template"]["spec"]["volumes"][1]
-    assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+
+def test_tensor_parallel_pod_gets_its_degree_gpus_and_shared_memory() -> None:
+    """70B on 4 x H100: one rank per GPU of the plan, and a memory-backed /dev/shm for NCCL."""
+    _, deployment, _ = built(example("llama-3.1-70b-h100.yaml"), [H100_NODE])
+    kubernetes_validate.validate(deployment, "1.32.0", strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert flags(deployment)["--tensor-parallel-size"] == "4"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # One GPU (or CPU): no flag, no shared-memory volume.
+    _, single, _ = built(example("tiny-cpu.yaml"))
+    assert "--tensor-parallel-size" not in flags(single)
+    assert all(v["name"] != "dshm" for v in single["spec"]["template"]["spec"]["volumes"])
 
 
 def test_probes_rollout_and_security() -> None:

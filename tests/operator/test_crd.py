@@ -75,7 +75,8 @@ def test_crd_has_scale_and_status_subresources_and_printer_columns() -> None:
         },
     }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns[:6] == ["Model", "GPUs", "GPU", "Slots", "KV Blocks", "Ready"] and columns[-1] == "Age"
+    assert columns[:7] == ["Model", "GPUs", "GPU", "Slots", "KV Planned", "KV Measured", "Ready"]
+    assert columns[-1] == "Age"
 
 
 def test_defaults_live_in_the_schema() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from inflight.operator.placement import place
+from inflight.operator.pod_metrics import PodSizing
 from inflight.operator.spec import ModelServer
 from inflight.operator.status import Observed, Problem, build_status, status_patch
 
@@ -102,3 +103,46 @@ def test_status_patch_is_empty_when_nothing_changed() -> None:
         status_patch({"sizing": {"fits": True}}, {k: v for k, v in status.items() if k != "sizing"})["sizing"]
         is None
     )
+
+
+def measured_observed(*blocks: int, dtype: str = "float32") -> Observed:
+    placement = place(ms().spec, [])
+    pods = {f"m-{i}": PodSizing(b, placement.plan.slots, dtype, None) for i, b in enumerate(blocks)}
+    return Observed(placement, None, None, 2, "h", pods)
+
+
+def test_measured_sizing_is_min_max_over_replicas_and_the_ratio_to_the_plan() -> None:
+    plan = place(ms().spec, []).plan
+    assert "measured" not in build_status(ms(), measured_observed(), NOW)["sizing"]  # none ready yet
+    full = build_status(ms(), measured_observed(plan.kv_blocks, plan.kv_blocks), NOW)
+    assert full["sizing"]["measured"] == {
+        "replicas": 2,
+        "kvBlocksMin": plan.kv_blocks,
+        "kvBlocksMax": plan.kv_blocks,
+        "kvBlocksRatio": 1.0,
+        "slotsMin": plan.slots,
+        "slotsMax": plan.slots,
+        "dtype": "float32",
+    }
+    assert "SizingDrift" not in conditions(full)
+    at_threshold = build_status(ms(), measured_observed(plan.kv_blocks, -(-plan.kv_blocks * 9 // 10)), NOW)
+    assert "SizingDrift" not in conditions(at_threshold)
+
+
+def test_a_replica_below_90_percent_of_the_plan_is_sizing_drift_naming_both_numbers() -> None:
+    plan = place(ms().spec, []).plan
+    short = plan.kv_blocks * 9 // 10 - 1
+    status = build_status(ms(), measured_observed(plan.kv_blocks, short, dtype="bfloat16"), NOW)
+    (drift,) = [c for c in status["conditions"] if c["type"] == "SizingDrift"]
+    assert (drift["status"], drift["reason"]) == ("True", "FewerKVBlocksThanPlanned")
+    assert f"pod m-1 runs with {short} KV blocks, the plan has {plan.kv_blocks}" in drift["message"]
+    assert "the pod also runs bfloat16, the plan assumed float32" in drift["message"]
+    assert status["sizing"]["measured"]["kvBlocksRatio"] == round(short / plan.kv_blocks, 3)
+    assert conditions(status)["Degraded"] == ("False", "AsExpected")  # it serves, with less cache
+
+
+def test_status_patch_deletes_a_stale_measurement() -> None:
+    measured = build_status(ms(), measured_observed(10), NOW)
+    unmeasured = build_status(ms(), measured_observed(), NOW)
+    assert status_patch(measured, unmeasured)["sizing"]["measured"] is None
+    assert status_patch(measured, measured) == {}

@@ -294,6 +294,21 @@ def test_metrics_count_exactly_what_was_served(live: LiveServer) -> None:
         assert f"\n{name}" in text, name
     assert live.metric("inflight:kv_cache_blocks_total") == 128
     assert live.metric("inflight:max_slots") == 8
+    assert 'inflight:engine_info{dtype="float32",tensor_parallel_size="1"} 1.0' in text
+    hits = live.metric("inflight:prefix_cache_hits_total")
+    assert live.metric("inflight:prefix_cache_queries_total") >= hits
+
+
+def test_metrics_count_api_responses_by_status_code(live: LiveServer) -> None:
+    ok, bad = 'status_code="200"', 'status_code="400"'
+    before_ok = live.metric("inflight:http_responses_total", ok)
+    before_bad = live.metric("inflight:http_responses_total", bad)
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
+    assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert httpx.post(f"{live.url}/v1/completions", json={**body, "max_tokens": -1}).status_code == 400
+    httpx.get(f"{live.url}/health")  # probes are not API responses
+    assert live.metric("inflight:http_responses_total", ok) - before_ok == 1
+    assert live.metric("inflight:http_responses_total", bad) - before_bad == 1
 
 
 def test_access_log_is_json_without_prompt_text(live: LiveServer, caplog: pytest.LogCaptureFixture) -> None:

@@ -62,6 +62,12 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def set_failure_callback(self, callback: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def step(self) -> list[RequestOutput]:
         self.gate.wait(10)
         self.steps += 1

@@ -59,10 +59,41 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - --no-leader-election
 {{- end }}
 - --liveness=http://0.0.0.0:{{ .Values.healthPort }}/healthz
+- --metrics-address=0.0.0.0:{{ .Values.metricsPort }}
 - --resync-seconds={{ .Values.resyncSeconds }}
 - --autoscale-seconds={{ .Values.builtinAutoscaling.intervalSeconds }}
 - --scrape-timeout-seconds={{ .Values.builtinAutoscaling.scrapeTimeoutSeconds }}
 {{- if .Values.verbose }}
 - --verbose
 {{- end }}
+{{- end }}
+
+{{/* Labels on the ModelServer server pods the operator creates (inflight/operator/builders.py). */}}
+{{- define "inflight.serverPodSelector" -}}
+app.kubernetes.io/name: inflight-server
+app.kubernetes.io/managed-by: inflight-operator
+{{- end }}
+
+{{/* The monitoring objects' labels: the release's plus the ones the user's Prometheus selects on. */}}
+{{- define "inflight.monitoringLabels" -}}
+{{ include "inflight.labels" .root }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels that select the router pods. */}}
+{{- define "inflight.routerSelectorLabels" -}}
+app.kubernetes.io/name: inflight-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{/* The recommended labels on the router's objects. */}}
+{{- define "inflight.routerLabels" -}}
+{{ include "inflight.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: inflight
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end }}

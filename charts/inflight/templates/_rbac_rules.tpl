@@ -31,7 +31,7 @@
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
-# find the ready server pods whose /metrics builtin autoscaling reads
+# read the ready server pods' /metrics (measured sizing, builtin autoscaling)
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
@@ -55,4 +55,16 @@
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
   verbs: ["get", "create", "patch"]
+{{- end }}
+
+{{/* RBAC rules for the router namespace. */}}
+{{- define "inflight.rbac.routerRules" -}}
+# route by served model name; patch sets the wake annotation (scale from zero)
+- apiGroups: ["inflight.dev"]
+  resources: ["modelservers"]
+  verbs: ["get", "list", "watch", "patch"]
+# the ready server pods are the replicas
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
 {{- end }}

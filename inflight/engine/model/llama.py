@@ -3,6 +3,10 @@
 The batch is flattened (see attention/metadata.py): `input_ids` and `positions` are [T] for all the
 step's new tokens. q/k/v and gate/up projections are fused into one matmul each; the loader maps the
 checkpoint's separate tensors into their row ranges (`weight_targets`).
+
+Tensor parallel: built with a `ShardLayout` of size N > 1, the model holds one rank's slices (see
+parallel/layout.py) and sums the partial outputs of o_proj, down_proj and the embedding over the ranks,
+and gathers the LM head's vocabulary slices; with size 1 (the default) no collective runs.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from inflight.engine.attention.backend import AttentionBackend
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.model import ops
 from inflight.engine.model.config import ModelConfig
+from inflight.engine.parallel.comm import all_reduce_sum, gather_vocab
+from inflight.engine.parallel.layout import ShardLayout
 
 
 class RMSNorm(nn.Module):
@@ -78,19 +84,36 @@ class RotaryEmbedding:
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
+def shard_layout(config: ModelConfig, rank: int = 0, size: int = 1) -> ShardLayout:
+    """What rank `rank` of `size` holds of this model; raises ValueError naming the valid sizes."""
+    return ShardLayout(
+        rank,
+        size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+    )
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """This rank's heads: q/k/v column-parallel by head, o_proj row-parallel (partial sums all-reduced)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: ShardLayout) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = layout.heads
+        self.num_kv_heads = layout.kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.tp_size = layout.size
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # The bias is added once: by rank 0, before the partial outputs are summed.
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias and layout.rank == 0)
         self.backend = backend
 
     def forward(
@@ -113,27 +136,32 @@ class Attention(nn.Module):
             rows, meta = keep
             q = q[rows]
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(q.shape[0], self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(q.shape[0], self.q_size))
+        return all_reduce_sum(projected) if self.tp_size > 1 else projected
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's share of the intermediate size: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, layout: ShardLayout) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = layout.intermediate
+        self.tp_size = layout.size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return all_reduce_sum(out) if self.tp_size > 1 else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: ShardLayout) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layout)
 
     def forward(
         self,
@@ -158,35 +186,44 @@ class DecoderLayer(nn.Module):
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where a checkpoint tensor goes: rows `rows` of `param` (the whole parameter when rows is None)."""
+    """Where a checkpoint tensor goes.
 
-    param: torch.Tensor
+    The checkpoint must hold it with shape `checkpoint_shape`; the part `source` of it (indices per
+    dimension, all of it when None) is copied into rows `rows` of `param` (the whole parameter when
+    None). `param` None: this rank holds no part of it (the o_proj bias off rank 0)."""
+
+    param: torch.Tensor | None
+    checkpoint_shape: tuple[int, ...]
     rows: slice | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        if self.rows is None:
-            return tuple(self.param.shape)
-        return (self.rows.stop - self.rows.start, *self.param.shape[1:])
+    source: tuple[slice, ...] | None = None
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 / Mistral decoder over a paged KV cache.
+    """Llama / Qwen2 / Mistral decoder over a paged KV cache; with a `layout` of size N, one rank's shard.
 
     The model lives on the device it was built for (the rotary tables are created there).
     """
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        device: torch.device,
+        layout: ShardLayout | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.layout = layout = layout or shard_layout(config)
         self.rotary = RotaryEmbedding(config, device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(layout.vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, layout) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, layout.vocab_rows, bias=False)
         )
 
     def forward(
@@ -205,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         if attn_metadata.sliding_window != self.config.sliding_window:
             attn_metadata = replace(attn_metadata, sliding_window=self.config.sliding_window)
         keep = None if last_rows_of is None else attn_metadata.last_rows(last_rows_of)
-        hidden = self.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
         residual: torch.Tensor | None = None
         last = len(self.layers) - 1
@@ -215,65 +252,128 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.norm(hidden, residual)
         return normed
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        layout = self.layout
+        if layout.size == 1:
+            embedded: torch.Tensor = self.embed_tokens(input_ids)
+            return embedded
+        # Vocabulary-parallel: each rank looks up the ids in its slice, zeros elsewhere; the sum is exact.
+        local = input_ids - layout.vocab_start
+        outside = (local < 0) | (local >= layout.vocab_end - layout.vocab_start)
+        embedded = self.embed_tokens(local.masked_fill(outside, 0))
+        return all_reduce_sum(embedded.masked_fill(outside[:, None], 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32 for the rows of `hidden` that need sampling."""
+        """Logits [N, vocab] in float32 for the rows of `hidden` that need sampling.
+
+        With tensor parallelism every rank must call it with the same rows (the slices are gathered)."""
         if self.lm_head is not None:
             # Through the module: on CPU the engine may have swapped in a prepacked projection.
             logits: torch.Tensor = self.lm_head(hidden)
-            return logits.float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        if self.layout.size > 1:
+            logits = gather_vocab(logits, self.config.vocab_size, self.layout.size)
+        return logits.float()
+
+    @torch.no_grad()
+    def zero_vocab_padding(self) -> None:
+        """Zero this rank's embedding / LM head rows past the vocabulary (only the last rank has any when N
+        does not divide V): no checkpoint tensor fills them, and their logits are dropped."""
+        used = self.layout.vocab_end - self.layout.vocab_start
+        for weight in (self.embed_tokens.weight, None if self.lm_head is None else self.lm_head.weight):
+            if weight is not None:
+                weight[used:].zero_()
 
     def weight_targets(self) -> dict[str, WeightTarget]:
-        """Every tensor name a Hugging Face checkpoint of this model must hold, and where it goes."""
+        """Every tensor name a Hugging Face checkpoint of this model must hold, and which part of it goes
+        where on this rank."""
         params = dict(self.named_parameters())
-        config = self.config
-        q = config.num_attention_heads * config.head_dim
-        kv = config.num_key_value_heads * config.head_dim
-        inter = config.intermediate_size
-        # checkpoint name -> (our parameter, rows of it); q/k/v and gate/up are fused here.
-        fused = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
-            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
-            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
-            "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
-            "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
+        config, layout = self.config, self.layout
+        d, hidden = config.head_dim, config.hidden_size
+        q_full, kv_full = config.num_attention_heads * d, config.num_key_value_heads * d
+        q, kv, inter = layout.heads * d, layout.kv_heads * d, layout.intermediate
+        q0, kv0, i0 = layout.first_head * d, layout.first_kv_head * d, layout.first_intermediate
+        # checkpoint module -> (our module, rows of it, checkpoint rows, checkpoint output size);
+        # q/k/v and gate/up are fused here, and each is split by rows (output features).
+        column_parallel = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q), slice(q0, q0 + q), q_full),
+            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv), slice(kv0, kv0 + kv), kv_full),
+            "self_attn.v_proj": (
+                "self_attn.qkv_proj",
+                slice(q + kv, q + 2 * kv),
+                slice(kv0, kv0 + kv),
+                kv_full,
+            ),
+            "mlp.gate_proj": (
+                "mlp.gate_up_proj",
+                slice(0, inter),
+                slice(i0, i0 + inter),
+                config.intermediate_size,
+            ),
+            "mlp.up_proj": (
+                "mlp.gate_up_proj",
+                slice(inter, 2 * inter),
+                slice(i0, i0 + inter),
+                config.intermediate_size,
+            ),
+        }
+        # Split by columns (input features): o_proj by head, down_proj by intermediate row.
+        row_parallel = {
+            "self_attn.o_proj": (slice(q0, q0 + q), q_full),
+            "mlp.down_proj": (slice(i0, i0 + inter), config.intermediate_size),
         }
         targets: dict[str, WeightTarget] = {}
-        for name, param in params.items():
-            if not name.startswith("layers."):
+        vocab_rows = slice(0, layout.vocab_end - layout.vocab_start)
+        vocab_source = (slice(layout.vocab_start, layout.vocab_end),)
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in params:
                 hf_name = name if name.startswith("lm_head.") else f"model.{name}"
-                targets[hf_name] = WeightTarget(param)
+                shape = (config.vocab_size, hidden)
+                targets[hf_name] = WeightTarget(params[name], shape, vocab_rows, vocab_source)
+        targets["model.norm.weight"] = WeightTarget(params["norm.weight"], (hidden,))
         for i in range(config.num_hidden_layers):
             layer = f"layers.{i}"
-            for hf_module, (module, rows) in fused.items():
-                for kind in ("weight", "bias"):
-                    if f"{layer}.{module}.{kind}" in params:
-                        param = params[f"{layer}.{module}.{kind}"]
-                        targets[f"model.{layer}.{hf_module}.{kind}"] = WeightTarget(param, rows)
-            for module in (
-                "self_attn.o_proj",
-                "mlp.down_proj",
-                "input_layernorm",
-                "post_attention_layernorm",
-            ):
-                for kind in ("weight", "bias"):
-                    if f"{layer}.{module}.{kind}" in params:
-                        targets[f"model.{layer}.{module}.{kind}"] = WeightTarget(
-                            params[f"{layer}.{module}.{kind}"]
-                        )
+            for hf_module, (module, rows, source, out_size) in column_parallel.items():
+                targets[f"model.{layer}.{hf_module}.weight"] = WeightTarget(
+                    params[f"{layer}.{module}.weight"], (out_size, hidden), rows, (source,)
+                )
+                if f"{layer}.{module}.bias" in params:
+                    targets[f"model.{layer}.{hf_module}.bias"] = WeightTarget(
+                        params[f"{layer}.{module}.bias"], (out_size,), rows, (source,)
+                    )
+            for hf_module, (source, in_size) in row_parallel.items():
+                targets[f"model.{layer}.{hf_module}.weight"] = WeightTarget(
+                    params[f"{layer}.{hf_module}.weight"], (hidden, in_size), None, (slice(None), source)
+                )
+            if config.o_proj_bias:
+                bias = params.get(f"{layer}.self_attn.o_proj.bias")
+                targets[f"model.{layer}.self_attn.o_proj.bias"] = WeightTarget(bias, (hidden,))
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                targets[f"model.{layer}.{norm}.weight"] = WeightTarget(
+                    params[f"{layer}.{norm}.weight"], (hidden,)
+                )
         return targets
 
 
-def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of one layer's K (or V) cache: [num_blocks, block_size, num_kv_heads, head_dim]."""
-    return (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+def kv_cache_shape(
+    config: ModelConfig, num_blocks: int, block_size: int, num_kv_heads: int | None = None
+) -> tuple[int, ...]:
+    """Shape of one layer's K (or V) cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    (`num_kv_heads`: this rank's, default all of the model's)."""
+    return (num_blocks, block_size, num_kv_heads or config.num_key_value_heads, config.head_dim)
 
 
 def allocate_kv_caches(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    num_kv_heads: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed (K, V) cache pairs, one per layer."""
-    shape = kv_cache_shape(config, num_blocks, block_size)
+    shape = kv_cache_shape(config, num_blocks, block_size, num_kv_heads)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_hidden_layers)

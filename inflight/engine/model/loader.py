@@ -1,4 +1,6 @@
-"""Load a Hugging Face Llama-family checkpoint folder: config.json + safetensors, read directly."""
+"""Load a Hugging Face Llama-family checkpoint folder: config.json + safetensors, read directly.
+
+A tensor-parallel rank reads only its own slices (`get_slice`), so it never holds the whole checkpoint."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
-from inflight.engine.model.llama import LlamaForCausalLM
+from inflight.engine.model.llama import LlamaForCausalLM, shard_layout
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -25,10 +27,14 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attention_backend: AttentionBackend | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> LlamaForCausalLM:
-    """Build the model for `model_dir`'s config.json and fill it from its safetensors files.
+    """Build the model (rank `rank`'s shard of `world_size`) for `model_dir`'s config.json and fill it
+    from its safetensors files.
 
-    Raises ModelLoadError naming the file and the problem when anything is missing, corrupt or unsupported.
+    Raises ModelLoadError naming the file and the problem when anything is missing, corrupt or unsupported
+    (including a tensor-parallel size that cannot split the model).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -40,13 +46,18 @@ def load_model(
     if torch_dtype not in DTYPES.values():
         raise ModelLoadError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16.")
     config = ModelConfig.from_dir(model_dir)
+    try:
+        layout = shard_layout(config, rank, world_size)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from e
     device = torch.device(device)
     files = _weight_files(model_dir)
     backend = attention_backend or get_attention_backend(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, device)
+        model = LlamaForCausalLM(config, backend, device, layout)
     model = model.to(torch_dtype).to_empty(device=device)
     _load_weights(model, files, config)
+    model.zero_vocab_padding()
     return model.eval()
 
 
@@ -96,18 +107,22 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path], config: ModelConfi
                         ):
                             unexpected.append(name)
                         continue
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != target.shape:
+                    stored = f.get_slice(name)
+                    shape = tuple(stored.get_shape())
+                    if shape != target.checkpoint_shape:
                         raise ModelLoadError(
-                            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                            f"{path}: tensor {name!r} has shape {shape}, but config.json "
                             f"({config.architecture}, hidden_size={config.hidden_size}, "
                             f"num_key_value_heads={config.num_key_value_heads}, head_dim={config.head_dim}) "
-                            f"needs {target.shape}. The weights do not belong to this config.json."
+                            f"needs {target.checkpoint_shape}. The weights do not belong to this config.json."
                         )
+                    loaded.add(name)
+                    if target.param is None:
+                        continue
+                    tensor = stored[:] if target.source is None else stored[target.source]
                     with torch.no_grad():
                         dest = target.param if target.rows is None else target.param[target.rows]
                         dest.copy_(tensor)
-                    loaded.add(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(
                 f"{path}: cannot read safetensors file ({e}). The file is corrupt or truncated; "

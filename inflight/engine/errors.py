@@ -1,0 +1,10 @@
+"""Engine errors a caller must tell apart from a failed request (no torch: the server imports this)."""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run any more steps (a tensor-parallel rank died or a collective timed out).
+
+    Unlike an error in one step, retrying is pointless: the server fails every request and exits non-zero
+    so that the process (the pod) is restarted."""

@@ -1,0 +1,204 @@
+"""The router in front of three real `inflight serve` processes (tiny model, shared by the module).
+
+Prefix affinity against round robin on a multi-turn chat workload, the load bound with one shared
+prefix, streaming through the router equal to streaming direct, OpenAI errors, and failover when a
+replica is killed mid-run (last: it takes a server away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from router_harness import MODEL, LiveRouter, ServerProcess, start_router
+
+from inflight.router.app import RouterSettings
+from inflight.router.static import static_discovery
+from inflight.router.workload import run_conversations
+
+pytestmark = pytest.mark.timeout(240)
+
+EPSILON = 0.25
+
+
+@pytest.fixture(scope="module")
+def router(servers: list[ServerProcess]) -> Iterator[LiveRouter]:
+    live = start_router(
+        static_discovery({MODEL: [s.url for s in servers]}, 5.0),
+        RouterSettings(epsilon=EPSILON, scrape_interval_s=0.5),
+    )
+    yield live
+    live.stop()
+
+
+def prefix_hits(servers: list[ServerProcess]) -> float:
+    return sum(s.metric("inflight:prefix_cache_hits_total") for s in servers)
+
+
+def test_models_and_openai_errors(router: LiveRouter) -> None:
+    assert httpx.get(f"{router.url}/v1/models").json()["data"] == [
+        {"id": MODEL, "object": "model", "created": 0, "owned_by": "inflight"}
+    ]
+    response = httpx.post(f"{router.url}/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert response.status_code == 404
+    assert response.json() == {"error": {"message": "The model 'nope' does not exist; see /v1/models.",
+                                         "type": "not_found_error", "param": "model",
+                                         "code": "model_not_found"}}  # fmt: skip
+    assert httpx.get(f"{router.url}/v1/models/nope").status_code == 404
+    missing = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"})
+    assert missing.status_code == 400 and missing.json()["error"]["code"] == "missing_model"
+    bad = httpx.post(f"{router.url}/v1/completions", content=b"{not json")
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    # the upstream's own validation errors pass through unchanged
+    invalid = httpx.post(
+        f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}
+    )
+    assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "max_tokens"
+    assert router.metric("inflight_router:requests_total", 'model="",outcome="unknown_model"') == 1
+
+
+def test_servers_export_prefix_cache_counters_in_tokens(servers: list[ServerProcess]) -> None:
+    server = servers[0]
+    body = {"model": MODEL, "prompt": "prefix cache counter check " * 8, "max_tokens": 1}
+    before_queries = server.metric("inflight:prefix_cache_queries_total")
+    before_hits = server.metric("inflight:prefix_cache_hits_total")
+    prompt_tokens = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["usage"][
+        "prompt_tokens"
+    ]
+    full_blocks = (prompt_tokens - 1) // 16 * 16  # only full blocks are looked up; the last token never
+    assert server.metric("inflight:prefix_cache_queries_total") - before_queries == full_blocks
+    assert server.metric("inflight:prefix_cache_hits_total") - before_hits == 0
+    httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert server.metric("inflight:prefix_cache_queries_total") - before_queries == 2 * full_blocks
+    assert server.metric("inflight:prefix_cache_hits_total") - before_hits == full_blocks
+
+
+def sse_events(url: str, path: str, body: dict[str, Any]) -> list[Any]:
+    """The stream's events, ids and timestamps dropped (they differ per request)."""
+    events: list[Any] = []
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                events.append("[DONE]")
+                continue
+            event = json.loads(line[6:])
+            event.pop("id"), event.pop("created")
+            events.append(event)
+    return events
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streaming_through_the_router_equals_streaming_direct(
+    router: LiveRouter, servers: list[ServerProcess], path: str
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if path == "/v1/completions":
+        body["prompt"] = "def fibonacci(n):"
+    else:
+        body["messages"] = [{"role": "user", "content": "Write a haiku about caches."}]
+    through = sse_events(router.url, path, body)
+    direct = sse_events(servers[0].url, path, body)
+    assert through == direct
+    assert through[-1] == "[DONE]" and through[-2]["usage"]["completion_tokens"] == 12
+
+
+def test_prefix_affinity_doubles_prefix_cache_hits_over_round_robin(
+    router: LiveRouter, servers: list[ServerProcess]
+) -> None:
+    conversations, turns = 32, 6
+    round_robin = start_router(
+        static_discovery({MODEL: [s.url for s in servers]}, 5.0), RouterSettings(prefix_affinity=False)
+    )
+    try:
+        before = prefix_hits(servers)
+        # different seeds: neither run finds the other's conversations in the caches
+        asyncio.run(run_conversations(round_robin.url, MODEL, conversations, turns, seed=1))
+        round_robin_hits = prefix_hits(servers) - before
+    finally:
+        round_robin.stop()
+    before = prefix_hits(servers)
+    asyncio.run(run_conversations(router.url, MODEL, conversations, turns, seed=2))
+    affinity_hits = prefix_hits(servers) - before
+    assert affinity_hits >= 2 * round_robin_hits, (affinity_hits, round_robin_hits)
+    assert (
+        router.metric("inflight_router:routing_decisions_total", f'decision="affinity",model="{MODEL}"') > 0
+    )
+
+
+def test_one_shared_prefix_is_spread_within_the_load_bound(router: LiveRouter) -> None:
+    concurrent = 12
+    bound = math.ceil((1 + EPSILON) * concurrent / 3)
+    body = {"model": MODEL, "prompt": "one system prompt for everybody", "max_tokens": 600,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    pool = router.router.pools[MODEL]
+    seen: list[dict[str, int]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append({rid: r.in_flight for rid, r in list(pool.replicas.items())})
+            time.sleep(0.005)
+
+    async def send_all() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+
+            async def one() -> None:
+                async with client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    async for _ in response.aiter_bytes():
+                        pass
+
+            await asyncio.gather(*(one() for _ in range(concurrent)))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        asyncio.run(send_all())
+    finally:
+        done.set()
+        watcher.join()
+    assert max(max(sample.values()) for sample in seen) <= bound
+    assert any(sum(sample.values()) == concurrent for sample in seen), "the requests never overlapped"
+    full = next(sample for sample in seen if sum(sample.values()) == concurrent)
+    assert max(full.values()) == bound  # the prefix's own replica took its share, the rest spilled
+
+
+def test_a_replica_killed_mid_run_costs_no_request_that_had_not_started(
+    router: LiveRouter, servers: list[ServerProcess]
+) -> None:
+    """Non-streaming requests from several clients; one replica is killed while they run."""
+    victim = servers[2]
+    statuses: list[int] = []
+    before = router.metric("inflight_router:failovers_total", f'model="{MODEL}"')
+
+    async def clients() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+
+            async def loop(k: int) -> None:
+                for i in range(8):
+                    body = {"model": MODEL, "prompt": f"client {k} request {i}: " + "word " * 20,
+                            "max_tokens": 64, "ignore_eos": True}  # fmt: skip
+                    response = await client.post(f"{router.url}/v1/completions", json=body)
+                    statuses.append(response.status_code)
+                    if k == 0 and i == 2:
+                        victim.process.send_signal(signal.SIGKILL)
+
+            await asyncio.gather(*(loop(k) for k in range(6)))
+
+    asyncio.run(clients())
+    victim.process.wait(10)
+    assert statuses == [200] * 48
+    assert router.metric("inflight_router:failovers_total", f'model="{MODEL}"') > before
