@@ -20,7 +20,7 @@ MAX_TEMPERATURE = 2.0
 MIN_TEMPERATURE = 1e-2  # a temperature in (0, MIN_TEMPERATURE) is raised to it (vLLM does the same)
 MIN_TOP_P = 1e-6  # a top_p in (0, MIN_TOP_P) is raised to it: both keep only the most likely token
 MIN_REPETITION_PENALTY = 1e-2
-MAX_REPETITION_PENALTY = 10.0
+MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
