@@ -118,7 +118,8 @@ class Sampler:
         vocab = logits.shape[1]
         device = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)
+        # top_k at or above the vocabulary keeps every token (and could overflow a tensor of int64).
+        top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows], device=device)
         ranks = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)

@@ -7,34 +7,49 @@ prompt's KV blocks (ref counts), and each samples its own continuation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 MAX_LOGPROBS = 20
-# Bounds of the numeric sampling fields, enforced here and read by the server's protocol (one source).
-# The sampler works in float32 and int64: a top_k or seed beyond int64 overflows, a temperature or
-# repetition penalty near 0 turns logits into inf/NaN.
-MAX_TOP_K = 2**31 - 1  # above the vocabulary size it is the same as off (0)
+# The API's bounds of the numeric sampling fields (the server's protocol reads them; one source). The
+# engine takes some wider values: top_k above the vocabulary means off, a temperature below
+# GREEDY_TEMPERATURE is greedy.
+MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0
-MIN_TEMPERATURE = 1e-2  # a temperature in (0, MIN_TEMPERATURE) is raised to it (vLLM does the same)
-MIN_TOP_P = 1e-6  # a top_p in (0, MIN_TOP_P) is raised to it: both keep only the most likely token
-MIN_REPETITION_PENALTY = 1e-2
+MIN_REPETITION_PENALTY = 1e-2  # 1 / penalty scales logits: 1e-300 would overflow float32
 MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
+# Temperatures below this sample greedily: dividing logits by them overflows to inf/NaN (vLLM's rule).
+GREEDY_TEMPERATURE = 1e-5
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
+# What each step's output of a request holds: everything so far, or only what is new since the last one.
+OutputKind = Literal["cumulative", "delta"]
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (vLLM's names and meanings).
 
-    temperature 0 is greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    temperature 0 (or below GREEDY_TEMPERATURE) is greedy. top_k <= 0 (or >= the vocabulary) and
+    top_p == 1 and min_p == 0 disable those filters. Every float must be finite.
     max_tokens None means "until the context (max_model_len) is full". `seed` makes the request's
     tokens reproducible whatever else shares the batch. `logprobs` / `prompt_logprobs` ask for that
-    many top alternatives per token (plus the chosen token). Invalid values raise ValueError naming the
-    field, what it got and what is allowed.
+    many top alternatives per token (plus the chosen token). `output_kind` "delta" makes each output
+    carry only the tokens, text and logprobs that are new since the request's previous output (prompt
+    logprobs in the first only). Invalid values raise ValueError naming the field, what it got and what
+    is allowed.
     """
 
     n: int = 1
@@ -53,6 +68,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Requests share cached prefix KV blocks only with requests of the same salt (e.g. one per tenant).
+    cache_salt: str | None = None
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,24 +79,20 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k < 0:
             self.top_k = 0
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            self.temperature = MIN_TEMPERATURE
-        if 0 < self.top_p < MIN_TOP_P:
-            self.top_p = MIN_TOP_P
         self._validate()
 
     def _validate(self) -> None:
         checks: list[tuple[bool, str]] = [
+            (math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
+            for name in FLOAT_FIELDS
+        ]
+        checks += [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (
                 self.max_tokens is None or self.max_tokens >= 1,
                 f"max_tokens must be >= 1 (or None for 'up to the context length'), got {self.max_tokens}",
             ),
-            (
-                0 <= self.temperature <= MAX_TEMPERATURE,
-                f"temperature must be in [0, {MAX_TEMPERATURE}] (0 = greedy), got {self.temperature}",
-            ),
-            (self.top_k <= MAX_TOP_K, f"top_k must be <= {MAX_TOP_K} (0 or -1 = off), got {self.top_k}"),
+            (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (
@@ -99,6 +113,11 @@ class SamplingParams:
                 f"seed must be in [0, {MAX_SEED}] (or None), got {self.seed}",
             ),
             (all(s for s in self.stop or []), "stop strings must be non-empty"),
+            (self.cache_salt is None or self.cache_salt != "", "cache_salt must be non-empty (or None)"),
+            (
+                self.output_kind in ("cumulative", "delta"),
+                f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}",
+            ),
             (all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be >= 0"),
         ]
         for name in ("logprobs", "prompt_logprobs"):
@@ -115,7 +134,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def stop_strings(self) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from inflight.engine.sequence import (
+    GREEDY_TEMPERATURE,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -21,8 +22,6 @@ from inflight.engine.sequence import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
-    MIN_TEMPERATURE,
-    MIN_TOP_P,
 )
 
 MAX_N = 64
@@ -67,12 +66,9 @@ class SamplingFields(Strict):
         default=None,
         ge=0.0,
         le=MAX_TEMPERATURE,
-        description=f"0 = greedy; default 1. A value in (0, {MIN_TEMPERATURE}) is raised to "
-        f"{MIN_TEMPERATURE}.",
+        description=f"0 = greedy; default 1. Below {GREEDY_TEMPERATURE} sampling is greedy.",
     )
-    top_p: float | None = Field(
-        default=None, gt=0.0, le=1.0, description=f"A value below {MIN_TOP_P} is raised to {MIN_TOP_P}."
-    )
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K, description="-1 or 0 = off.")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(
@@ -85,6 +81,12 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(default=None, description="Accepted for compatibility; not used.")
+    cache_salt: Text | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Share cached prompt prefixes only with requests of the same salt (e.g. one per tenant).",
+    )
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # Accepted for compatibility only when empty; anything else is a 400.

@@ -176,6 +176,26 @@ def test_one_shared_prefix_is_spread_within_the_load_bound(router: LiveRouter) -
     assert max(full.values()) == bound  # the prefix's own replica took its share, the rest spilled
 
 
+def test_a_client_that_leaves_mid_stream_aborts_the_generation_on_the_replica(
+    router: LiveRouter, servers: list[ServerProcess]
+) -> None:
+    def total(name: str) -> float:
+        return sum(s.metric(name) for s in servers)
+
+    generated = total("inflight:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "a long story:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    # the client left after its first event: the router closes the upstream request, the replica aborts
+    deadline = time.monotonic() + 60
+    while total("inflight:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert total("inflight:num_requests_running") == 0
+    assert total("inflight:generation_tokens_total") - generated < 1000  # stopped long before the end
+    pool = router.router.pools[MODEL]
+    assert sum(r.in_flight for r in pool.replicas.values()) == 0
+
+
 def test_a_replica_killed_mid_run_costs_no_request_that_had_not_started(
     router: LiveRouter, servers: list[ServerProcess]
 ) -> None:
