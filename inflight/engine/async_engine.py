@@ -211,11 +211,9 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 
-    def capacity_error(
-        self, num_prompt_tokens: int, max_tokens: int | None, n: int = 1
-    ) -> CapacityError | None:
+    def capacity_error(self, num_prompt_tokens: int, max_tokens: int | None) -> CapacityError | None:
         """Why a request of this size could never run here (the engine's sizes never change after load)."""
-        return self.engine.scheduler.capacity_error(num_prompt_tokens, max_tokens, n)
+        return self.engine.scheduler.capacity_error(num_prompt_tokens, max_tokens)
 
     @property
     def num_in_flight(self) -> int:

@@ -90,6 +90,10 @@ def _check_common(ctx: ServerContext, body: SamplingFields) -> None:
         raise bad_request(f"stop takes at most {MAX_STOP_SEQUENCES} strings, got {len(stops)}.", param="stop")
     if any(not s for s in stops):
         raise bad_request("stop strings must not be empty.", param="stop")
+    if body.n > ctx.engine.max_slots:
+        raise bad_request(
+            f"n={body.n} needs {body.n} slots but this server has {ctx.engine.max_slots}; lower n.", param="n"
+        )
     vocab = ctx.engine.vocab_size
     bad_ids = [t for t in body.stop_token_ids or [] if t >= vocab]
     if bad_ids:
@@ -136,9 +140,7 @@ def _sampling_params(
         raise bad_request(str(error)) from error
 
 
-def _check_lengths(
-    ctx: ServerContext, prompts: list[list[int]], max_tokens: int | None, n: int, param: str
-) -> None:
+def _check_lengths(ctx: ServerContext, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
     """`param`: the request field that holds the prompt(s)."""
     vocab = ctx.engine.vocab_size
     if max_tokens is not None and max_tokens < 1:
@@ -149,8 +151,9 @@ def _check_lengths(
             raise bad_request(
                 f"token ids {out_of_vocab[:5]} are outside the vocabulary (size {vocab}).", param=param
             )
-        # The engine's capacity rules, mapped once to the HTTP error.
-        error = ctx.engine.capacity_error(len(ids), max_tokens, n)
+        # The engine's length rules, mapped once to the HTTP error. n is checked against the server's
+        # slots (_check_common), which may exceed the engine's: the engine then fails the request itself.
+        error = ctx.engine.capacity_error(len(ids), max_tokens)
         if error is not None:
             raise bad_request(
                 error.message, param=param if error.param == "prompt" else error.param, code=error.code
@@ -457,7 +460,7 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
         raise bad_request("best_of is only supported equal to n.", param="best_of")
     _check_fits(ctx, len(body.prompt) if _is_prompt_list(body.prompt) else 1, body.n)
     prompts, prompt_texts = await ctx.off_loop(_completion_prompts, ctx, body.prompt)
-    _check_lengths(ctx, prompts, body.max_tokens, body.n, param="prompt")
+    _check_lengths(ctx, prompts, body.max_tokens, param="prompt")
     want_prompt_logprobs = body.echo and body.logprobs is not None
     params = _sampling_params(
         body, body.max_tokens, body.logprobs, body.logprobs if want_prompt_logprobs else None
@@ -616,7 +619,7 @@ async def chat_completion(ctx: ServerContext, body: ChatCompletionRequest, reque
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     prompt = await ctx.off_loop(_chat_prompt, ctx, body.messages)
-    _check_lengths(ctx, [prompt], max_tokens, body.n, param="messages")
+    _check_lengths(ctx, [prompt], max_tokens, param="messages")
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, max_tokens, top_n if body.logprobs else None, None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
