@@ -22,8 +22,12 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from inflight.operator import builders, cache_builders, kube
-from inflight.operator.autoscaling_builders import autoscaler_object
+from inflight.operator import kube
+from inflight.operator.api.types import HFTokenSecretRef, ModelServer, SecretKeyRef
+from inflight.operator.autoscaling.pod_metrics import PodSizing, ready_pod_endpoints, scrape_sizing
+from inflight.operator.children import server
+from inflight.operator.children.autoscalers import autoscaler_object
+from inflight.operator.children.cache import cache_selector, claim, download_job
 from inflight.operator.metrics import OperatorMetrics
 from inflight.operator.model_cache import (
     DOWNLOAD_CONTAINER,
@@ -36,9 +40,7 @@ from inflight.operator.model_cache import (
     newest_pod,
 )
 from inflight.operator.placement import Placement, SizingError, place
-from inflight.operator.pod_metrics import PodSizing, ready_pod_endpoints, scrape_sizing
 from inflight.operator.replicas import desired_replicas, woken
-from inflight.operator.spec import HFTokenSecretRef, ModelServer, SecretKeyRef
 from inflight.operator.status import Observed, Problem, build_status, condition_of, not_fitting, status_patch
 
 log = logging.getLogger("inflight.operator")
@@ -207,7 +209,7 @@ class Controller:
             # resourceVersion: a concurrent owner change makes this a 409, retried by the next reconcile.
             meta = {
                 "resourceVersion": live["metadata"].get("resourceVersion"),
-                "ownerReferences": [*owners, builders.shared_owner_reference(ms)],
+                "ownerReferences": [*owners, server.shared_owner_reference(ms)],
             }
             try:
                 live = await self.kube.merge_patch(path, {"metadata": meta}) or live
@@ -220,14 +222,14 @@ class Controller:
         """The cache's claim and Job, created or shared, and the download's state."""
         namespace = ms.metadata.namespace
         if cache.pvc is not None:
-            await self._ensure_shared(ms, kube.PERSISTENT_VOLUME_CLAIMS, cache_builders.claim(ms, cache))
+            await self._ensure_shared(ms, kube.PERSISTENT_VOLUME_CLAIMS, claim(ms, cache))
         elif await self.kube.get(kube.PERSISTENT_VOLUME_CLAIMS.path(namespace, cache.claim_name)) is None:
             return None, Problem(
                 "CacheClaimNotFound",
                 f"spec.model.cache.claimName: PersistentVolumeClaim {namespace}/{cache.claim_name} does not "
                 "exist; create it, or set model.cache.pvc to let the operator create one",
             )
-        job = await self._ensure_shared(ms, kube.JOBS, cache_builders.download_job(ms, cache))
+        job = await self._ensure_shared(ms, kube.JOBS, download_job(ms, cache))
         pods = await self.kube.list(kube.PODS.path(namespace), {JOB_POD_LABEL: cache.job_name})
         state = download_state(cache, job, pods, None)
         if state.phase == "Downloading" and (pod := newest_pod(pods)) is not None:
@@ -251,7 +253,7 @@ class Controller:
         """Leave the model caches this ModelServer no longer uses (its source, revision or cache changed):
         drop it from their owners, and delete a claim or Job it was the last owner of. A claim still
         mounted by the old pods stays until they are gone (the API server's PVC protection)."""
-        selector = cache_builders.cache_selector()
+        selector = cache_selector()
         for resource in (kube.JOBS, kube.PERSISTENT_VOLUME_CLAIMS):
             for obj in await self.kube.list(resource.path(ms.metadata.namespace), selector):
                 meta = obj.get("metadata", {})
@@ -338,7 +340,7 @@ class Controller:
                 f"a {desired['kind']} named {ms.metadata.name} exists in {ms.metadata.namespace} and is not "
                 "owned by this ModelServer; delete it or rename the ModelServer",
             )
-        drifted = builders.template_hash(desired) != builders.template_hash(live) or not is_subset(
+        drifted = server.template_hash(desired) != server.template_hash(live) or not is_subset(
             {k: desired[k] for k in ("metadata", "spec")}, live
         )
         if drifted:
@@ -391,7 +393,7 @@ class Controller:
 
     async def server_pods(self, ms: ModelServer) -> list[dict[str, Any]]:
         """The ModelServer's pods (the label selector checked again: a client may ignore it)."""
-        selector = builders.selector_labels(ms)
+        selector = server.selector_labels(ms)
         return [
             pod
             for pod in await self.kube.list(kube.PODS.path(ms.metadata.namespace), label_selector=selector)
@@ -410,7 +412,7 @@ class Controller:
         pods = [
             pod
             for pod in await self.server_pods(ms)
-            if (pod.get("metadata", {}).get("annotations") or {}).get(builders.ANNOTATION_TEMPLATE_HASH)
+            if (pod.get("metadata", {}).get("annotations") or {}).get(server.ANNOTATION_TEMPLATE_HASH)
             == template_hash
         ]
         endpoints = ready_pod_endpoints(pods, SERVER_CONTAINER)
@@ -455,13 +457,13 @@ class Controller:
                 self._poll_download(ms.metadata.namespace, ms.metadata.name)
         # With a cache, the Deployment is created (or changed) only once the download Job has succeeded.
         if problem is None and placement is not None and (download is None or download.phase == "Ready"):
-            desired = builders.deployment(ms, placement, replicas)
-            template_hash = builders.template_hash(desired)
+            desired = server.deployment(ms, placement, replicas)
+            template_hash = server.template_hash(desired)
             deployment, problem = await self._ensure(ms, kube.DEPLOYMENTS, desired)
         else:
             # Leave a running Deployment as it is: the previous, working spec keeps serving.
             deployment = await self.kube.get(kube.DEPLOYMENTS.path(ms.metadata.namespace, ms.metadata.name))
-        _, service_problem = await self._ensure(ms, kube.SERVICES, builders.service(ms))
+        _, service_problem = await self._ensure(ms, kube.SERVICES, server.service(ms))
         problem = problem or service_problem or await self._ensure_autoscaler(ms)
 
         measured = await self._measure(ms, deployment, template_hash) if problem is None else {}

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 from aiohttp import web
 
-from inflight.operator.autoscaling_loop import BuiltinAutoscaling
+from inflight.operator.autoscaling.loop import BuiltinAutoscaling
 from inflight.operator.controller import Controller
 from inflight.operator.handlers import build_registry
 from inflight.operator.kube import EVENTS, KubeClient, event_body

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from inflight.operator.spec import Actuator, ModelServer, ModelServerSpec, ModelServerStatus
+from inflight.operator.api.types import Actuator, ModelServer, ModelServerSpec, ModelServerStatus
 
 WAKE_ANNOTATION = "inflight.dev/wake-requested-at"
 

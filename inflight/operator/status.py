@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inflight import sizing
-from inflight.operator import builders
+from inflight.operator.api.types import ModelServer
+from inflight.operator.autoscaling.pod_metrics import PodSizing
+from inflight.operator.children import server
 from inflight.operator.model_cache import Download
 from inflight.operator.placement import Placement
-from inflight.operator.pod_metrics import PodSizing
-from inflight.operator.spec import ModelServer
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sized", "SizingDrift")
 DRIFT_RATIO = 0.9  # a replica with fewer than this share of the planned KV blocks is SizingDrift
@@ -74,7 +74,7 @@ def _rollout(
         return False, "Creating", "creating the Deployment"
     status = deployment.get("status") or {}
     generation = deployment.get("metadata", {}).get("generation", 0)
-    if builders.template_hash(dict(deployment)) != template_hash:
+    if server.template_hash(dict(deployment)) != template_hash:
         return False, "RollingOut", "updating the Deployment to this generation's template"
     if status.get("observedGeneration", 0) < generation:
         return False, "RollingOut", "waiting for the Deployment controller to observe the new template"
@@ -224,8 +224,8 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
         "replicas": live.get("replicas", 0),
         "readyReplicas": live.get("readyReplicas", 0),
         "updatedReplicas": live.get("updatedReplicas", 0),
-        "selector": builders.selector_string(ms),
-        "endpoint": builders.endpoint(ms),
+        "selector": server.selector_string(ms),
+        "endpoint": server.endpoint(ms),
     }
     if placement is not None:
         status["sizing"] = sizing_status(placement)

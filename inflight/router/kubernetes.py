@@ -24,10 +24,10 @@ import aiohttp
 from pydantic import ValidationError
 
 from inflight.operator import kube
-from inflight.operator.builders import LABEL_MODELSERVER
-from inflight.operator.pod_metrics import ready_pod_endpoints
+from inflight.operator.api.types import Actuator, ModelServer
+from inflight.operator.autoscaling.pod_metrics import ready_pod_endpoints
+from inflight.operator.children.server import LABEL_MODELSERVER
 from inflight.operator.replicas import WAKE_ANNOTATION, wake_requested_at
-from inflight.operator.spec import Actuator, ModelServer
 from inflight.router.app import Discovery, Router
 from inflight.router.pool import ModelPool
 

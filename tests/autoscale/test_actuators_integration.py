@@ -13,9 +13,9 @@ from emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, wr
 from harness import running_operator
 from kube_emulator import KubeEmulator
 
+from inflight.operator.api.types import ModelServer
 from inflight.operator.controller import Controller
 from inflight.operator.kube import KubeError
-from inflight.operator.spec import ModelServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from inflight.operator.autoscaling_loop import BuiltinAutoscaling
+from inflight.operator.api.types import ModelServer
+from inflight.operator.autoscaling.loop import BuiltinAutoscaling
 from inflight.operator.controller import Controller
 from inflight.operator.kube import DEPLOYMENTS, MODELSERVERS
 from inflight.operator.metrics import OperatorMetrics
 from inflight.operator.replicas import desired_replicas
-from inflight.operator.spec import ModelServer
 
 NS = "ns"
 

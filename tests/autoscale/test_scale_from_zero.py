@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from inflight.operator.api.types import ModelServer, ModelServerSpec, ModelServerStatus
 from inflight.operator.replicas import (
     WAKE_ANNOTATION,
     desired_replicas,
@@ -9,7 +10,6 @@ from inflight.operator.replicas import (
     wake_requested_at,
     woken,
 )
-from inflight.operator.spec import ModelServer, ModelServerSpec, ModelServerStatus
 
 SPEC = ModelServerSpec.model_validate(
     {"model": {"name": "m", "source": "builtin:tiny"},

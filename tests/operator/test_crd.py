@@ -11,8 +11,8 @@ import yaml
 from crd_check import admission_errors, apply_defaults, cel_errors, structural_errors
 
 from inflight.cli import main
-from inflight.operator.crd import render_crd, render_crd_yaml, render_reference_markdown
-from inflight.operator.spec import ModelServerSpec
+from inflight.operator.api.crd import render_crd, render_crd_yaml, render_reference_markdown
+from inflight.operator.api.types import ModelServerSpec
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())

@@ -30,12 +30,13 @@ import yaml
 from crd_check import admission_errors
 from emulated import emulated_cluster
 
-from inflight.operator import builders, spec
+from inflight.operator.api import types as spec
+from inflight.operator.api.crd import render_crd
+from inflight.operator.api.types import ModelServer
+from inflight.operator.children import server as builders
 from inflight.operator.controller import Controller
-from inflight.operator.crd import render_crd
 from inflight.operator.kube import KubeClient
 from inflight.operator.placement import place
-from inflight.operator.spec import ModelServer
 from inflight.operator.status import CONDITION_TYPES, condition_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,14 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 from inflight.download.errors import PERMANENT
-from inflight.operator.builders import (
+from inflight.operator.api.types import ModelServer
+from inflight.operator.children.server import (
     MANAGED_BY,
     download_container,
     pod_security,
     shared_owner_reference,
 )
 from inflight.operator.model_cache import ANNOTATION_SOURCE, DOWNLOAD_CONTAINER, LABEL_CACHE, Cache
-from inflight.operator.spec import ModelServer
 
 CACHE_MOUNT = "/cache"
 DOWNLOAD_BACKOFF_LIMIT = 6

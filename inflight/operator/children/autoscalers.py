@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from inflight.operator import builders
-from inflight.operator.autoscaler import ScalingPolicy
-from inflight.operator.pod_metrics import SERIES
-from inflight.operator.spec import Actuator, AutoscalingMetric, AutoscalingSpec, ModelServer
+from inflight.operator.api.types import Actuator, AutoscalingMetric, AutoscalingSpec, ModelServer
+from inflight.operator.autoscaling.decision import ScalingPolicy
+from inflight.operator.autoscaling.pod_metrics import SERIES
+from inflight.operator.children import server
 
 GROUP_VERSION = "inflight.dev/v1alpha1"
 KIND = "ModelServer"
@@ -50,7 +50,7 @@ def autoscaler_object(ms: ModelServer) -> dict[str, Any] | None:
         return None
     name, namespace = ms.metadata.name, ms.metadata.namespace
     policy = policy_of(autoscaling)
-    owner, labels = builders.owner_reference(ms), builders.labels(ms)
+    owner, labels = server.owner_reference(ms), server.labels(ms)
     if autoscaling.actuator is Actuator.HPA:
         return build_hpa(name, namespace, policy, autoscaling.metric, owner, labels)
     prometheus = autoscaling.prometheus

@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 
-from inflight.operator.autoscaler import Decision, Direction, Observation, ScalingPolicy, decide
-from inflight.operator.autoscaling_builders import policy_of
-from inflight.operator.pod_metrics import ready_pod_endpoints, scrape
-from inflight.operator.spec import AutoscalingMetric, AutoscalingSpec
+from inflight.operator.api.types import AutoscalingMetric, AutoscalingSpec
+from inflight.operator.autoscaling.decision import Decision, Direction, Observation, ScalingPolicy, decide
+from inflight.operator.autoscaling.pod_metrics import ready_pod_endpoints, scrape
+from inflight.operator.children.autoscalers import policy_of
 
 
 @dataclass

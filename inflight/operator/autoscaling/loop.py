@@ -21,17 +21,17 @@ import httpx
 from pydantic import ValidationError
 
 from inflight.operator import kube
-from inflight.operator.autoscaler import Direction
-from inflight.operator.builtin_autoscaler import (
+from inflight.operator.api.types import Actuator, ModelServer
+from inflight.operator.autoscaling.actuator import (
     AutoscalerState,
     autoscaling_status,
     evaluate,
     rfc3339,
     scaled,
 )
+from inflight.operator.autoscaling.decision import Direction
 from inflight.operator.controller import SERVER_CONTAINER, Controller
 from inflight.operator.replicas import desired_replicas, woken
-from inflight.operator.spec import Actuator, ModelServer
 
 log = logging.getLogger("inflight.operator.autoscaling")
 

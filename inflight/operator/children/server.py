@@ -16,9 +16,9 @@ import re
 from typing import Any
 
 from inflight import sizing
+from inflight.operator.api.types import BUILTIN_TINY, GROUP, KIND, VERSION, ModelServer
 from inflight.operator.model_cache import cache_of, revision
 from inflight.operator.placement import Placement
-from inflight.operator.spec import BUILTIN_TINY, GROUP, KIND, VERSION, ModelServer
 
 PORT = 8000
 API_KEY_DIR = "/var/run/inflight"
