@@ -16,7 +16,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -40,8 +39,16 @@ from inflight.operator.model_cache import (
     newest_pod,
 )
 from inflight.operator.placement import Placement, SizingError, place
-from inflight.operator.replicas import desired_replicas, woken
-from inflight.operator.status import Observed, Problem, build_status, condition_of, not_fitting, status_patch
+from inflight.operator.status import (
+    Observed,
+    Problem,
+    build_status,
+    condition_of,
+    desired_replicas,
+    not_fitting,
+    status_patch,
+    woken,
+)
 
 log = logging.getLogger("inflight.operator")
 
@@ -49,28 +56,7 @@ log = logging.getLogger("inflight.operator")
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 
 NODE_CACHE_SECONDS = 10.0
-SERVER_CONTAINER = "server"
 DOWNLOAD_LOG_LINES = 20
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def is_subset(desired: Any, live: Any) -> bool:
-    """Whether every field we set is present and equal in the live object (server defaults are extra)."""
-    if isinstance(desired, Mapping):
-        return isinstance(live, Mapping) and all(
-            k in live and is_subset(v, live[k]) for k, v in desired.items()
-        )
-    if isinstance(desired, list):
-        return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
-    return bool(desired == live)
-
-
-def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(ref.get("controller") and ref.get("uid") == uid for ref in refs)
 
 
 def child_patch(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
@@ -334,13 +320,13 @@ class Controller:
                 live = await self.kube.get(path)
                 if live is None:
                     raise
-        if not controlled_by(live, ms.metadata.uid):
+        if not kube.controlled_by(live, ms.metadata.uid):
             return live, Problem(
                 "NameConflict",
                 f"a {desired['kind']} named {ms.metadata.name} exists in {ms.metadata.namespace} and is not "
                 "owned by this ModelServer; delete it or rename the ModelServer",
             )
-        drifted = server.template_hash(desired) != server.template_hash(live) or not is_subset(
+        drifted = server.template_hash(desired) != server.template_hash(live) or not kube.is_subset(
             {k: desired[k] for k in ("metadata", "spec")}, live
         )
         if drifted:
@@ -382,7 +368,7 @@ class Controller:
             if resource == keep:
                 continue
             live = await self.kube.get(path)
-            if live is not None and controlled_by(live, ms.metadata.uid):
+            if live is not None and kube.controlled_by(live, ms.metadata.uid):
                 await self.kube.delete(path)
                 log.info(
                     "deleted %s %s/%s (actuator changed)",
@@ -392,13 +378,7 @@ class Controller:
                 )
 
     async def server_pods(self, ms: ModelServer) -> list[dict[str, Any]]:
-        """The ModelServer's pods (the label selector checked again: a client may ignore it)."""
-        selector = server.selector_labels(ms)
-        return [
-            pod
-            for pod in await self.kube.list(kube.PODS.path(ms.metadata.namespace), label_selector=selector)
-            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
-        ]
+        return await kube.pods_of(self.kube, ms.metadata.namespace, server.selector_labels(ms))
 
     async def _measure(
         self, ms: ModelServer, deployment: Mapping[str, Any] | None, template_hash: str | None
@@ -415,7 +395,7 @@ class Controller:
             if (pod.get("metadata", {}).get("annotations") or {}).get(server.ANNOTATION_TEMPLATE_HASH)
             == template_hash
         ]
-        endpoints = ready_pod_endpoints(pods, SERVER_CONTAINER)
+        endpoints = ready_pod_endpoints(pods, server.SERVER_CONTAINER)
         uids = {str(pod["metadata"].get("name")): str(pod["metadata"].get("uid", "")) for pod in pods}
         known = self._measured.get(key, {})
         kept = {
@@ -468,7 +448,7 @@ class Controller:
 
         measured = await self._measure(ms, deployment, template_hash) if problem is None else {}
         observed = Observed(placement, problem, deployment, replicas, template_hash, measured, download)
-        status = build_status(ms, observed, now_rfc3339())
+        status = build_status(ms, observed, kube.rfc3339(time.time()))
         self.metrics.record_status(ms.metadata.namespace, ms.metadata.name, status, replicas)
         current = body.get("status") or {}
         patch = status_patch(current, status)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from inflight.operator.api.types import ModelServer, ModelServerSpec, ModelServerStatus
-from inflight.operator.replicas import (
+from inflight.operator.status import (
     WAKE_ANNOTATION,
     desired_replicas,
     wake_pending,

@@ -13,7 +13,7 @@ from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 
 from inflight.operator.api.types import ModelServer
 from inflight.operator.children import server as builders
-from inflight.operator.controller import is_subset
+from inflight.operator.kube import is_subset
 from inflight.operator.placement import place
 
 PIECES = {

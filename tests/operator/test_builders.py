@@ -12,7 +12,7 @@ import yaml
 from inflight.operator.api.types import ModelServer, ModelServerStatus
 from inflight.operator.children import server
 from inflight.operator.placement import Placement, SizingError, parse_quantity, place
-from inflight.operator.replicas import desired_replicas
+from inflight.operator.status import desired_replicas
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())

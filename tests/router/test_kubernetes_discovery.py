@@ -31,7 +31,7 @@ from emulated import (
 from kube_emulator import KubeEmulator
 from router_harness import MODEL, LiveRouter, ServerProcess, start_router, start_servers, stop_servers
 
-from inflight.operator.replicas import WAKE_ANNOTATION
+from inflight.operator.status import WAKE_ANNOTATION
 from inflight.router.app import RouterSettings
 from inflight.router.kubernetes import kubernetes_discovery
 

@@ -21,7 +21,6 @@ SHORT_NAMES = ["ms"]
 CATEGORIES = ["inflight"]
 
 DEFAULT_IMAGE = "ghcr.io/inflight-dev/inflight-server:0.1.0"
-SOURCE_SCHEMES = ("pvc://", "hf://", "s3://", "file://")
 BUILTIN_TINY = "builtin:tiny"
 
 # An object field whose own fields all have defaults: `{}` in the schema, so the API server fills them in.

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from inflight.operator.api.types import Actuator, AutoscalingMetric, AutoscalingSpec, ModelServer
-from inflight.operator.autoscaling.decision import ScalingPolicy
+from inflight.operator.api.types import Actuator, AutoscalingMetric, ModelServer
+from inflight.operator.autoscaling.decision import ScalingPolicy, policy_of
 from inflight.operator.autoscaling.pod_metrics import SERIES
 from inflight.operator.children import server
 
@@ -27,17 +27,6 @@ HPA_METRIC_NAMES: dict[AutoscalingMetric, str] = {
 }
 """The custom-metrics name the HPA asks for. Two are the server's own series; requests in flight is
 running + waiting, which the README's Prometheus Adapter rule publishes under its name."""
-
-
-def policy_of(autoscaling: AutoscalingSpec) -> ScalingPolicy:
-    """The decision knobs of a ModelServer's ``spec.autoscaling``."""
-    return ScalingPolicy(
-        min_replicas=autoscaling.min_replicas,
-        max_replicas=autoscaling.max_replicas,
-        target=autoscaling.target,
-        scale_up_stabilization_s=autoscaling.scale_up_stabilization_seconds,
-        scale_down_delay_s=autoscaling.scale_down_delay_seconds,
-    )
 
 
 def autoscaler_object(ms: ModelServer) -> dict[str, Any] | None:

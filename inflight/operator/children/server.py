@@ -38,6 +38,7 @@ LABEL_MODELSERVER = "inflight.dev/modelserver"
 LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 ANNOTATION_TEMPLATE_HASH = "inflight.dev/template-hash"
 MANAGED_BY = "inflight-operator"
+SERVER_CONTAINER = "server"
 
 
 def selector_labels(ms: ModelServer) -> dict[str, str]:
@@ -275,7 +276,7 @@ def pod_template(ms: ModelServer, placement: Placement) -> dict[str, Any]:
     volumes, mounts = _volumes_and_mounts(ms, placement)
     http_get = {"port": "http", "scheme": "HTTP"}
     container = {
-        "name": "server",
+        "name": SERVER_CONTAINER,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["inflight", "serve"],
