@@ -171,25 +171,34 @@ class Controller:
             task.cancel()
         self._download_polls.clear()
 
+    async def _read_or_create(
+        self, resource: kube.Resource, namespace: str, path: str, desired: dict[str, Any]
+    ) -> tuple[dict[str, Any], bool]:
+        """The live object at `path`, created from `desired` when there is none, and whether this call
+        created it. A 409 (another writer created it first) reads it again."""
+        live = await self.kube.get(path)
+        if live is not None:
+            return live, False
+        try:
+            created = await self.kube.create(resource.path(namespace), desired)
+        except kube.KubeError as error:
+            if error.status != 409:
+                raise
+            live = await self.kube.get(path)
+            if live is None:
+                raise
+            return live, False
+        log.info("created %s %s/%s", desired["kind"], namespace, desired["metadata"]["name"])
+        return created, True
+
     async def _ensure_shared(
         self, ms: ModelServer, resource: kube.Resource, desired: dict[str, Any]
     ) -> dict[str, Any]:
         """Create a shared cache object, or add this ModelServer to the owners of the existing one."""
         path = resource.path(ms.metadata.namespace, desired["metadata"]["name"])
-        live = await self.kube.get(path)
-        if live is None:
-            try:
-                created = await self.kube.create(resource.path(ms.metadata.namespace), desired)
-                log.info(
-                    "created %s %s/%s", desired["kind"], ms.metadata.namespace, desired["metadata"]["name"]
-                )
-                return created
-            except kube.KubeError as error:
-                if error.status != 409:
-                    raise
-                live = await self.kube.get(path)
-                if live is None:
-                    raise
+        live, created = await self._read_or_create(resource, ms.metadata.namespace, path, desired)
+        if created:
+            return live
         owners = live.get("metadata", {}).get("ownerReferences") or []
         if not any(ref.get("uid") == ms.metadata.uid for ref in owners):
             # resourceVersion: a concurrent owner change makes this a 409, retried by the next reconcile.
@@ -308,18 +317,9 @@ class Controller:
     ) -> tuple[dict[str, Any] | None, Problem | None]:
         """Create the child or patch it back to `desired`; a same-named object we do not own is a problem."""
         path = resource.path(ms.metadata.namespace, ms.metadata.name)
-        live = await self.kube.get(path)
-        if live is None:
-            try:
-                created = await self.kube.create(resource.path(ms.metadata.namespace), desired)
-                log.info("created %s %s/%s", desired["kind"], ms.metadata.namespace, ms.metadata.name)
-                return created, None
-            except kube.KubeError as error:
-                if error.status != 409:
-                    raise
-                live = await self.kube.get(path)
-                if live is None:
-                    raise
+        live, created = await self._read_or_create(resource, ms.metadata.namespace, path, desired)
+        if created:
+            return live, None
         if not kube.controlled_by(live, ms.metadata.uid):
             return live, Problem(
                 "NameConflict",

@@ -14,6 +14,7 @@ from pydantic.alias_generators import to_camel
 
 GROUP = "inflight.dev"
 VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "ModelServer"
 PLURAL = "modelservers"
 SINGULAR = "modelserver"

@@ -12,13 +12,10 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from inflight.operator.api.types import Actuator, AutoscalingMetric, ModelServer
+from inflight.operator.api.types import API_VERSION, KIND, Actuator, AutoscalingMetric, ModelServer
 from inflight.operator.autoscaling.decision import ScalingPolicy, policy_of
 from inflight.operator.autoscaling.pod_metrics import SERIES
 from inflight.operator.children import server
-
-GROUP_VERSION = "inflight.dev/v1alpha1"
-KIND = "ModelServer"
 
 HPA_METRIC_NAMES: dict[AutoscalingMetric, str] = {
     AutoscalingMetric.REQUESTS_IN_FLIGHT: "inflight:num_requests_in_flight",
@@ -80,7 +77,7 @@ def build_hpa(
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(name, namespace, owner_reference, labels),
         "spec": {
-            "scaleTargetRef": {"apiVersion": GROUP_VERSION, "kind": KIND, "name": name},
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicas": policy.min_replicas,
             "maxReplicas": policy.max_replicas,
             "metrics": [
@@ -127,7 +124,7 @@ def build_scaled_object(
         "kind": "ScaledObject",
         "metadata": _metadata(name, namespace, owner_reference, labels),
         "spec": {
-            "scaleTargetRef": {"apiVersion": GROUP_VERSION, "kind": KIND, "name": name},
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicaCount": policy.min_replicas,
             "maxReplicaCount": policy.max_replicas,
             "pollingInterval": polling_interval_s,

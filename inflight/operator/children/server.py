@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from inflight import sizing
-from inflight.operator.api.types import BUILTIN_TINY, GROUP, KIND, VERSION, ModelServer
+from inflight.operator.api.types import API_VERSION, BUILTIN_TINY, KIND, ModelServer
 from inflight.operator.model_cache import cache_of, revision
 from inflight.operator.placement import Placement
 
@@ -78,7 +78,7 @@ def endpoint(ms: ModelServer) -> str:
 
 def owner_reference(ms: ModelServer) -> dict[str, Any]:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
+        "apiVersion": API_VERSION,
         "kind": KIND,
         "name": ms.metadata.name,
         "uid": ms.metadata.uid,
@@ -271,6 +271,20 @@ def _volumes_and_mounts(
     return volumes, mounts
 
 
+def scheduling(ms: ModelServer) -> dict[str, Any]:
+    """The pod fields that say who a ModelServer's pods run as and where: its service account (s3:// through
+    workload identity, too), node selector and tolerations; the ones the spec leaves out are absent."""
+    spec = ms.spec
+    fields: dict[str, Any] = {}
+    if spec.service_account_name:
+        fields["serviceAccountName"] = spec.service_account_name
+    if spec.node_selector:
+        fields["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        fields["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    return fields
+
+
 def pod_template(ms: ModelServer, placement: Placement) -> dict[str, Any]:
     spec = ms.spec
     volumes, mounts = _volumes_and_mounts(ms, placement)
@@ -315,12 +329,7 @@ def pod_template(ms: ModelServer, placement: Placement) -> dict[str, Any]:
     init = _download_init_container(ms)
     if init is not None:
         pod_spec["initContainers"] = [init]
-    if spec.service_account_name:
-        pod_spec["serviceAccountName"] = spec.service_account_name
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    pod_spec.update(scheduling(ms))
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(PORT),
