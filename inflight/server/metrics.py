@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM's names under the `inflight:` prefix (see the README's API section).
+"""Prometheus metrics with vLLM's names under the `inflight:` prefix (see docs/api.md).
 
 Each app owns its registry, so tests can run many apps in one process. Engine gauges and counters
 are read from the engine's latest stats snapshot at scrape time; latencies are observed per request.

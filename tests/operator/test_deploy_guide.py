@@ -27,8 +27,6 @@ import kopf
 import kubernetes_validate
 import pytest
 import yaml
-from crd_check import admission_errors
-from emulated import emulated_cluster
 
 from inflight.operator.api import types as spec
 from inflight.operator.api.crd import render_crd
@@ -38,6 +36,9 @@ from inflight.operator.controller import Controller
 from inflight.operator.kube import KubeClient
 from inflight.operator.placement import place
 from inflight.operator.status import CONDITION_TYPES, condition_of
+
+from support.crd_check import admission_errors
+from support.emulated import emulated_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "deploy-gpu.md"

@@ -1,5 +1,5 @@
 """Every API call the operator and the router make (`kube.OPERATOR_ACCESS`, `kube.ROUTER_ACCESS`), as RBAC
-rules: the Helm chart and README are built from them.
+rules: the chart and docs/reference/rbac.md are built from them.
 
 The operator gets, lists, watches, creates and merge-patches; it never PUTs (`update`). Children carry
 owner references and are garbage-collected with their ModelServer (the model cache's claim and Job with
