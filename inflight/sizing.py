@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
 from inflight.engine.parallel.layout import degree_error, valid_degrees
 
 MIB = 1024 * 1024
@@ -60,6 +61,8 @@ class ModelShape:
     num_experts: int = 1
     attention_bias: bool = False
     max_position_embeddings: int = 131072
+    # The Hugging Face architecture (config.json `architectures`); the server runs SUPPORTED_ARCHITECTURES.
+    architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -133,7 +136,34 @@ def _llama(name: str, layers: int, hidden: int, heads: int, intermediate: int, t
 
 def _qwen(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int) -> ModelShape:
     tie = vocab == 151936
-    return ModelShape(name, layers, hidden, heads, kv, hidden // heads, inter, vocab, tie, 1, True, 32768)
+    return ModelShape(
+        name,
+        layers,
+        hidden,
+        heads,
+        kv,
+        hidden // heads,
+        inter,
+        vocab,
+        tie,
+        attention_bias=True,
+        max_position_embeddings=32768,
+        architecture="Qwen2ForCausalLM",
+    )
+
+
+def unsupported_architecture(shape: ModelShape) -> str | None:
+    """Why the server cannot load this model, or None when it can (one source: the engine's
+    SUPPORTED_ARCHITECTURES; mixture-of-experts MLPs are not implemented)."""
+    runs = ", ".join(SUPPORTED_ARCHITECTURES)
+    if shape.architecture not in SUPPORTED_ARCHITECTURES:
+        return f"architecture not supported by the server: {shape.architecture} (the server runs {runs})"
+    if shape.num_experts > 1:
+        return (
+            f"architecture not supported by the server: a mixture-of-experts MLP ({shape.num_experts} "
+            f"experts per layer); the server runs dense {runs} models"
+        )
+    return None
 
 
 # Values from each model's published config.json (Hugging Face Hub).
@@ -152,10 +182,23 @@ MODEL_CATALOG: dict[str, ModelShape] = {
         _qwen("Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
         _qwen("Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),
         _qwen("Qwen/Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064),
-        ModelShape("mistralai/Mistral-7B-v0.3", 32, 4096, 32, 8, 128, 14336, 32768, False, 1, False, 32768),
-        ModelShape("mistralai/Mixtral-8x7B-v0.1", 32, 4096, 32, 8, 128, 14336, 32000, False, 8, False, 32768),
+        ModelShape(
+            "mistralai/Mistral-7B-v0.3",
+            32,
+            4096,
+            32,
+            8,
+            128,
+            14336,
+            32768,
+            False,
+            max_position_embeddings=32768,
+            architecture="MistralForCausalLM",
+        ),
         # The engine's built-in test model (`inflight serve --model builtin:tiny`).
         ModelShape("builtin:tiny", 4, 128, 4, 2, 32, 352, 2048, False, max_position_embeddings=2048),
+        # SmolLM2-135M-Instruct (`--model builtin:smollm2`).
+        ModelShape("builtin:smollm2", 30, 576, 9, 3, 64, 1536, 49152, True, max_position_embeddings=8192),
     )
 }
 
@@ -324,8 +367,12 @@ def _plan_one(
     kv_tokens = kv_blocks * limits.block_size
     slots = min(limits.max_slots, kv_tokens // min(limits.expected_tokens_per_seq, limits.max_model_len))
     budget = f"{limits.gpu_memory_utilization:g} x {gpu_memory_bytes / GIB:.1f} GiB"
+    unsupported = unsupported_architecture(shape)
     degree_problem = shape.tensor_parallel_error(tensor_parallel)
-    if degree_problem is not None:
+    if unsupported is not None:
+        fits = False
+        reason = unsupported
+    elif degree_problem is not None:
         fits = False
         valid = valid_degrees(shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size)
         reason = (
@@ -394,6 +441,8 @@ def plan(
     on_gpu = gpus > 0
     resolved = resolve_dtype(dtype, gpus, gpu_type)
     result = _plan_one(shape, resolved, gpu_memory_bytes, max(1, gpus), limits, on_gpu)
+    if unsupported_architecture(shape) is not None:
+        return result  # no GPU count or type helps
     min_gpus = None
     if on_gpu:
         for degree in TENSOR_PARALLEL_DEGREES:

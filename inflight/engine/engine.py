@@ -141,7 +141,7 @@ class LLMEngine:
         # A tensor-parallel engine always loads its own shard.
         shares = donor is not None and (donor.device, donor.dtype) == (self.device, self.dtype)
         if donor is None or not shares or self.workers is not None:
-            self.tokenizer = Tokenizer.from_dir(self.model_dir)
+            self.tokenizer = Tokenizer.from_path(self.model_dir)
             self.model = load_model(
                 self.model_dir, self.dtype, self.device, world_size=config.tensor_parallel_size
             )

@@ -107,6 +107,18 @@ class Tokenizer:
         return None if token is None else self._tokenizer.token_to_id(token)
 
     @classmethod
+    def from_path(cls, model: str | Path) -> Tokenizer:
+        """The tokenizer of a checkpoint folder, or the one a GGUF file's metadata describes."""
+        from inflight.engine.gguf import is_gguf
+
+        if is_gguf(model):
+            from inflight.engine.gguf.checkpoint import open_checkpoint
+            from inflight.engine.gguf.tokenizer import tokenizer_from_gguf
+
+            return tokenizer_from_gguf(open_checkpoint(model))
+        return cls.from_dir(model)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"

@@ -61,6 +61,15 @@ def matches(selector: Mapping[str, str] | None, labels: Mapping[str, str]) -> bo
 
 
 def model_shape(spec: ModelServerSpec) -> sizing.ModelShape:
+    """The shape to size, from spec.model.shape or the catalog; a model the server cannot load is refused."""
+    shape = _shape_of(spec)
+    unsupported = sizing.unsupported_architecture(shape)
+    if unsupported is not None:
+        raise SizingError("UnsupportedArchitecture", f"model {shape.name!r}: {unsupported}")
+    return shape
+
+
+def _shape_of(spec: ModelServerSpec) -> sizing.ModelShape:
     model = spec.model
     if model.shape is not None:
         s = model.shape

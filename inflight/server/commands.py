@@ -88,7 +88,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
         "--model",
         required=default_model is None,
         default=default_model,
-        help="checkpoint folder, or builtin:tiny / builtin:small (made once into $INFLIGHT_CACHE_DIR)",
+        help="checkpoint folder, .gguf file, or builtin:smollm2 (a real 135M chat model) / builtin:tiny / "
+        "builtin:small (random weights); built-in models are made once into $INFLIGHT_CACHE_DIR",
     )
     parser.add_argument(
         "--dtype",

@@ -15,31 +15,29 @@ from types import FrameType
 
 import uvicorn
 
-from inflight.cache import cache_dir
+from inflight.builtin_models import BUILTIN_PREFIX, BuiltinModelError, builtin_model_path
 from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.gguf import is_gguf
 
 logger = logging.getLogger("inflight.server")
 
-BUILTIN_PREFIX = "builtin:"
-
 
 def resolve_model(model: str) -> Path:
-    """A checkpoint folder for `--model`: a path, or `builtin:PRESET` (made once into the cache dir)."""
+    """The checkpoint for `--model`: a folder, a .gguf file, or `builtin:NAME` (made once into the cache
+    dir, see inflight/builtin_models.py)."""
     if model.startswith(BUILTIN_PREFIX):
-        from inflight.engine.model.make_model import PRESETS, make_model
-
-        preset = model.removeprefix(BUILTIN_PREFIX)
-        if preset not in PRESETS:
-            raise SystemExit(f"unknown built-in model {model!r}; choose one of: "
-                             + ", ".join(BUILTIN_PREFIX + p for p in PRESETS))  # fmt: skip
-        path = cache_dir() / "models" / f"{preset}-llama"
-        if not (path / "config.json").is_file():
-            logger.info("making the built-in %s model in %s (once)", preset, path)
-            make_model(path, preset=preset, arch="llama", seed=0, overwrite=True)
-        return path
+        try:
+            return builtin_model_path(model)
+        except BuiltinModelError as e:
+            raise SystemExit(f"inflight: --model {model}: {e}") from e
     path = Path(model).expanduser()
+    if is_gguf(path):
+        return path
     if not path.is_dir():
-        raise SystemExit(f"inflight serve: --model {model}: no such directory (or use builtin:tiny)")
+        raise SystemExit(
+            f"inflight serve: --model {model}: no such directory or .gguf file "
+            "(or use builtin:smollm2 / builtin:tiny)"
+        )
     if not (path / "config.json").is_file():
         raise SystemExit(
             f"inflight serve: --model {model}: no config.json there; expected a Hugging Face checkpoint"

@@ -28,7 +28,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "virtual clock for 1..32 slots, and runs them for real on the loaded model at a click. "
         "--png writes the same picture without a browser and exits.",
     )
-    add_engine_arguments(demo, default_model="builtin:tiny")
+    add_engine_arguments(demo, default_model="builtin:smollm2")
     demo.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     demo.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     demo.add_argument(

@@ -7,13 +7,6 @@ under test-artifacts/. Skipped only where no Chromium is installed (`apt-get ins
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,17 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = REPO_ROOT / "test-artifacts"
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+from .conftest import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, running_demo
+
 POLICIES = ("static", "continuous")
 FIGURES = ("throughput_tokens_per_s", "makespan_s", "mean_latency_s", "p95_latency_s", "idle_slot_s", "steps")
 
@@ -41,50 +25,13 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def demo_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    log = tmp_path_factory.mktemp("demo") / "server.log"
-    env = {
-        **os.environ,
-        # No saved calibration: the built-in cost model, as the JSON checks below expect.
-        "INFLIGHT_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [sys.executable, "-m", "inflight.cli", "demo", "--model", str(tiny_llama_dir)]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--max-slots", "4", "--num-kv-blocks", "64"]
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _ready(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"`inflight demo` did not become ready; its log:\n{log.read_text()}")
-            time.sleep(0.2)
-        assert f"open {url}/demo" in log.read_text()
+    # No saved calibration: the built-in cost model, as the JSON checks below expect.
+    cache = tmp_path_factory.mktemp("cache")
+    args = ["--model", str(tiny_llama_dir), "--max-slots", "4", "--num-kv-blocks", "64"]
+    with running_demo(args, cache, tmp_path_factory.mktemp("demo") / "server.log") as url:
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            assert process.wait(30) == 0, log.read_text()
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _page_figures(page: Any, attribute: str) -> dict[str, float]:

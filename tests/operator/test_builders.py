@@ -283,3 +283,17 @@ def test_version_label_from_the_image_tag() -> None:
     assert builders.image_version("inflight@sha256:" + "a" * 64) is None
     _, deployment, _ = built(example("tiny-cpu.yaml"))
     assert deployment["metadata"]["labels"]["app.kubernetes.io/version"] == "0.1.0"
+
+
+def test_a_mixture_of_experts_shape_is_refused_as_unsupported() -> None:
+    shape = {
+        "numLayers": 2, "hiddenSize": 64, "numAttentionHeads": 4, "numKeyValueHeads": 2, "headDim": 16,
+        "intermediateSize": 128, "vocabSize": 100, "numExperts": 8,
+    }  # fmt: skip
+    ms = ModelServer.model_validate(
+        {"metadata": {"name": "x"}, "spec": {"model": {"name": "x", "source": "s3://b/m", "shape": shape}}}
+    )
+    with pytest.raises(SizingError) as error:
+        place(ms.spec, [H100_NODE])
+    assert error.value.reason == "UnsupportedArchitecture"
+    assert "architecture not supported by the server" in error.value.message

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 
@@ -25,7 +28,7 @@ def test_catalog_parameter_counts_match_the_published_sizes() -> None:
         "Qwen/Qwen2.5-7B": 7.62,
         "Qwen/Qwen2.5-72B": 72.71,
         "mistralai/Mistral-7B-v0.3": 7.25,
-        "mistralai/Mixtral-8x7B-v0.1": 46.70,
+        "builtin:smollm2": 0.13,
     }
     for name, billions in published.items():
         assert sizing.MODEL_CATALOG[name].parameter_count() / 1e9 == pytest.approx(billions, abs=0.01), name
@@ -169,3 +172,39 @@ def test_size_cli_shape_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "not in the catalog" in capsys.readouterr().err
     assert main(["size", "--shape", "layers=2"]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_the_catalog_lists_only_models_the_server_runs() -> None:
+    from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
+
+    for shape in sizing.MODEL_CATALOG.values():
+        assert shape.architecture in SUPPORTED_ARCHITECTURES and shape.num_experts == 1, shape.name
+        assert sizing.unsupported_architecture(shape) is None
+    assert find_model("mixtral-8x7b-v0.1") is None
+
+
+MOE = sizing.ModelShape("acme/moe", 32, 4096, 32, 8, 128, 14336, 32000, False, num_experts=8)
+
+
+@pytest.mark.parametrize(
+    ("shape", "named"),
+    [(MOE, "mixture-of-experts MLP (8 experts"), (replace(MOE, num_experts=1, architecture="GPT2LMHeadModel"),
+                                                    "GPT2LMHeadModel")],
+)  # fmt: skip
+def test_a_model_the_server_cannot_load_never_fits(shape: sizing.ModelShape, named: str) -> None:
+    result = plan(shape, gpu_memory_bytes=H100_MIB * MIB, gpus=8, gpu_type=find_gpu("H100-80GB"))
+    assert not result.fits
+    assert result.reason.startswith("architecture not supported by the server")
+    assert named in result.reason
+    assert (result.min_gpus, result.smallest_gpu_type, result.slots) == (None, None, 0)
+
+
+def test_size_cli_says_architecture_not_supported(capsys: pytest.CaptureFixture[str]) -> None:
+    shape = "layers=32,hidden=4096,heads=32,kv_heads=8,head_dim=128,intermediate=14336,vocab=32000,experts=8"
+    assert main(["size", "--shape", shape, "--gpus", "8"]) == 1
+    assert "architecture not supported by the server" in capsys.readouterr().out
+
+
+def test_sizing_imports_without_torch() -> None:
+    code = "import sys, inflight.sizing; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

