@@ -3,12 +3,17 @@
 - One thread owns the `LLMEngine`: it loads it, runs a warm-up request, then loops: apply queued
   adds/aborts -> `step()` -> hand the step's outputs to the event loop (one `call_soon_threadsafe`
   per step). Nothing else touches the engine, so it needs no locks.
-- `submit()` registers one HTTP request's engine requests and returns a `Generation` whose outputs
-  arrive on an asyncio queue. Closing a generation early (client gone) aborts its requests: the
+- `submit()` registers one HTTP request's engine requests and returns a `Generation`. Outputs are
+  deltas (the engine runs every request with `output_kind="delta"`): each holds only the tokens, text
+  and logprobs that are new since the previous one. What the consumer has not read yet is merged into
+  one pending delta per request, so a client that stops reading costs memory in proportion to its
+  output, never one copy per step. Closing a generation early (client gone) aborts its requests: the
   engine frees their KV blocks before its next step.
 - Back-pressure: at most `max_slots + max_queue` sequences may be in flight; beyond that `submit()`
   raises `QueueFullError` with a Retry-After estimate (the server answers 429).
-- Isolation: a request the engine rejects fails alone. Should `step()` itself raise, the requests in
+- Isolation: a request the engine rejects fails alone; so does one whose sampling or output processing
+  raises inside a step (the engine ends it with finish_reason "error" and the reason in `error`; the
+  rest of the batch carries on). Should `step()` itself raise (the model's forward pass), the requests in
   the engine fail with `RequestFailedError`, are aborted, and the loop carries on with new ones.
 - `drain()` stops admissions (`EngineUnavailableError`), waits for in-flight requests up to a grace
   period, then aborts the rest (`RequestAbortedError`).
@@ -78,33 +83,55 @@ class _Abort:
     request_id: str
 
 
-Item = tuple[int, "RequestOutput"] | BaseException
-
-
 @dataclass(eq=False)
 class Generation:
-    """The outputs of one HTTP request's engine requests (one per prompt), in the order they come."""
+    """The delta outputs of one HTTP request's engine requests (one per prompt), in the order they come;
+    at most one pending (unread, merged) delta per request."""
 
     engine: AsyncEngine
     request_ids: list[str]
     num_seqs: int
     arrival_time: float = field(default_factory=time.monotonic)
-    queue: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
+    # request id -> (prompt index, the deltas not read yet, merged), oldest first.
+    pending: dict[str, tuple[int, RequestOutput]] = field(default_factory=dict)
+    failure: BaseException | None = None
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.request_ids)
 
+    def put(self, index: int, output: RequestOutput) -> None:
+        """Queue a delta output, merged into the request's unread one if there is one."""
+        waiting = self.pending.get(output.request_id)
+        if waiting is None:
+            self.pending[output.request_id] = (index, output)
+        else:
+            waiting[1].merge(output)
+        self._arrived.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Make `outputs()` raise `error` once the pending outputs are read (the first failure wins)."""
+        if self.failure is None:
+            self.failure = error
+        self._arrived.set()
+
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (prompt index, output) until every request finished; raise what failed a request."""
-        while self.unfinished or not self.queue.empty():
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            index, output = item
-            if output.finished:
-                self.unfinished.discard(output.request_id)
-            yield index, output
+        """Yield (prompt index, delta output) until every request finished; raise what failed a request."""
+        while True:
+            if self.pending:
+                request_id = next(iter(self.pending))
+                index, output = self.pending.pop(request_id)
+                if output.finished:
+                    self.unfinished.discard(request_id)
+                yield index, output
+            elif self.failure is not None:
+                raise self.failure
+            elif not self.unfinished:
+                return
+            else:
+                self._arrived.clear()
+                await self._arrived.wait()
 
     def close(self) -> None:
         """Abort whatever has not finished (idempotent); the engine frees those KV blocks."""
@@ -198,7 +225,7 @@ class AsyncEngine:
             await asyncio.wait_for(self._idle.wait(), timeout)
         leftover = {generation for generation, _ in self._generations.values()}
         for generation in leftover:
-            generation.queue.put_nowait(RequestAbortedError("the server is shutting down"))
+            generation.fail(RequestAbortedError("the server is shutting down"))
             generation.close()
         return len(leftover)
 
@@ -292,13 +319,13 @@ class AsyncEngine:
             if entry is None:
                 continue  # aborted meanwhile
             generation, index = entry
-            generation.queue.put_nowait((index, output))
+            generation.put(index, output)
             if output.finished:
                 self._forget(output.request_id)
         for request_id, error in failures:
             entry = self._generations.get(request_id)
             if entry is not None:
-                entry[0].queue.put_nowait(error)
+                entry[0].fail(error)
                 self._forget(request_id)
 
     def _set_ready(self) -> None:
@@ -312,7 +339,7 @@ class AsyncEngine:
         self.error = error
         self._ready.set()
         for generation, _ in list(self._generations.values()):
-            generation.queue.put_nowait(RequestFailedError(f"the engine stopped: {error}"))
+            generation.fail(RequestFailedError(f"the engine stopped: {error}"))
         self._generations.clear()
         self._idle.set()
         if self.on_fatal is not None:
@@ -397,7 +424,8 @@ class AsyncEngine:
                     continue
                 request = command.request
                 try:
-                    engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+                    params = replace(request.params, output_kind="delta")
+                    engine.add_request(request.request_id, request.prompt_token_ids, params)
                     live.add(request.request_id)
                 except Exception as error:
                     logger.warning("request %s rejected by the engine: %s", request.request_id, error)

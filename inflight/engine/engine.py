@@ -1,10 +1,13 @@
 """LLMEngine: one step = schedule -> run the model -> update sequences; requests in, outputs out.
 
-Outputs carry cumulative state: each `CompletionOutput` holds all token ids and all text generated so
-far, so a streaming consumer computes its delta from the lengths it already sent. A step returns an
-output for every request that gained a token or finished this step (including requests failed because
-they can never fit: finish_reason "error", `RequestOutput.error` says why). Aborted requests produce no
-further output.
+By default outputs carry cumulative state: each `CompletionOutput` holds all token ids, text and
+logprobs generated so far. A request with `SamplingParams.output_kind="delta"` gets only what is new
+since its previous output instead (the server's contract: no step copies a request's whole output, and
+unread deltas merge with `RequestOutput.merge`). A step returns an
+output for every request that gained a token or finished this step (including failed requests:
+finish_reason "error", `CompletionOutput.error` / `RequestOutput.error` say why). A request fails alone,
+the rest of the batch carrying on, when it can never fit, or when its own sampling or output processing
+raises inside a step. Aborted requests produce no further output.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from inflight.engine.model.llama import allocate_kv_caches
 from inflight.engine.model.loader import load_model
 from inflight.engine.parallel.group import TensorParallelGroup
 from inflight.engine.runner import ModelRunner, RunnerOutput
-from inflight.engine.sampler import Sampler
+from inflight.engine.sampler import Sampler, SampleResult
 from inflight.engine.scheduler import SchedulerOutput, create_scheduler
 from inflight.engine.sequence import FinishReason, PositionLogprobs, SamplingParams, Sequence
 from inflight.engine.stats import EngineStats
@@ -51,10 +54,23 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # Why this completion failed (finish_reason "error"), else None.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def merge(self, later: CompletionOutput) -> None:
+        """Append a later delta of the same completion to this one (in place)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *later.logprobs]
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.cumulative_logprob = later.cumulative_logprob
+        self.error = later.error
 
 
 @dataclass
@@ -77,8 +93,19 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    # Why the request failed (finish_reason "error"), else None.
+    # Why the request failed (a completion with finish_reason "error"), else None.
     error: str | None = None
+
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later delta output of the same request into this one (in place): what a consumer that
+        has not read this one yet would have seen in both."""
+        for completion, more in zip(self.outputs, later.outputs, strict=True):
+            completion.merge(more)
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.error = later.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 @dataclass
@@ -93,6 +120,10 @@ class _Request:
     texts: list[str] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_counted: bool = False
+    # Delta outputs: per completion, tokens and characters of text already sent; prompt logprobs sent.
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_chars: list[int] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -298,6 +329,8 @@ class LLMEngine:
             ],
             texts=[""] * params.n,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            sent_tokens=[0] * params.n,
+            sent_chars=[0] * params.n,
         )
 
     def abort(self, request_id: str) -> None:
@@ -322,6 +355,8 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
         result = self.runner.execute(out)
+        for seq_id, reason in result.failed.items():  # one request's failure ends that request only
+            self.scheduler.finish(seq_id, "error", error=reason)
         forked = self.scheduler.update(
             out, {sid: [s.token_id for s in r] for sid, r in result.samples.items()}
         )
@@ -341,26 +376,26 @@ class LLMEngine:
         for item in out.sampling:
             parent = item.seq
             request = self._requests[parent.request_id]
-            samples = result.samples[parent.seq_id]
+            progressed[request.request_id] = request
+            samples = result.samples.get(parent.seq_id)
+            if samples is None:  # its draw failed: already finished with "error"
+                continue
             members = [parent] if len(samples) == 1 else [s for s in request.seqs if s is not None]
-            for member, sample in zip(members, samples, strict=True):
-                self._num_generation_tokens += 1
-                if member.params.logprobs is not None:
-                    if member.logprobs is None:
-                        member.logprobs = []
-                    assert sample.top_logprobs is not None
-                    for token_id, logprob in sample.top_logprobs.items():
-                        logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-                    member.logprobs.append(sample.top_logprobs)
-                    member.cumulative_logprob += sample.logprob
-                self._detokenize(request, member)
+            try:
+                for member, sample in zip(members, samples, strict=True):
+                    self._record_sample(request, member, sample)
+            except Exception as error:
+                logger.warning(
+                    "request %s failed: processing its tokens raised %r", request.request_id, error
+                )
+                self._fail(request, f"processing this request's output failed: {error}")
+                continue
             if not request.prompt_counted:
                 request.prompt_counted = True
                 self._num_prompt_tokens += len(request.prompt_token_ids)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            progressed[request.request_id] = request
         for seq in out.failed:
             if seq.request_id in self._requests:
                 progressed[seq.request_id] = self._requests[seq.request_id]
@@ -372,6 +407,24 @@ class LLMEngine:
                 del self._requests[request.request_id]
             outputs.append(self._output(request, finished))
         return outputs
+
+    def _record_sample(self, request: _Request, member: Sequence, sample: SampleResult) -> None:
+        self._num_generation_tokens += 1
+        if member.params.logprobs is not None:
+            if member.logprobs is None:
+                member.logprobs = []
+            assert sample.top_logprobs is not None
+            for token_id, logprob in sample.top_logprobs.items():
+                logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            member.logprobs.append(sample.top_logprobs)
+            member.cumulative_logprob += sample.logprob
+        self._detokenize(request, member)
+
+    def _fail(self, request: _Request, reason: str) -> None:
+        """End every unfinished sequence of the request with finish_reason "error"; free their blocks."""
+        for seq in request.seqs:
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq.seq_id, "error", error=reason)
 
     def _detokenize(self, request: _Request, seq: Sequence) -> None:
         detok = request.detokenizers[seq.index]
@@ -396,27 +449,43 @@ class LLMEngine:
     def _output(self, request: _Request, finished: bool) -> RequestOutput:
         parent = request.seqs[0]
         assert parent is not None
+        delta = request.params.output_kind == "delta"
         completions = []
         for index, seq in enumerate(request.seqs):
             if seq is None:  # a sibling not forked yet (the parent failed before its prompt finished)
-                completions.append(CompletionOutput(index, "", [], parent.finish_reason))
+                completions.append(CompletionOutput(index, "", [], parent.finish_reason, error=parent.error))
                 continue
             text = request.texts[index]
             stops = seq.params.stop_strings
             if stops and not seq.is_finished:
                 # Hold back a tail that may still grow into a stop string.
                 text = text[: max(0, len(text) - max(len(s) for s in stops) + 1)]
+            token_ids, logprobs = seq.output_token_ids, seq.logprobs
+            if delta:
+                sent, sent_chars = request.sent_tokens[index], request.sent_chars[index]
+                request.sent_tokens[index], request.sent_chars[index] = (
+                    len(token_ids),
+                    max(sent_chars, len(text)),
+                )
+                token_ids, text = token_ids[sent:], text[sent_chars:]
+                if logprobs is not None:
+                    seq.logprobs = []  # they go out now: the engine keeps none of them
             completions.append(
                 CompletionOutput(
                     index=index,
                     text=text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=list(token_ids),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
-                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                    logprobs=None if logprobs is None else list(logprobs),
                     cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                    error=seq.error,
                 )
             )
+        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
+        if delta and request.sent_prompt_logprobs:
+            prompt_logprobs = None
+        request.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -424,8 +493,8 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             metrics=request.metrics,
-            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
-            error=parent.error,
+            prompt_logprobs=prompt_logprobs,
+            error=next((c.error for c in completions if c.error is not None), None),
         )
 
     # ---- figures and the offline loop

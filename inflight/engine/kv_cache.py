@@ -4,8 +4,11 @@ The model's K/V tensors live elsewhere (one [num_blocks, block_size, kv_heads, h
 this module only decides which block ids each sequence uses.
 
 - Ref counts: a block is owned by every sequence whose table holds it (prefix sharing, n > 1 forks).
-- Prefix caching: once a block is full, it is keyed by (key of the previous block, its token ids), a
-  hash chain over full blocks, so identical prompt prefixes map to the same blocks.
+- Prefix caching: once a block is full, it is keyed by sha256(key of the previous block + its token ids),
+  a cryptographic chain over full blocks, so identical prompt prefixes map to the same blocks and no
+  crafted prompt can collide with another's key (Python's 64-bit `hash()` could be inverted). The chain
+  starts at a digest of the request's extra keys (its `cache_salt`; a LoRA id would go there too), so
+  requests with different salts never share blocks.
 - Freed blocks keep their cached contents and stay reusable until allocation needs them: free blocks
   are handed out least-recently-freed first, uncached blocks before cached ones, and a sequence's tail
   blocks before its head blocks (heads are the likeliest shared prefixes).
@@ -16,12 +19,30 @@ this module only decides which block ids each sequence uses.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# (key of the previous block or None, token ids of this block)
-BlockKey = tuple[object, tuple[int, ...]]
+# sha256 digest (32 bytes) of the parent block's key and this block's token ids.
+BlockKey = bytes
+KEY_DOMAIN = b"inflight-prefix-cache-v1\0"
+
+
+def chain_root(cache_salt: str | None) -> BlockKey:
+    """The key the chain of a request's first block hangs from: a digest of its extra keys."""
+    return hashlib.sha256(KEY_DOMAIN + json.dumps({"cache_salt": cache_salt}).encode()).digest()
+
+
+def block_key(parent: BlockKey, tokens: Sequence[int]) -> BlockKey:
+    """sha256(parent digest + token ids as 8-byte little-endian integers)."""
+    ids = array("q", tokens)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return hashlib.sha256(parent + ids.tobytes()).digest()
 
 
 @dataclass
@@ -60,8 +81,11 @@ class KVCacheManager:
         self._block_keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
         self._tables: dict[str, list[int]] = {}
-        # Per sequence: keys of its leading full blocks that have been computed (the hash chain so far).
+        # Per sequence: keys of its leading full blocks that have been computed (the hash chain so far),
+        # and the root its chain starts from (its cache salt).
         self._seq_keys: dict[str, list[BlockKey]] = {}
+        self._seq_roots: dict[str, BlockKey] = {}
+        self._default_root = chain_root(None)
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -106,27 +130,31 @@ class KVCacheManager:
 
     # ---- prefix caching
 
-    def _key(self, parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
-        return (None if parent is None else hash(parent), tuple(tokens))
+    def cached_block(self, key: BlockKey) -> int | None:
+        """The block cached under `key`, if any."""
+        return self._cached.get(key)
 
-    def match_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Give a sequence that holds no blocks the cached blocks of its longest cached prefix.
 
         Only full blocks match, and at least one token is always left to compute (the step must produce
-        logits for the last token). Returns the number of tokens now in the cache for it.
+        logits for the last token); only blocks cached under the same `cache_salt` match. Returns the
+        number of tokens now in the cache for it.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; match_prefix comes first")
         self._tables[seq_id] = []
         self._seq_keys[seq_id] = []
+        root = self._default_root if cache_salt is None else chain_root(cache_salt)
+        self._seq_roots[seq_id] = root
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
         num_full = (len(token_ids) - 1) // bs
         self.prefix_cache_queries += num_full * bs
-        parent: BlockKey | None = None
+        parent = root
         for i in range(num_full):
-            key = self._key(parent, token_ids[i * bs : (i + 1) * bs])
+            key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
             block = self._cached.get(key)
             if block is None:
                 break
@@ -146,7 +174,8 @@ class KVCacheManager:
         table = self._tables[seq_id]
         bs = self.block_size
         for i in range(len(keys), num_computed_tokens // bs):
-            key = self._key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs])
+            parent = keys[-1] if keys else self._seq_roots.get(seq_id, self._default_root)
+            key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
             keys.append(key)
             block = table[i]
             if key not in self._cached and self._block_keys[block] is None:
@@ -200,11 +229,14 @@ class KVCacheManager:
             self.ref_counts[block] += 1
         self._tables[child_id] = list(table)
         self._seq_keys[child_id] = list(self._seq_keys[parent_id])
+        if parent_id in self._seq_roots:
+            self._seq_roots[child_id] = self._seq_roots[parent_id]
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's hold on its blocks (tail first). Unknown ids are ignored."""
         table = self._tables.pop(seq_id, None)
         self._seq_keys.pop(seq_id, None)
+        self._seq_roots.pop(seq_id, None)
         for block in reversed(table or []):
             self._release(block)
 
@@ -245,3 +277,4 @@ class KVCacheManager:
             assert (rc == 0) == (block in self._free), f"block {block}: ref count {rc} vs free list"
         for key, block in self._cached.items():
             assert self._block_keys[block] == key, f"cached block {block} has a stale key"
+        assert self._seq_roots.keys() <= self._tables.keys(), "a freed sequence kept its chain root"

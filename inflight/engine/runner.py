@@ -11,6 +11,7 @@ by `run_model`; with tensor parallelism rank 0 sends those lists to the other ra
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +24,8 @@ from inflight.engine.sampler import Sampler, SampleResult, SamplingRow, top_logp
 from inflight.engine.scheduler import ScheduledSequence, SchedulerOutput
 from inflight.engine.sequence import Logprob, PositionLogprobs
 
+logger = logging.getLogger("inflight.engine")
+
 
 @dataclass
 class RunnerOutput:
@@ -30,6 +33,8 @@ class RunnerOutput:
     samples: dict[str, list[SampleResult]] = field(default_factory=dict)
     # seq_id -> (index of the first prompt token predicted, logprobs of the tokens this step predicted).
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # seq_id -> why its draw failed (its request fails alone; it has no entry in `samples`).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -190,9 +195,31 @@ class ModelRunner:
             if any(d > 1 for d in draws_per_row):
                 repeat = torch.tensor(draws_per_row, device=self.device)
                 sample_logits = sample_logits.repeat_interleave(repeat, dim=0)
-            for owner, sample in zip(owners, self.sampler(sample_logits, sampling), strict=True):
-                result.samples.setdefault(owner, []).append(sample)
+            self._sample(sample_logits, sampling, owners, result)
         return result
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], owners: list[str], result: RunnerOutput
+    ) -> None:
+        """Draw every row at once. Should that raise (one request's parameters can break a batched op),
+        draw each sequence's rows alone: only the sequences whose own draw fails are reported failed."""
+        try:
+            drawn = self.sampler(logits, rows)
+        except Exception as error:
+            logger.warning("sampling the batch failed (%s); sampling each sequence alone", error)
+        else:
+            for owner, sample in zip(owners, drawn, strict=True):
+                result.samples.setdefault(owner, []).append(sample)
+            return
+        by_owner: dict[str, list[int]] = {}
+        for i, owner in enumerate(owners):
+            by_owner.setdefault(owner, []).append(i)
+        for owner, indices in by_owner.items():
+            try:
+                result.samples[owner] = self.sampler(logits[indices], [rows[i] for i in indices])
+            except Exception as error:
+                logger.warning("sequence %s failed: sampling raised %r", owner, error)
+                result.failed[owner] = f"sampling failed for this request: {error}"
 
     def _run(self, inputs: StepInputs) -> torch.Tensor | None:
         if self.broadcast is None:

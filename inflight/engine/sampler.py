@@ -124,7 +124,7 @@ class Sampler:
         at least TOP_P_CANDIDATES when a row has top_p without top_k. Such a row whose candidates do not
         reach its top_p mass makes the step rank the whole vocabulary instead."""
         vocab = logits.shape[1]
-        bounded = [r.params.top_k for r in rows if r.params.top_k > 0]
+        bounded = [r.params.top_k for r in rows if 0 < r.params.top_k < vocab]
         candidates = max(bounded, default=0)
         if len(bounded) < len(rows):
             candidates = max(candidates, TOP_P_CANDIDATES)
@@ -133,7 +133,8 @@ class Sampler:
         if filtered is None:
             filtered = self._rank_and_filter(logits, rows, vocab)
         assert filtered is not None
-        unfiltered = [r.params.top_k == 0 and r.params.top_p >= 1.0 for r in rows]
+        unfiltered = [r.params.top_k in range(1, vocab) or r.params.top_p < 1.0 for r in rows]
+        unfiltered = [not filters for filters in unfiltered]
         if any(unfiltered):
             keep = torch.tensor(unfiltered, device=logits.device)[:, None]
             filtered = torch.where(keep, logits, filtered)
@@ -146,7 +147,8 @@ class Sampler:
         without top_k (the tokens beyond them could be inside its top_p set)."""
         vocab = logits.shape[1]
         device = logits.device
-        top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)
+        # top_k at or above the vocabulary keeps every token (and could overflow a tensor of int64).
+        top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows], device=device)
         if candidates < vocab:
             sorted_logits, order = logits.topk(candidates, dim=-1)
         else:

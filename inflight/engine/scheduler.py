@@ -189,12 +189,15 @@ class Scheduler:
             seq.finish("abort")
         return stopped
 
-    def finish(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> Sequence | None:
-        """Finish a running or waiting sequence from outside (e.g. a stop string matched); free its blocks."""
+    def finish(
+        self, seq_id: str, reason: str, stop_reason: int | str | None = None, error: str | None = None
+    ) -> Sequence | None:
+        """Finish a running or waiting sequence from outside (a stop string matched, or the engine failed
+        it: reason "error" with `error`); free its blocks. An `update` of the step it was in skips it."""
         for seq in [*self.running, *self.waiting]:
             if seq.seq_id == seq_id:
                 self._remove(seq)
-                seq.finish(reason, stop_reason=stop_reason)
+                seq.finish(reason, stop_reason=stop_reason, error=error)
                 return seq
         return None
 
@@ -291,7 +294,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         # Requests that want prompt logprobs compute every prompt position, so they skip the cache.
         tokens = seq.token_ids if seq.params.prompt_logprobs is None else []
-        seq.num_computed_tokens = self.kv_cache.match_prefix(seq.seq_id, tokens)
+        seq.num_computed_tokens = self.kv_cache.match_prefix(seq.seq_id, tokens, seq.params.cache_salt)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -315,7 +318,7 @@ class Scheduler:
         finished: list[str] = []
         for item in out.scheduled:
             seq = item.seq
-            if seq.is_finished:  # aborted between schedule and update
+            if seq.is_finished:  # aborted or failed between schedule and update
                 continue
             seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             self.kv_cache.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)

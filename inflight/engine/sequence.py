@@ -7,23 +7,40 @@ prompt's KV blocks (ref counts), and each samples its own continuation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily: dividing logits by them overflows to inf/NaN (vLLM's rule).
+GREEDY_TEMPERATURE = 1e-5
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
+# What each step's output of a request holds: everything so far, or only what is new since the last one.
+OutputKind = Literal["cumulative", "delta"]
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (vLLM's names and meanings).
 
-    temperature 0 is greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    temperature 0 (or below GREEDY_TEMPERATURE) is greedy. top_k <= 0 (or >= the vocabulary) and
+    top_p == 1 and min_p == 0 disable those filters. Every float must be finite.
     max_tokens None means "until the context (max_model_len) is full". `seed` makes the request's
     tokens reproducible whatever else shares the batch. `logprobs` / `prompt_logprobs` ask for that
-    many top alternatives per token (plus the chosen token). Invalid values raise ValueError naming the
-    field, what it got and what is allowed.
+    many top alternatives per token (plus the chosen token). `output_kind` "delta" makes each output
+    carry only the tokens, text and logprobs that are new since the request's previous output (prompt
+    logprobs in the first only). Invalid values raise ValueError naming the field, what it got and what
+    is allowed.
     """
 
     n: int = 1
@@ -42,6 +59,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Requests share cached prefix KV blocks only with requests of the same salt (e.g. one per tenant).
+    cache_salt: str | None = None
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +74,10 @@ class SamplingParams:
 
     def _validate(self) -> None:
         checks: list[tuple[bool, str]] = [
+            (math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
+            for name in FLOAT_FIELDS
+        ]
+        checks += [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (
                 self.max_tokens is None or self.max_tokens >= 1,
@@ -72,6 +96,11 @@ class SamplingParams:
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (all(s for s in self.stop or []), "stop strings must be non-empty"),
+            (self.cache_salt is None or self.cache_salt != "", "cache_salt must be non-empty (or None)"),
+            (
+                self.output_kind in ("cumulative", "delta"),
+                f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}",
+            ),
             (all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be >= 0"),
         ]
         for name in ("logprobs", "prompt_logprobs"):
@@ -88,7 +117,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def stop_strings(self) -> list[str]:

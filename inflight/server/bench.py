@@ -3,9 +3,10 @@
 Each request is a streaming /v1/completions call with the workload's prompt token ids, greedy,
 ignore_eos and max_tokens = the request's output length, so the server generates exactly the tokens the
 offline engine does. Measured per request: time to first token (TTFT), the gaps between streamed chunks
-(inter-token latency, ITL: one chunk per engine step), end-to-end latency, and output tokens (from the
-stream's usage). Then the same workload runs through the offline engine in this process with the same
-engine settings, and the report gives served output tokens/s divided by offline tokens/s.
+(inter-token latency, ITL: one chunk per engine step, several steps merged when the server lags),
+end-to-end latency, and output tokens (from the stream's usage). Then the same workload runs through
+the offline engine in this process with the same engine settings, and the report gives served output
+tokens/s divided by offline tokens/s.
 """
 
 from __future__ import annotations

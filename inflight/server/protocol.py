@@ -45,6 +45,12 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, description="Accepted for compatibility; not used.")
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Share cached prompt prefixes only with requests of the same salt (e.g. one per tenant).",
+    )
     # Accepted for compatibility only at their neutral values; anything else is a 400.
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

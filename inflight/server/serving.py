@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,6 +55,9 @@ from inflight.server.protocol import (
     Usage,
     now,
 )
+
+if TYPE_CHECKING:
+    from inflight.engine.engine import CompletionOutput
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only the access log sees it
 
@@ -119,6 +122,7 @@ def _sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            cache_salt=body.cache_salt,
         )
     except ValueError as error:
         raise bad_request(str(error)) from error
@@ -214,36 +218,38 @@ def _engine_error(error: Exception) -> APIError:
 
 @dataclass
 class ChoiceState:
-    """One choice's accumulated output, and what the latest engine output added."""
+    """One choice's output so far (text and logprobs only when `keep`: the JSON path needs them, a
+    stream sends each delta on and keeps counts), and its finish."""
 
     index: int
     prompt_index: int
+    keep: bool = True
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 
-    def update(self, output: Any) -> tuple[str, list[int], list[PositionLogprobs]]:
-        """Apply an engine CompletionOutput (cumulative); return the new text, tokens and logprobs."""
-        text_delta = output.text[len(self.text) :]
-        token_delta = list(output.token_ids[len(self.token_ids) :])
-        logprob_delta = list(output.logprobs[len(self.logprobs) :]) if output.logprobs else []
-        self.text = output.text
-        self.token_ids = list(output.token_ids)
-        if output.logprobs:
-            self.logprobs = list(output.logprobs)
-        if token_delta and self.first_token_time is None:
+    def update(self, output: CompletionOutput) -> tuple[str, list[int], list[PositionLogprobs]]:
+        """Apply an engine CompletionOutput (a delta); return its new text, tokens and logprobs."""
+        logprobs = output.logprobs or []
+        if self.keep:
+            self.text += output.text
+            self.token_ids += output.token_ids
+            self.logprobs += logprobs
+        self.num_tokens += len(output.token_ids)
+        if output.token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()
         if output.finish_reason is not None and self.finish_reason is None:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
-            self.error = getattr(output, "error", None)
+            self.error = output.error
             self.finish_time = time.monotonic()
-        return text_delta, token_delta, logprob_delta
+        return output.text, output.token_ids, logprobs
 
 
 @dataclass
@@ -256,16 +262,18 @@ class RunState:
     prompts: list[list[int]]
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[PositionLogprobs | None]] = field(default_factory=dict)
+    # False for streams: choices keep counts, not the text and logprobs already sent.
+    keep_outputs: bool = True
 
     def choice(self, prompt_index: int, seq_index: int) -> ChoiceState:
         index = prompt_index * self.n + seq_index
         if index not in self.choices:
-            self.choices[index] = ChoiceState(index=index, prompt_index=prompt_index)
+            self.choices[index] = ChoiceState(index=index, prompt_index=prompt_index, keep=self.keep_outputs)
         return self.choices[index]
 
     def usage(self) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts)
-        completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
+        completion_tokens = sum(c.num_tokens for c in self.choices.values())
         return Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -278,7 +286,7 @@ class RunState:
             arrival=self.generation.arrival_time,
             first_token=choice.first_token_time,
             finish=choice.finish_time,
-            tokens=len(choice.token_ids),
+            tokens=choice.num_tokens,
             reason=choice.finish_reason,
         )
 
@@ -291,7 +299,8 @@ class RunState:
         }
 
     async def updates(self) -> AsyncIterator[tuple[ChoiceState, str, list[int], list[PositionLogprobs]]]:
-        """Each choice's new text/tokens/logprobs as the engine produces them."""
+        """Each choice's new text/tokens/logprobs as the engine produces them (several steps' worth
+        merged when the consumer fell behind)."""
         async for prompt_index, output in self.generation.outputs():
             if output.prompt_logprobs is not None and prompt_index not in self.prompt_logprobs:
                 self.prompt_logprobs[prompt_index] = list(output.prompt_logprobs)
@@ -430,7 +439,9 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
-    run = RunState(ctx, _submit(ctx, request_id, prompts, params), body.n, prompts)
+    run = RunState(
+        ctx, _submit(ctx, request_id, prompts, params), body.n, prompts, keep_outputs=not body.stream
+    )
     created = now()
     model = ctx.settings.served_model_name
     tokenizer = ctx.engine.tokenizer
@@ -568,7 +579,9 @@ async def chat_completion(ctx: ServerContext, body: ChatCompletionRequest, reque
     params = _sampling_params(body, max_tokens, top_n if body.logprobs else None, None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
-    run = RunState(ctx, _submit(ctx, request_id, [prompt], params), body.n, [prompt])
+    run = RunState(
+        ctx, _submit(ctx, request_id, [prompt], params), body.n, [prompt], keep_outputs=not body.stream
+    )
     created = now()
     model = ctx.settings.served_model_name
 

@@ -63,7 +63,7 @@ async def test_hpa_actuator_creates_the_hpa_and_replicas_follow_the_scale_subres
     autoscaling = {"minReplicas": 2, "maxReplicas": 5, "metric": "queueDepth", "target": 3, "actuator": "hpa"}
     async with running_operator():
         created = await (await cluster.post(MS_URL, json=modelserver("llama", autoscaling))).json()
-        hpa = await eventually(lambda: cluster.stored(HPAS, NS, "llama"), timeout=15, what="the HPA")
+        hpa = await eventually(lambda: cluster.stored(HPAS, NS, "llama"), timeout=60, what="the HPA")
         assert hpa["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
         assert hpa["spec"]["scaleTargetRef"] == {
             "apiVersion": "inflight.dev/v1alpha1",
@@ -144,7 +144,7 @@ async def test_keda_actuator_creates_the_scaled_object(cluster: KubeEmulator) ->
     async with running_operator():
         await cluster.post(MS_URL, json=modelserver("qwen", autoscaling))
         scaled = await eventually(
-            lambda: cluster.stored(SCALED_OBJECTS, NS, "qwen"), timeout=15, what="the ScaledObject"
+            lambda: cluster.stored(SCALED_OBJECTS, NS, "qwen"), timeout=60, what="the ScaledObject"
         )
         assert scaled["spec"]["scaleTargetRef"]["kind"] == "ModelServer"
         trigger = scaled["spec"]["triggers"][0]

@@ -226,7 +226,7 @@ async def test_load_raises_replicas_and_quiet_lowers_them(cluster: KubeEmulator,
             f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers", json=modelserver
         )
         assert response.status in (200, 201), await response.text()
-        await eventually(lambda: replicas(cluster) == 1, timeout=15, what="the Deployment with 1 replica")
+        await eventually(lambda: replicas(cluster) == 1, timeout=60, what="the Deployment with 1 replica")
         # the servers load the model meanwhile (slow on a busy 2-core machine)
         await eventually(
             lambda: any(ready(p) for p in pods(cluster).values()), timeout=100, what="pod 0 ready"
@@ -260,7 +260,7 @@ async def test_load_raises_replicas_and_quiet_lowers_them(cluster: KubeEmulator,
 
         scaling = await eventually(
             lambda: (e := scaling_events(cluster)) and e[-1][0] == "ScaledDown" and e,
-            timeout=10,
+            timeout=60,
             what="the scaling Events",
         )
         assert [reason for reason, _ in scaling] == ["ScaledUp", "ScaledDown"], scaling

@@ -192,10 +192,12 @@ async def test_measured_sizing_matches_the_plan_and_a_short_replica_is_sizing_dr
         response = await cluster.post(MS_URL, json=MODELSERVER)
         assert response.status in (200, 201), await response.text()
         deployment = await eventually(
-            lambda: cluster.stored(DEPLOYMENTS, NS, NAME), timeout=15, what="the Deployment"
+            lambda: cluster.stored(DEPLOYMENTS, NS, NAME), timeout=60, what="the Deployment"
         )
         args = server_container(deployment)["args"]
-        planned = status(cluster)["sizing"]
+        planned = await eventually(
+            lambda: status(cluster).get("sizing"), timeout=60, what="the planned sizing in status"
+        )
         assert int(flag(args, "--num-kv-blocks")) == planned["kvBlocks"] > 100
         ports = [free_port(), free_port()]
         short = planned["kvBlocks"] // 2  # replica 1 finds memory for only half the plan
@@ -238,7 +240,7 @@ async def test_measured_sizing_matches_the_plan_and_a_short_replica_is_sizing_dr
             }
             events = await eventually(
                 lambda: [e for e in posted_events(cluster) if e["reason"] == "SizingDrift"],
-                timeout=15,
+                timeout=60,
                 what="the SizingDrift Event",
             )
             assert events[0]["type"] == "Warning" and events[0]["message"] == drift["message"]

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from inflight import LLM, SamplingParams
 from inflight.engine.config import EngineConfig
-from inflight.engine.engine import LLMEngine
+from inflight.engine.engine import LLMEngine, RequestOutput
+from inflight.engine.sampler import SampleResult, SamplingRow
 
 PROMPTS = ["def main(", "import os\nimport sys", "class Foo:\n    def", "x = 1", "for i in range(10):"]
 
@@ -217,3 +220,136 @@ def test_generate_with_a_bad_prompt_leaves_nothing_behind(llm: LLM) -> None:
         llm.generate(["fine", [10**7]], greedy(2))
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv_cache.num_used_blocks == 0
+
+
+POISON_SEED = 666  # the poisoned sampler below raises for rows of requests with this seed
+
+
+def poison_sampling(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, after_tokens: int) -> None:
+    """Make the engine's sampler raise for any batch holding a POISON_SEED request past `after_tokens`."""
+    sampler = engine.runner.sampler
+
+    def poisoned(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        if any(r.params.seed == POISON_SEED and r.output_position >= after_tokens for r in rows):
+            raise RuntimeError("poisoned sampling parameters")
+        return sampler(logits, rows)
+
+    monkeypatch.setattr(engine.runner, "sampler", poisoned)
+
+
+def test_a_request_whose_sampling_fails_fails_alone(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = LLMEngine(
+        tiny_llama_dir, EngineConfig(max_num_seqs=8, num_kv_blocks=64, block_size=8, device="cpu")
+    )
+    prompts = PROMPTS[:4]
+    params = [greedy(8), greedy(8, seed=POISON_SEED), greedy(8, n=2), greedy(8)]
+    reference = engine.generate(prompts, [greedy(8), greedy(8), greedy(8, n=2), greedy(8)])
+    poison_sampling(engine, monkeypatch, after_tokens=3)
+    outputs = engine.generate(prompts, params)
+    failed = outputs[1]
+    assert failed.finished and failed.outputs[0].finish_reason == "error"
+    assert failed.error is not None and "poisoned sampling parameters" in failed.error
+    assert failed.outputs[0].error == failed.error
+    assert failed.outputs[0].token_ids == reference[1].outputs[0].token_ids[:3]  # what it had before
+    for index in (0, 2, 3):  # the others, batched with it all along, are untouched
+        assert [c.token_ids for c in outputs[index].outputs] == [
+            c.token_ids for c in reference[index].outputs
+        ]
+        assert all(c.finish_reason == "length" for c in outputs[index].outputs)
+    assert engine.kv_cache.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_forking_request_whose_first_draw_fails_fails_alone(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = LLMEngine(
+        tiny_llama_dir, EngineConfig(max_num_seqs=8, num_kv_blocks=64, block_size=8, device="cpu")
+    )
+    reference = engine.generate(PROMPTS[:2], greedy(5))
+    poison_sampling(engine, monkeypatch, after_tokens=0)
+    outputs = engine.generate(PROMPTS[:2], [greedy(5), greedy(5, n=3, seed=POISON_SEED)])
+    assert outputs[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert [c.finish_reason for c in outputs[1].outputs] == ["error"] * 3
+    assert outputs[1].error is not None and "poisoned" in outputs[1].error
+    assert engine.kv_cache.num_used_blocks == 0
+
+
+def test_huge_top_k_means_no_top_k_and_tiny_temperature_is_greedy(llm: LLM) -> None:
+    seeded = {"max_tokens": 8, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+    unfiltered = llm.generate([PROMPTS[0]], SamplingParams(**seeded))[0].outputs[0].token_ids  # type: ignore[arg-type]
+    huge = llm.generate([PROMPTS[0]], SamplingParams(**{**seeded, "top_k": 2**63}))[0].outputs[0]  # type: ignore[arg-type]
+    assert huge.token_ids == unfiltered
+    tiny = SamplingParams(max_tokens=8, temperature=1e-300, ignore_eos=True)
+    assert tiny.greedy
+    assert (
+        llm.generate([PROMPTS[0]], tiny)[0].outputs[0].token_ids
+        == llm.generate([PROMPTS[0]], greedy(8))[0].outputs[0].token_ids
+    )
+
+
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_sampling_params_reject_non_finite_numbers(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_request_whose_output_processing_fails_fails_alone(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = LLMEngine(
+        tiny_llama_dir, EngineConfig(max_num_seqs=8, num_kv_blocks=64, block_size=8, device="cpu")
+    )
+    reference = engine.generate(PROMPTS[:2], greedy(6))
+    detokenize = engine._detokenize
+
+    def broken(request: Any, seq: Any) -> None:
+        if request.request_id.endswith("-1") and seq.num_output_tokens >= 3:  # the second prompt only
+            raise UnicodeError("undecodable bytes")
+        detokenize(request, seq)
+
+    monkeypatch.setattr(engine, "_detokenize", broken)
+    good, bad = engine.generate(PROMPTS[:2], greedy(6))
+    assert good.outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert bad.outputs[0].finish_reason == "error"
+    assert bad.error is not None and "undecodable bytes" in bad.error
+    assert engine.kv_cache.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm: LLM) -> None:
+    engine = llm.engine
+    # n=2, logprobs, prompt logprobs, and a stop string that holds back the text's tail while running.
+    params = greedy(12, n=2, logprobs=2, prompt_logprobs=1, stop=["\x00never"])
+    engine.add_request("cumulative", PROMPTS[2], params)
+    engine.add_request("delta", PROMPTS[2], replace(params, output_kind="delta"))
+    seen: dict[str, list[RequestOutput]] = {"cumulative": [], "delta": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    final, deltas = seen["cumulative"][-1], seen["delta"]
+    assert len(deltas) > 2 and deltas[-1].finished
+    for index, whole in enumerate(final.outputs):
+        parts = [d.outputs[index] for d in deltas]
+        assert [t for p in parts for t in p.token_ids] == whole.token_ids
+        assert "".join(p.text for p in parts) == whole.text
+        assert [lp for p in parts for lp in p.logprobs or []] == whole.logprobs
+        assert parts[-1].finish_reason == whole.finish_reason == "length"
+    assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * (len(deltas) - 1)
+    assert deltas[0].prompt_logprobs == final.prompt_logprobs
+    # Merging the deltas (what the server does for a consumer that fell behind) gives the same again.
+    merged = deltas[0]
+    for later in deltas[1:]:
+        merged.merge(later)
+    assert merged.finished and merged.prompt_logprobs == final.prompt_logprobs
+    for mine, whole in zip(merged.outputs, final.outputs, strict=True):
+        assert (mine.token_ids, mine.text, mine.logprobs, mine.finish_reason, mine.cumulative_logprob) == (
+            whole.token_ids,
+            whole.text,
+            whole.logprobs,
+            whole.finish_reason,
+            whole.cumulative_logprob,
+        )

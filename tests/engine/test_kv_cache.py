@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,6 +100,37 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write() -> None:
     kv.check_consistency()
 
 
+def test_block_keys_are_a_sha256_chain_over_the_parent_digest_and_the_token_ids() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(1000, 1013))
+    kv.match_prefix("a", prompt)
+    kv.allocate("a", 0, len(prompt))
+    kv.cache_full_blocks("a", prompt, len(prompt))
+    # The spec, computed independently: the chain starts at a digest of the extra keys (no salt here).
+    parent = hashlib.sha256(
+        b"inflight-prefix-cache-v1\0" + json.dumps({"cache_salt": None}).encode()
+    ).digest()
+    for i, block in enumerate(kv.block_table("a")[:3]):
+        tokens = prompt[i * 4 : (i + 1) * 4]
+        parent = hashlib.sha256(parent + b"".join(t.to_bytes(8, "little") for t in tokens)).digest()
+        assert kv.cached_block(parent) == block
+
+
+def test_a_cache_salt_separates_prefixes() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(9))
+    kv.match_prefix("a", prompt, cache_salt="tenant-a")
+    kv.allocate("a", 0, len(prompt))
+    kv.cache_full_blocks("a", prompt, len(prompt))
+    assert kv.match_prefix("b", prompt, cache_salt="tenant-b") == 0  # another tenant: no shared blocks
+    assert kv.match_prefix("c", prompt) == 0  # no salt is a salt of its own
+    assert kv.match_prefix("d", prompt, cache_salt="tenant-a") == 8  # the same tenant hits
+    kv.allocate("b", 0, len(prompt))
+    kv.cache_full_blocks("b", prompt, len(prompt))
+    assert set(kv.block_table("b")).isdisjoint(kv.block_table("a"))
+    kv.check_consistency()
+
+
 def test_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheManager(num_blocks=0, block_size=16)
@@ -121,16 +155,20 @@ def test_random_operations_keep_the_pool_consistent(
     kv = KVCacheManager(num_blocks=10, block_size=3, enable_prefix_caching=caching)
     tokens: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
+    cached: set[tuple[str | None, int]] = set()  # (salt, prompt family) whose first block was cached
     for op, which, count, family in ops:
         seq = f"s{which}"
         if op == "new" and seq not in tokens:
             prompt = [family] * 4 + list(range(count))
-            hit = kv.match_prefix(seq, prompt)
+            salt = None if which % 3 == 0 else f"tenant-{which % 3}"
+            hit = kv.match_prefix(seq, prompt, cache_salt=salt)
             assert hit % 3 == 0 and hit < len(prompt)
+            assert hit == 0 or (salt, family) in cached  # only blocks cached under the same salt match
             tokens[seq], computed[seq] = prompt, hit
             if kv.allocate(seq, hit, len(prompt) - hit):
                 computed[seq] = len(prompt)
                 kv.cache_full_blocks(seq, prompt, len(prompt))
+                cached.add((salt, family))
         elif op == "grow" and seq in tokens:
             before = kv.block_table(seq)[:]
             start = computed[seq]

@@ -7,14 +7,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint, unpermute_rows
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.loader import load_model
 
 
-def _write(path: Path, arch: str, extra: dict[str, int] | None = None, tensors: tuple[str, ...] = ()) -> Path:
+def _write(
+    path: Path,
+    arch: str,
+    extra: dict[str, int] | None = None,
+    tensors: tuple[str, ...] = (),
+    raw_tensor: tuple[str, np.ndarray, GGMLQuantizationType] | None = None,
+) -> Path:
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
@@ -28,6 +34,9 @@ def _write(path: Path, arch: str, extra: dict[str, int] | None = None, tensors: 
         writer.add_uint32(f"{arch}.{key}", value)
     for name in tensors:
         writer.add_tensor(name, np.zeros((4, 32), dtype=np.float32))
+    if raw_tensor is not None:
+        name, raw, kind = raw_tensor
+        writer.add_tensor(name, raw, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -45,6 +54,14 @@ def test_a_mixture_of_experts_file_is_refused(tmp_path: Path) -> None:
     path = _write(tmp_path / "mixtral.gguf", "llama", {"expert_count": 8})
     with pytest.raises(ModelLoadError, match=r"mixture-of-experts model \(llama\.expert_count=8\)"):
         load_model(path)
+
+
+def test_an_unsupported_tensor_type_is_named_before_the_model_is_built(tmp_path: Path) -> None:
+    q8_k = GGMLQuantizationType.Q8_K
+    raw = np.zeros((4, GGML_QUANT_SIZES[q8_k][1]), dtype=np.uint8)
+    _write(tmp_path / "m.gguf", "llama", raw_tensor=("blk.0.ffn_up.weight", raw, q8_k))
+    with pytest.raises(ModelLoadError, match=r"m\.gguf: GGUF tensor type\(s\) Q8_K not supported; .*Q4_K"):
+        GGUFCheckpoint(tmp_path / "m.gguf").config()
 
 
 def test_tensors_without_a_place_are_named(tmp_path: Path) -> None:

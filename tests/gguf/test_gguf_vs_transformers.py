@@ -11,48 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
-from inflight.engine.model.llama import LlamaForCausalLM, allocate_kv_caches
+from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.model.loader import load_model
 from inflight.engine.sequence import SamplingParams
 
+from .conftest import paged_logits
+
 ATOL = 1e-4
 BLOCK_SIZE = 8
-
-
-def _paged_logits(model: LlamaForCausalLM, chunks: list[list[int]]) -> torch.Tensor:
-    """Logits for one sequence fed as `chunks` (a prefill, then smaller steps) through a paged KV cache
-    with shuffled blocks."""
-    num_blocks = 64
-    caches = allocate_kv_caches(model.config, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
-    free = list(range(1, num_blocks))
-    random.Random(0).shuffle(free)
-    table: list[int] = []
-    rows = []
-    done = 0
-    for chunk in chunks:
-        end = done + len(chunk)
-        while len(table) * BLOCK_SIZE < end:
-            table.append(free.pop())
-        positions = list(range(done, end))
-        slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor([0, len(chunk)], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            block_tables=torch.tensor([table], dtype=torch.int32),
-            query_lens_list=[len(chunk)],
-            seq_lens_list=[end],
-            max_query_len=len(chunk),
-            max_seq_len=end,
-        )
-        with torch.inference_mode():
-            hidden = model(torch.tensor(chunk), torch.tensor(positions), caches, meta)
-            rows.append(model.compute_logits(hidden))
-        done = end
-    return torch.cat(rows)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +44,7 @@ def test_logits_equal_transformers(ours: LlamaForCausalLM, hf_smollm2: Any) -> N
     ids += [19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531]
     with torch.inference_mode():
         expected = hf_smollm2(torch.tensor([ids])).logits[0]
-    got = _paged_logits(ours, [ids[:21], ids[21:30], *([t] for t in ids[30:])])
+    got = paged_logits(ours, [ids[:21], ids[21:30], *([t] for t in ids[30:])])
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < ATOL
     assert torch.equal(got.argmax(-1), expected.argmax(-1))

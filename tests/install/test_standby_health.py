@@ -70,7 +70,7 @@ async def test_operator_waiting_for_the_lease_is_healthy(monkeypatch: pytest.Mon
     )
     operator = asyncio.create_task(main.run(options, client=object()))  # type: ignore[arg-type]
     try:
-        await asyncio.wait_for(waiting.wait(), timeout=10)
+        await asyncio.wait_for(waiting.wait(), timeout=60)  # hang guard
         status, body = await get(f"http://127.0.0.1:{port}/healthz")
         assert status == 200 and body["leader"] is False
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # a standby serves its (idle) metrics too

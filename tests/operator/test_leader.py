@@ -3,14 +3,40 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 
 import kopf
+import pytest
 from emulated import emulated_cluster
 
+from inflight.operator import leader
 from inflight.operator.kube import KubeClient
 from inflight.operator.leader import LeaderElector
 
 LEASES = "coordination.k8s.io/v1/leases"
+
+
+class Clock:
+    """The Lease clock, moved only by the test: expiry never depends on how fast the machine runs."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    frozen = Clock()
+
+    class TestDatetime(datetime):
+        @classmethod
+        def now(cls, tz: object = None) -> datetime:  # type: ignore[override]
+            return frozen.now
+
+    monkeypatch.setattr(leader, "datetime", TestDatetime)
+    return frozen
 
 
 def elector(url: str, identity: str, lease_seconds: int = 1) -> LeaderElector:
@@ -20,7 +46,7 @@ def elector(url: str, identity: str, lease_seconds: int = 1) -> LeaderElector:
     )
 
 
-async def test_one_leader_renews_and_a_follower_takes_over_after_expiry() -> None:
+async def test_one_leader_renews_and_a_follower_takes_over_after_expiry(clock: Clock) -> None:
     async with emulated_cluster() as cluster:
         a, b = elector(str(cluster.url), "a"), elector(str(cluster.url), "b")
         try:
@@ -30,24 +56,24 @@ async def test_one_leader_renews_and_a_follower_takes_over_after_expiry() -> Non
             lease = cluster.stored(LEASES, "ops", "inflight-operator")
             assert lease is not None and lease["spec"]["holderIdentity"] == "a"
 
-            await asyncio.sleep(1.2)  # a stops renewing; the lease expires
+            clock.advance(1.2)  # a stops renewing; the lease expires
             assert await b.try_acquire_or_renew()
             lease = cluster.stored(LEASES, "ops", "inflight-operator")
             assert lease["spec"]["holderIdentity"] == "b" and lease["spec"]["leaseTransitions"] == 1
             assert not await a.try_acquire_or_renew()
-            await asyncio.wait_for(a.hold(), 2)  # the deposed leader notices and steps down
+            await asyncio.wait_for(a.hold(), 60)  # the deposed leader notices and steps down (hang guard)
         finally:
             await a.client.close()
             await b.client.close()
 
 
-async def test_concurrent_takeover_has_exactly_one_winner() -> None:
+async def test_concurrent_takeover_has_exactly_one_winner(clock: Clock) -> None:
     async with emulated_cluster() as cluster:
         electors = [elector(str(cluster.url), name) for name in "abcd"]
         try:
             results = await asyncio.gather(*(e.try_acquire_or_renew() for e in electors))
             assert sum(results) == 1
-            await asyncio.sleep(1.2)
+            clock.advance(1.2)
             results = await asyncio.gather(*(e.try_acquire_or_renew() for e in electors))
             assert sum(results) == 1
         finally:
@@ -55,7 +81,7 @@ async def test_concurrent_takeover_has_exactly_one_winner() -> None:
                 await e.client.close()
 
 
-async def test_acquire_waits_for_the_leader_to_go() -> None:
+async def test_acquire_waits_for_the_leader_to_go(clock: Clock) -> None:
     async with emulated_cluster() as cluster:
         a, b = (
             elector(str(cluster.url), "a", lease_seconds=3),
@@ -64,9 +90,10 @@ async def test_acquire_waits_for_the_leader_to_go() -> None:
         try:
             await a.acquire()
             waiting = asyncio.create_task(b.acquire())
-            await asyncio.sleep(0.5)
-            assert not waiting.done()  # a's lease is fresh
-            await asyncio.wait_for(waiting, 10)  # a never renews: b gets it after expiry
+            await asyncio.sleep(0.5)  # b retries every 0.05 s meanwhile
+            assert not waiting.done()  # a's lease is fresh: no time passed on the Lease clock
+            clock.advance(3.1)  # a never renews: the lease expires
+            await asyncio.wait_for(waiting, 60)  # b gets it on its next try (hang guard)
             assert cluster.stored(LEASES, "ops", "inflight-operator")["spec"]["holderIdentity"] == "b"
         finally:
             await a.client.close()

@@ -65,12 +65,13 @@ def start_server(
     max_queue: int = 64,
     num_kv_blocks: int = 128,
     block_size: int = 16,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> LiveServer:
     config = EngineConfig(
         max_num_seqs=max_slots,
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         max_num_batched_tokens=512,
     )
     engine = AsyncEngine(lambda: LLMEngine(model_dir, config), max_slots=max_slots, max_queue=max_queue)
@@ -97,6 +98,84 @@ def start_server(
         time.sleep(0.1)
     live.stop()
     raise RuntimeError(f"test server did not become ready (engine state {engine.state}: {engine.error})")
+
+
+class StepGate:
+    """Holds a live server's engine thread at the start of each step until the test lets steps through.
+
+    Tests use it to put a request in a known state (in the engine, not finished) whatever the machine's
+    speed, instead of hoping it is still running after some time.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._permits: int | None = 0  # steps allowed through; None: open
+        self._waiting = 0  # engine threads blocked at the gate (0 or 1)
+
+    def pass_through(self) -> None:
+        """Called by the engine thread before each step: block until a permit (or the gate opens)."""
+        with self._condition:
+            self._waiting += 1
+            self._condition.notify_all()
+            while self._permits == 0:
+                self._condition.wait()
+            self._waiting -= 1
+            if self._permits is not None:
+                self._permits -= 1
+            self._condition.notify_all()
+
+    def allow(self, steps: int = 1) -> None:
+        with self._condition:
+            self._permits = (self._permits or 0) + steps
+            self._condition.notify_all()
+
+    def open(self) -> None:
+        with self._condition:
+            self._permits = None
+            self._condition.notify_all()
+
+    def wait_until_held(self, timeout: float = 60) -> None:
+        """Wait until the engine thread is blocked at the gate with no permit left (it has work to do)."""
+        with self._condition:
+            held = self._condition.wait_for(lambda: self._waiting > 0 and self._permits == 0, timeout)
+        assert held, f"the engine did not reach the step gate within {timeout} s"
+
+
+@pytest.fixture
+def step_gate() -> Iterator[Callable[[LiveServer], StepGate]]:
+    """`step_gate(server)` puts a closed `StepGate` in front of that server's engine steps (removed after)."""
+    installed: list[tuple[LLMEngine, StepGate]] = []
+
+    def install(server: LiveServer) -> StepGate:
+        engine, gate = server.engine.engine, StepGate()
+        original = engine.step
+
+        def gated_step() -> Any:
+            gate.pass_through()
+            return original()
+
+        engine.step = gated_step  # type: ignore[method-assign]
+        installed.append((engine, gate))
+        return gate
+
+    yield install
+    for engine, gate in installed:
+        gate.open()
+        del engine.step  # back to the class's method
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll `check` until it is true; fail naming `what` after `timeout` seconds (a hang guard only)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def wait_for() -> Callable[..., None]:
+    """`wait_until` for test modules (they cannot import the conftest)."""
+    return wait_until
 
 
 @pytest.fixture(scope="session")

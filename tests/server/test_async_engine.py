@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
+import torch
 
 from inflight.engine.async_engine import (
     AsyncEngine,
@@ -17,8 +21,9 @@ from inflight.engine.async_engine import (
     RequestFailedError,
 )
 from inflight.engine.config import EngineConfig
-from inflight.engine.engine import CompletionOutput, RequestMetrics, RequestOutput
-from inflight.engine.sequence import SamplingParams
+from inflight.engine.engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
+from inflight.engine.sampler import SampleResult, SamplingRow
+from inflight.engine.sequence import Logprob, SamplingParams
 from inflight.engine.stats import EngineStats
 
 POISON_PROMPT = [666]  # the scripted engine's step() raises while this prompt is in it
@@ -32,7 +37,8 @@ class ScriptedTokenizer:
 
 @dataclass
 class ScriptedEngine:
-    """Each step appends token 7 to every request; a request finishes at its max_tokens."""
+    """Each step appends token 7 to every request (its output: that token, a delta); a request finishes
+    at its max_tokens."""
 
     tokenizer: ScriptedTokenizer = field(default_factory=ScriptedTokenizer)
     # What the async engine logs once the engine is ready.
@@ -69,7 +75,7 @@ class ScriptedEngine:
         pass
 
     def step(self) -> list[RequestOutput]:
-        self.gate.wait(10)
+        self.gate.wait(60)  # a hang guard; tests that clear the gate set it again
         self.steps += 1
         if any(prompt == POISON_PROMPT for prompt, _, _ in self.requests.values()):
             raise RuntimeError("scripted step failure")
@@ -85,7 +91,9 @@ class ScriptedEngine:
                     prompt=None,
                     prompt_token_ids=prompt,
                     outputs=[
-                        CompletionOutput(0, "x" * len(tokens), list(tokens), "length" if finished else None)
+                        CompletionOutput(
+                            0, "x", [7], "length" if finished else None, logprobs=[{7: Logprob(-0.5, 1)}]
+                        )
                     ],
                     finished=finished,
                     metrics=RequestMetrics(arrival_time=0.0),
@@ -124,8 +132,17 @@ async def scripted() -> object:
     async_engine.start()
     await async_engine.wait_ready()
     yield engine, async_engine
+    engine.gate.set()
     await async_engine.drain(timeout=0)
     await async_engine.stop()
+
+
+async def eventually(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll `check` on the event loop until it is true; fail naming `what` after `timeout` s (hang guard)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 async def collect(generation: object) -> list[RequestOutput]:
@@ -137,17 +154,39 @@ async def test_outputs_arrive_in_order_and_warm_up_is_not_counted(scripted: tupl
     assert async_engine.state == "ready"
     assert engine.steps == 2  # the warm-up request ran two steps before ready
     outputs = await collect(async_engine.submit([request("a", max_tokens=3)]))
-    assert [o.outputs[0].token_ids for o in outputs] == [[7], [7, 7], [7, 7, 7]]
-    assert [o.finished for o in outputs] == [False, False, True]
+    # Deltas: one per step, or several steps merged if this consumer fell behind.
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == [7, 7, 7]
+    assert "".join(o.outputs[0].text for o in outputs) == "xxx"
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert async_engine.stats().num_generation_tokens == 3  # warm-up steps subtracted
     assert async_engine.num_in_flight == 0
+
+
+async def test_unread_deltas_merge_into_one_pending_output_per_request(scripted: tuple) -> None:
+    _, async_engine = scripted
+    generation = async_engine.submit([request("p0", max_tokens=50), request("p1", max_tokens=30)])
+    # Not reading: the engine runs every step, the generation keeps one merged delta per request.
+    await eventually(lambda: not generation.unfinished - finished_ids(generation), "both requests to finish")
+    assert len(generation.pending) == 2
+    outputs = await collect(generation)
+    assert [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in outputs] == [
+        ("p0", 50, True),
+        ("p1", 30, True),
+    ]
+    (p0, _) = outputs
+    assert p0.outputs[0].text == "x" * 50 and p0.outputs[0].logprobs == [{7: Logprob(-0.5, 1)}] * 50
+
+
+def finished_ids(generation: object) -> set[str]:
+    return {rid for rid, (_, o) in generation.pending.items() if o.finished}  # type: ignore[attr-defined]
 
 
 async def test_requests_of_one_submission_share_a_generation(scripted: tuple) -> None:
     _, async_engine = scripted
     generation = async_engine.submit([request("p0", max_tokens=1), request("p1", max_tokens=2)])
-    seen = [(index, o.request_id, o.finished) async for index, o in generation.outputs()]
-    assert sorted(seen) == [(0, "p0", True), (1, "p1", False), (1, "p1", True)]
+    seen = [(index, o.request_id, len(o.outputs[0].token_ids)) async for index, o in generation.outputs()]
+    assert {(index, rid) for index, rid, _ in seen} == {(0, "p0"), (1, "p1")}
+    assert sum(n for _, rid, n in seen if rid == "p1") == 2
 
 
 async def test_capacity_is_slots_plus_queue_and_frees_on_finish(scripted: tuple) -> None:
@@ -171,10 +210,7 @@ async def test_close_aborts_in_the_engine_and_frees_capacity(scripted: tuple) ->
         break
     generation.close()
     assert async_engine.num_in_flight == 0
-    for _ in range(100):
-        if "long" in engine.aborted:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: "long" in engine.aborted, "the engine thread to apply the abort")
     assert engine.aborted == ["long"]
     assert not engine.requests
 
@@ -196,17 +232,30 @@ async def test_the_loop_survives_a_failing_step(scripted: tuple) -> None:
     assert (await collect(async_engine.submit([request("after", max_tokens=2)])))[-1].finished
 
 
-async def test_drain_refuses_new_requests_and_cuts_the_rest_at_the_timeout(scripted: tuple) -> None:
+async def test_drain_refuses_new_requests_and_waits_for_in_flight_ones(scripted: tuple) -> None:
+    engine, async_engine = scripted
+    engine.gate.clear()  # the request cannot finish until the gate opens
+    short = async_engine.submit([request("short", max_tokens=2)])
+    short_outputs = asyncio.ensure_future(collect(short))
+    drain = asyncio.ensure_future(async_engine.drain(timeout=60))
+    await asyncio.sleep(0)  # the drain starts: no admissions from now on
+    with pytest.raises(EngineUnavailableError, match="shutting down"):
+        async_engine.submit([request("late")])
+    assert async_engine.state == "draining"
+    assert not drain.done()
+    engine.gate.set()
+    assert await drain == 0
+    assert (await short_outputs)[-1].finished
+
+
+async def test_drain_cuts_what_is_left_at_the_timeout(scripted: tuple) -> None:
     _, async_engine = scripted
     short = async_engine.submit([request("short", max_tokens=2)])
     endless = async_engine.submit([request("endless", max_tokens=10_000_000)])
-    short_outputs = asyncio.ensure_future(collect(short))
-    assert await async_engine.drain(timeout=0.3) == 1
-    assert (await short_outputs)[-1].finished
+    assert (await collect(short))[-1].finished
+    assert await async_engine.drain(timeout=0.1) == 1  # `endless` can never finish in time
     with pytest.raises(RequestAbortedError):
         await collect(endless)
-    with pytest.raises(EngineUnavailableError, match="shutting down"):
-        async_engine.submit([request("late")])
     assert async_engine.state == "draining"
 
 
@@ -224,3 +273,43 @@ async def test_a_failed_load_is_reported() -> None:
     with pytest.raises(EngineUnavailableError):
         async_engine.submit([request("x")])
     await async_engine.stop()
+
+
+def delta_tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for output in outputs for t in output.outputs[0].token_ids]
+
+
+async def test_a_request_whose_sampling_fails_fails_alone_in_the_async_engine(tiny_llama_dir: Path) -> None:
+    """A real engine whose sampler raises for one request's rows: that request ends with "error" and a
+    reason, the request batched with it gets exactly its tokens, and the loop keeps serving."""
+    engine = LLMEngine(
+        tiny_llama_dir, EngineConfig(max_num_seqs=4, num_kv_blocks=64, block_size=8, device="cpu")
+    )
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = engine.tokenizer.encode("def main(")
+    (expected,) = engine.generate([prompt], greedy)
+    sampler = engine.runner.sampler
+
+    def poisoned(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        if any(r.params.seed == 666 and r.output_position >= 2 for r in rows):
+            raise RuntimeError("poisoned sampling parameters")
+        return sampler(logits, rows)
+
+    engine.runner.sampler = poisoned  # type: ignore[assignment]
+    async_engine = AsyncEngine(lambda: engine, max_slots=4, max_queue=4)
+    async_engine.start()
+    await async_engine.wait_ready()
+    try:
+        good = async_engine.submit([GenerationRequest("good", prompt, greedy)])
+        bad = async_engine.submit([GenerationRequest("bad", prompt, replace(greedy, seed=666))])
+        good_outputs, bad_outputs = await asyncio.gather(collect(good), collect(bad))
+        assert delta_tokens(good_outputs) == expected.outputs[0].token_ids
+        failed = bad_outputs[-1]
+        assert failed.finished and failed.outputs[0].finish_reason == "error"
+        assert failed.error is not None and "poisoned sampling parameters" in failed.error
+        after = await collect(async_engine.submit([GenerationRequest("after", prompt, greedy)]))
+        assert delta_tokens(after) == expected.outputs[0].token_ids
+        assert async_engine.stats().num_used_blocks == 0
+    finally:
+        await async_engine.drain(timeout=0)
+        await async_engine.stop()

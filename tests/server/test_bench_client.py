@@ -15,7 +15,9 @@ def test_the_benchmark_client_measures_every_token(live: Any) -> None:
     assert [r.error for r in results] == [None] * 4
     assert [r.output_tokens for r in results] == [3, 4, 5, 6]
     assert all(r.ttft is not None and r.ttft > 0 for r in results)
-    assert [len(r.itls) for r in results] == [2, 3, 4, 5]  # one streamed chunk per generated token
+    # One streamed chunk per engine step (one token), or fewer when the server merged steps a slow
+    # consumer had not read yet: a gap per chunk after the first.
+    assert all(1 <= len(r.itls) + 1 <= r.output_tokens for r in results)
     summary = summarize(results, duration)
     assert summary["completed"] == 4 and summary["output_tokens"] == 18
     assert summary["output_tokens_per_s"] == 18 / duration

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -164,23 +163,22 @@ def test_api_key_is_required_except_on_probes_and_metrics(guarded: Any) -> None:
     assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2  # type: ignore[union-attr]
 
 
-def test_queue_full_is_429_with_retry_after(guarded: Any) -> None:
+def test_queue_full_is_429_with_retry_after(guarded: Any, step_gate: Any, wait_for: Any) -> None:
+    gate = step_gate(guarded)  # the long request cannot finish (and free its slots) while we probe
     long = {**COMPLETION, "max_tokens": 200, "ignore_eos": True, "n": 2, "stream": True}
     with (
         httpx.Client(timeout=60) as client,
-        client.stream("POST", f"{guarded.url}/v1/completions", json=long, headers=AUTH) as stream,
+        client.stream("POST", f"{guarded.url}/v1/completions", json=long, headers=AUTH),
     ):
-        lines = stream.iter_lines()  # keep a reference: a dropped iterator closes the connection
-        next(lines)  # in flight: both slots taken, and no queue
+        # The headers came back: it is in flight, both slots taken, and there is no queue.
         response = post(guarded, "/v1/completions", COMPLETION)
         assert_error(response, 429, "rate_limit_error")
         assert int(response.headers["retry-after"]) >= 1
         sdk = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=KEY, max_retries=0)
         with pytest.raises(openai.RateLimitError):
             sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
-    deadline = time.monotonic() + 20
-    while guarded.engine.num_in_flight and time.monotonic() < deadline:
-        time.sleep(0.05)
+    gate.open()
+    wait_for(lambda: guarded.engine.num_in_flight == 0, "the dropped stream to be aborted")
     assert post(guarded, "/v1/completions", COMPLETION).status_code == 200
 
 

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -23,14 +23,31 @@ def free_port() -> int:
         return port
 
 
+HELD_CLI = Path(__file__).with_name("held_cli.py")
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll `check` until it is true; fail naming `what` after `timeout` seconds (a hang guard only)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
 @pytest.fixture
-def serve(tiny_llama_dir: Path) -> Iterator[object]:
+def hold(tmp_path: Path) -> Path:
+    """While this file exists the served engine runs no step (held_cli.py); `<hold>.held` says it waits."""
+    return tmp_path / "hold"
+
+
+@pytest.fixture
+def serve(tiny_llama_dir: Path, hold: Path) -> Iterator[object]:
     processes: list[subprocess.Popen[str]] = []
 
     def start(*extra: str) -> tuple[subprocess.Popen[str], str]:
         port = free_port()
         command = [
-            sys.executable, "-m", "inflight.cli", "serve", "--model", str(tiny_llama_dir),
+            sys.executable, str(HELD_CLI), str(hold), "serve", "--model", str(tiny_llama_dir),
             "--served-model-name", "tiny", "--port", str(port), "--max-slots", "2",
             "--num-kv-blocks", "64", "--max-model-len", "1024", *extra,
         ]  # fmt: skip
@@ -58,28 +75,29 @@ def serve(tiny_llama_dir: Path) -> Iterator[object]:
             process.wait()
 
 
-def wait_until_draining(url: str) -> None:
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{url}/ready").status_code == 200:
-        assert time.monotonic() < deadline, "SIGTERM did not start a drain"
-        time.sleep(0.02)
+def held(hold: Path) -> bool:
+    return hold.with_name(hold.name + ".held").exists()
 
 
-def test_sigterm_finishes_in_flight_streams_refuses_new_requests_and_exits_0(serve: object) -> None:
+def test_sigterm_finishes_in_flight_streams_refuses_new_requests_and_exits_0(
+    serve: object, hold: Path
+) -> None:
     process, url = serve("--drain-timeout", "60")  # type: ignore[operator]
     body = {"model": "tiny", "prompt": "def f():", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    hold.touch()  # the stream stays in flight until the test removes the file
     with (
         httpx.Client(timeout=60) as client,
         client.stream("POST", f"{url}/v1/completions", json=body) as stream,
     ):
         lines = stream.iter_lines()
-        assert next(lines).startswith("data: ")
+        wait_until(lambda: held(hold), "the request to reach the engine")
         process.send_signal(signal.SIGTERM)
-        wait_until_draining(url)
+        wait_until(lambda: httpx.get(f"{url}/ready").status_code != 200, "SIGTERM to start a drain")
         refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "service_unavailable_error"
         assert httpx.get(f"{url}/health").status_code == 200
+        hold.unlink()
         events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
@@ -91,17 +109,23 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_requests_and_exits_0(ser
     assert '"path": "/v1/completions", "status": 503' in log
 
 
-def test_the_drain_timeout_cuts_what_is_left_and_still_exits_0(serve: object) -> None:
+def test_the_drain_timeout_cuts_what_is_left_and_still_exits_0(serve: object, hold: Path) -> None:
     process, url = serve("--drain-timeout", "0.5")  # type: ignore[operator]
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    hold.touch()  # the request cannot finish before the drain timeout cuts it
     with (
         httpx.Client(timeout=60) as client,
         client.stream("POST", f"{url}/v1/completions", json=body) as stream,
     ):
         lines = stream.iter_lines()
-        assert next(lines).startswith("data: ")
+        wait_until(lambda: held(hold), "the request to reach the engine")
         process.send_signal(signal.SIGTERM)
-        events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        events = []
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                if '"error"' in line:
+                    hold.unlink()  # cut short: let the engine thread finish its step and stop
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "shutting_down"
     assert process.wait(timeout=60) == 0

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType
 
-from inflight.engine.gguf.dequant import dequantize
-from inflight.engine.model.config import ModelConfig
+from inflight.engine.gguf.dequant import SUPPORTED_TYPES, dequantize, supported_type_names
+from inflight.engine.model.config import ModelConfig, RopeScaling
 from inflight.engine.model.errors import ModelLoadError
+from inflight.engine.model.llama import rope_inv_freq
 
 # general.architecture -> the Hugging Face architecture the engine runs it as.
 GGUF_ARCHITECTURES = {
@@ -51,6 +52,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Llama 3.1-style rope scaling as llama.cpp stores it: one factor per rotary frequency.
+ROPE_FREQS = "rope_freqs.weight"
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
@@ -123,10 +126,13 @@ class GGUFCheckpoint:
                 "inflight has no MoE layer."
             )
         names = {t.name for t in self._reader.tensors}
-        if "rope_freqs.weight" in names:
+        unsupported = sorted(
+            {t.tensor_type.name for t in self._reader.tensors} - {t.name for t in SUPPORTED_TYPES}
+        )
+        if unsupported:
             raise self.fail(
-                "per-frequency rope factors (tensor rope_freqs.weight, Llama 3.1-style rope scaling) are not "
-                "supported in GGUF files; load the Hugging Face safetensors checkpoint instead."
+                f"GGUF tensor type(s) {', '.join(unsupported)} not supported; inflight reads "
+                f"{supported_type_names()}."
             )
         try:
             hidden = int(self._arch_value("embedding_length"))
@@ -162,14 +168,48 @@ class GGUFCheckpoint:
             raw["sliding_window"] = self._arch_value("attention.sliding_window")
         raw["bos_token_id"] = self.metadata.get("tokenizer.ggml.bos_token_id")
         raw["eos_token_id"] = self.metadata.get("tokenizer.ggml.eos_token_id")
-        return ModelConfig.from_hf_dict(raw, source=str(self.path))
+        config = ModelConfig.from_hf_dict(raw, source=str(self.path))
+        if ROPE_FREQS in names:
+            config = config.model_copy(update={"rope_scaling": self._llama3_scaling(config)})
+        return config
+
+    def _llama3_scaling(self, config: ModelConfig) -> RopeScaling:
+        """The Llama 3.1 rope scaling whose per-frequency factors llama.cpp stored as rope_freqs.weight.
+
+        The file keeps only the factors; the parameters are found by trying the standard ones (low/high
+        frequency factors 1 and 4, the original context a power of two) against them.
+        """
+        tensor = next(t for t in self._reader.tensors if t.name == ROPE_FREQS)
+        factors = dequantize(
+            np.asarray(tensor.data), int(tensor.tensor_type), (tensor.n_elements,), torch.float32
+        )
+        plain = rope_inv_freq(config, torch.device("cpu"))
+        if factors.shape != plain.shape:
+            raise self.fail(f"{ROPE_FREQS} has {factors.numel()} factors; head_dim {config.head_dim} needs "
+                            f"{plain.numel()}.")  # fmt: skip
+        contexts = sorted({config.max_position_embeddings, *(2**k for k in range(4, 21))})
+        for context in contexts:
+            scaling = RopeScaling(
+                rope_type="llama3",
+                factor=float(factors.max()),
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=context,
+            )
+            scaled = rope_inv_freq(config.model_copy(update={"rope_scaling": scaling}), torch.device("cpu"))
+            if torch.allclose(plain / scaled, factors, rtol=1e-4):
+                return scaling
+        raise self.fail(
+            f"the per-frequency rope factors in {ROPE_FREQS} match no Llama 3.1-style rope scaling "
+            "(low/high frequency factors 1 and 4); load the Hugging Face checkpoint instead."
+        )
 
     def tensors(self, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor in `dtype`) for every weight, in file order, dequantized one at a time.
 
         Raises ModelLoadError naming the tensors the engine has no place for before reading any.
         """
-        unknown = [t.name for t in self._reader.tensors if hf_name(t.name) is None]
+        unknown = [t.name for t in self._reader.tensors if hf_name(t.name) is None and t.name != ROPE_FREQS]
         if unknown:
             shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
             raise self.fail(
@@ -180,7 +220,8 @@ class GGUFCheckpoint:
         start = time.perf_counter()
         for tensor in self._reader.tensors:
             name = hf_name(tensor.name)
-            assert name is not None
+            if name is None:  # rope_freqs.weight: read into the config's rope scaling
+                continue
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             try:
                 raw = np.asarray(tensor.data)

@@ -1,10 +1,13 @@
 """The tokenizer a GGUF file describes (tokenizer.ggml.* metadata), built with the `tokenizers` library.
 
-Byte-level BPE vocabularies (`tokenizer.ggml.model` = gpt2: Llama 3, Qwen2, SmolLM, ...) are rebuilt the
-way transformers' GGUF loader builds them, so ids and text are the same as with
-`AutoTokenizer.from_pretrained(dir, gguf_file=...)` (tests/gguf/test_gguf_vs_transformers.py): the
-vocabulary and merges from the file, the pre-tokenizer split that `tokenizer.ggml.pre` names, control
-tokens as special tokens and user-defined ones as added tokens.
+Both kinds llama.cpp writes for the Llama family are rebuilt the way transformers' GGUF loader builds
+them, so ids and text are the same as with `AutoTokenizer.from_pretrained(dir, gguf_file=...)`
+(tests/gguf/test_gguf_tokenizer.py):
+- byte-level BPE (`tokenizer.ggml.model` = gpt2: Llama 3, Qwen2, SmolLM, ...): the vocabulary and
+  merges from the file, the pre-tokenizer split that `tokenizer.ggml.pre` names;
+- SentencePiece BPE (`llama`: Llama 2, Mistral 7B, ...): the vocabulary with byte fallback, merges from
+  the file or derived from the token scores, a "▁" word-boundary prefix;
+and in both, control tokens as special tokens and user-defined ones as added tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from tokenizers.models import BPE
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint
 from inflight.engine.tokenizer import Tokenizer
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # llama.cpp's token types
+SPIECE_SPACE = "\u2581"
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -111,6 +115,63 @@ def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str], types: list[i
     return tokenizer
 
 
+def _merges_from_scores(
+    vocab: dict[str, int], scores: list[float], tokens: list[str]
+) -> list[tuple[str, str]]:
+    """SentencePiece keeps no merges: every split of a token into two vocabulary pieces, best-scored
+    token first (transformers' `generate_merges` order)."""
+    merges: list[tuple[str, str, float]] = []
+    for token, score in zip(tokens, scores, strict=True):
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_bpe(checkpoint: GGUFCheckpoint, tokens: list[str], types: list[int]) -> HFTokenizer:
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    merges_raw = checkpoint.array("tokenizer.ggml.merges")
+    if merges_raw is not None:
+        merges = [tuple(merge.split(" ", 1)) for merge in merges_raw]
+    else:
+        scores = checkpoint.array("tokenizer.ggml.scores")
+        if scores is None:
+            raise checkpoint.fail(
+                "neither tokenizer.ggml.merges nor tokenizer.ggml.scores; cannot build BPE."
+            )
+        merges = _merges_from_scores(vocab, [float(s) for s in scores], tokens)
+    tokenizer = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = checkpoint.metadata.get("tokenizer.ggml.add_space_prefix") is not False
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SPIECE_SPACE, prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(token, normalized=False, special=True)
+            for token, kind in zip(tokens, types, strict=True)
+            if kind in (UNKNOWN, CONTROL)
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(token, normalized=False, special=False)
+            for token, kind in zip(tokens, types, strict=True)
+            if kind == USER_DEFINED
+        ]
+    )
+    return tokenizer
+
+
 def _special_processor(
     tokenizer: HFTokenizer, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool
 ) -> None:
@@ -134,13 +195,17 @@ def tokenizer_from_gguf(checkpoint: GGUFCheckpoint) -> Tokenizer:
     tokens = checkpoint.array("tokenizer.ggml.tokens")
     if tokens is None:
         raise checkpoint.fail("tokenizer.ggml.tokens is missing; the file carries no tokenizer.")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise checkpoint.fail(
-            f"tokenizer.ggml.model {kind!r} is not supported; inflight builds byte-level BPE ('gpt2') "
-            "tokenizers from GGUF files (Llama 3, Qwen2, SmolLM). Load the Hugging Face checkpoint instead."
+            f"tokenizer.ggml.model {kind!r} is not supported; inflight builds byte-level BPE ('gpt2') and "
+            "SentencePiece BPE ('llama') tokenizers. Load the Hugging Face checkpoint instead."
         )
-    types = checkpoint.array("tokenizer.ggml.token_type") or [1] * len(tokens)
-    tokenizer = _byte_level_bpe(checkpoint, [str(t) for t in tokens], [int(t) for t in types])
+    types = [int(t) for t in checkpoint.array("tokenizer.ggml.token_type") or [1] * len(tokens)]
+    token_list = [str(t) for t in tokens]
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(checkpoint, token_list, types)
+    else:
+        tokenizer = _sentencepiece_bpe(checkpoint, token_list, types)
 
     def token_of(key: str) -> str | None:
         index = meta.get(f"tokenizer.ggml.{key}")
@@ -156,7 +221,8 @@ def tokenizer_from_gguf(checkpoint: GGUFCheckpoint) -> Tokenizer:
         tokenizer,
         config["bos_token"],
         config["eos_token"],
-        bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        # SentencePiece vocabularies that do not say otherwise get BOS (as llama.cpp and transformers do).
+        bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         bool(meta.get("tokenizer.ggml.add_eos_token", False)),
     )
     # llama.cpp stops at every end-of-generation token the file names, not only at EOS.

@@ -1,25 +1,24 @@
 """Load a Llama-family checkpoint: a Hugging Face folder (config.json + safetensors, read directly) or a
 single GGUF file (inflight/engine/gguf/, dequantized at load).
 
-A tensor-parallel rank reads only its own slices of safetensors (`get_slice`), so it never holds the whole
-checkpoint; a GGUF tensor is dequantized whole, then sliced."""
+A tensor-parallel rank reads only its own slices of a safetensors file (`get_slice`), so it never holds
+the whole checkpoint; from a GGUF file it dequantizes one whole tensor at a time and keeps its part."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
 from inflight.engine.gguf import is_gguf
-from inflight.engine.gguf.checkpoint import open_checkpoint
+from inflight.engine.gguf.checkpoint import GGUFCheckpoint, open_checkpoint
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
-from inflight.engine.model.llama import LlamaForCausalLM, shard_layout
+from inflight.engine.model.llama import LlamaForCausalLM, WeightTarget, shard_layout
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -53,21 +52,28 @@ def load_model(
     torch_dtype = DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     if torch_dtype is None or torch_dtype not in DTYPES.values():
         raise ModelLoadError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16.")
-    config = gguf.config() if gguf is not None else ModelConfig.from_dir(model_dir)
-    files = [model_dir] if gguf is not None else _weight_files(model_dir)
+    config = read_config(model_dir)
     try:
         layout = shard_layout(config, rank, world_size)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from e
     device = torch.device(device)
+    files = [model_dir] if gguf is not None else _weight_files(model_dir)
     backend = attention_backend or get_attention_backend(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, device, layout)
     model = model.to(torch_dtype).to_empty(device=device)
-    tensors = gguf.tensors(config, torch_dtype) if gguf is not None else _safetensors_tensors(files)
-    _load_weights(model, tensors, files, config)
+    if gguf is not None:
+        _load_gguf_weights(model, gguf, config, torch_dtype)
+    else:
+        _load_weights(model, files, config)
     model.zero_vocab_padding()
     return model.eval()
+
+
+def read_config(model: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint folder (config.json) or of a GGUF file (its metadata)."""
+    return open_checkpoint(model).config() if is_gguf(model) else ModelConfig.from_dir(model)
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -101,66 +107,79 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"{model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file.{hint}")
 
 
-class StoredTensor(Protocol):
-    """A checkpoint tensor that can be read in part: a safetensors slice or an in-memory tensor."""
-
-    def __getitem__(self, index: Any) -> torch.Tensor: ...
-
-
-def _shape(stored: StoredTensor) -> tuple[int, ...]:
-    if isinstance(stored, torch.Tensor):
-        return tuple(stored.shape)
-    return tuple(stored.get_shape())  # type: ignore[attr-defined]  # safetensors' slice
-
-
-def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, StoredTensor]]:
-    """(name, lazy slice) for every tensor, so a tensor-parallel rank reads only its own part."""
+def _load_weights(model: LlamaForCausalLM, files: list[Path], config: ModelConfig) -> None:
+    targets = model.weight_targets()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_slice(name)
+                    stored = f.get_slice(name)
+                    shape = tuple(stored.get_shape())
+                    read = lambda source, s=stored: s[:] if source is None else s[source]  # noqa: E731
+                    _place(targets, name, shape, read, config, str(path), loaded, unexpected)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(
                 f"{path}: cannot read safetensors file ({e}). The file is corrupt or truncated; "
                 "download or regenerate it."
             ) from e
+    _check_complete(targets, loaded, unexpected, files, config)
 
 
-def _load_weights(
-    model: LlamaForCausalLM,
-    tensors: Iterable[tuple[str, StoredTensor]],
-    files: list[Path],
-    config: ModelConfig,
+def _load_gguf_weights(
+    model: LlamaForCausalLM, gguf: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype
 ) -> None:
-    """Copy (this rank's part of) each (checkpoint name, tensor) into its place in `model`; `files` name
-    the source in errors."""
     targets = model.weight_targets()
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, stored in tensors:
-        target = targets.get(name)
-        if target is None:
-            if not name.endswith(IGNORED_SUFFIXES) and not (
-                name == "lm_head.weight" and config.tie_word_embeddings
-            ):
-                unexpected.append(name)
-            continue
-        shape = _shape(stored)
-        if shape != target.checkpoint_shape:
-            raise ModelLoadError(
-                f"{', '.join(str(p) for p in files)}: tensor {name!r} has shape {shape}, but "
-                f"the config ({config.architecture}, hidden_size={config.hidden_size}, "
-                f"num_key_value_heads={config.num_key_value_heads}, head_dim={config.head_dim}) "
-                f"needs {target.checkpoint_shape}. The weights do not belong to this config."
-            )
-        loaded.add(name)
-        if target.param is None:
-            continue
-        tensor = stored[:] if target.source is None else stored[target.source]
-        with torch.no_grad():
-            dest = target.param if target.rows is None else target.param[target.rows]
-            dest.copy_(tensor)
+    for name, tensor in gguf.tensors(config, dtype):
+        read = lambda source, t=tensor: t if source is None else t[source]  # noqa: E731
+        _place(targets, name, tuple(tensor.shape), read, config, str(gguf.path), loaded, unexpected)
+    _check_complete(targets, loaded, unexpected, [gguf.path], config)
+
+
+def _place(
+    targets: dict[str, WeightTarget],
+    name: str,
+    shape: tuple[int, ...],
+    read: Callable[[tuple[slice, ...] | None], torch.Tensor],
+    config: ModelConfig,
+    where: str,
+    loaded: set[str],
+    unexpected: list[str],
+) -> None:
+    """Copy checkpoint tensor `name` (of `shape`; `read(source)` gives its part `source`) into its target."""
+    target = targets.get(name)
+    if target is None:
+        if not name.endswith(IGNORED_SUFFIXES) and not (
+            name == "lm_head.weight" and config.tie_word_embeddings
+        ):
+            unexpected.append(name)
+        return
+    if shape != target.checkpoint_shape:
+        raise ModelLoadError(
+            f"{where}: tensor {name!r} has shape {shape}, but the config "
+            f"({config.architecture}, hidden_size={config.hidden_size}, "
+            f"num_key_value_heads={config.num_key_value_heads}, head_dim={config.head_dim}) "
+            f"needs {target.checkpoint_shape}. The weights do not belong to this config."
+        )
+    loaded.add(name)
+    if target.param is None:
+        return
+    tensor = read(target.source)
+    with torch.no_grad():
+        dest = target.param if target.rows is None else target.param[target.rows]
+        dest.copy_(tensor)
+
+
+def _check_complete(
+    targets: dict[str, WeightTarget],
+    loaded: set[str],
+    unexpected: list[str],
+    files: list[Path],
+    config: ModelConfig,
+) -> None:
     missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

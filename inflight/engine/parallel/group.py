@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.errors import EngineDeadError
-from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.llama import shard_layout
+from inflight.engine.model.loader import read_config
 from inflight.engine.parallel.worker import WorkerSpec
 from inflight.engine.runner import StepInputs
 
@@ -63,7 +63,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def check_degree(model_dir: Path, size: int, device: torch.device) -> None:
     """Fail before spawning anything when `size` ranks cannot split the model or there are too few GPUs."""
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     try:
         shard_layout(config, 0, size)
     except ValueError as e:
