@@ -204,9 +204,20 @@ class ServedSystem:
     ready_path: str
     process: subprocess.Popen[bytes] | None = None
 
+    def pause(self) -> None:
+        """Stop every process of this server (SIGSTOP to its process group) while another system is
+        measured: an idle vLLM-CPU worker busy-polls and would take CPU from it."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process is None:
             return
+        self.resume()
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout=60)
@@ -245,7 +256,8 @@ def _start(name: str, command: list[str], env: dict[str, str], ready_path: str) 
     port = int(command[command.index("--port") + 1])
     _say(f"starting {name}: {' '.join(command[1:])}")
     system = ServedSystem(name, f"http://127.0.0.1:{port}", "bench", ready_path)
-    system.process = subprocess.Popen(command, env=env)
+    # Its own process group, so pause() reaches the server's children (vLLM's engine core and worker).
+    system.process = subprocess.Popen(command, env=env, start_new_session=True)
     return system
 
 
@@ -461,6 +473,11 @@ def _run_rate(
         for system in systems:
             _say(f"round {round_number}/{args.rounds}: {len(requests)} streaming requests at "
                  f"{rate} req/s against {system.name} at {system.url}")  # fmt: skip
+            for other in systems:
+                if other is system:
+                    other.resume()
+                else:
+                    other.pause()
             results, duration = asyncio.run(run_clients(system.url, system.model, requests, rate, args.seed))
             summary = summarize(results, duration)
             _say(
@@ -470,6 +487,8 @@ def _run_rate(
             )
             rounds.setdefault(system.name, []).append((summary, results))
         if not args.skip_offline:
+            for system in systems:
+                system.pause()
             _say("the same workload through the offline engine (same engine settings)")
             offline_runs.append(_offline_tokens_per_s(args, model_dir, requests))
             _say(f"offline: {offline_runs[-1]['output_tokens_per_s']:.1f} output tokens/s")
