@@ -8,6 +8,7 @@ import sys
 
 from inflight import __version__
 from inflight.bench import commands as benchmark_commands
+from inflight.download import commands as download_commands
 from inflight.engine import commands as engine_commands
 from inflight.engine.model import commands as model_commands
 from inflight.operator import commands as operator_commands
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         server_commands,
         sim_commands,
         operator_commands,
+        download_commands,
         router_commands,
         benchmark_commands,
     ):

@@ -15,6 +15,8 @@ import math
 import re
 from typing import Any
 
+from inflight import sizing
+from inflight.operator.model_cache import cache_of, revision
 from inflight.operator.placement import Placement
 from inflight.operator.spec import BUILTIN_TINY, GROUP, KIND, VERSION, ModelServer
 
@@ -24,6 +26,11 @@ API_KEY_FILE = f"{API_KEY_DIR}/api-key"
 MODELS_DIR = "/models"
 SERVER_UID = 10001  # the `inflight` user of server/Dockerfile
 AWS_CLI_IMAGE = "public.ecr.aws/aws-cli/aws-cli:2.22.35"
+DOWNLOAD_DIR = f"{MODELS_DIR}/download"
+# emptyDir bound for a download without a cache: float32 weights (the widest checkpoint dtype) + 10% +
+# 1 GiB for tokenizer and config files. A runaway download gets the pod evicted instead of filling the node.
+DOWNLOAD_LIMIT_BYTES_PER_PARAMETER = sizing.DTYPE_BYTES["float32"] * 1.1
+DOWNLOAD_LIMIT_EXTRA_BYTES = sizing.GIB
 # /dev/shm per tensor-parallel rank (memory-backed; NCCL's intra-node buffers need far less).
 SHM_GIB_PER_RANK = 1
 
@@ -79,6 +86,12 @@ def owner_reference(ms: ModelServer) -> dict[str, Any]:
     }
 
 
+def shared_owner_reference(ms: ModelServer) -> dict[str, Any]:
+    """An owner reference for an object several ModelServers share (the model cache): not a controller;
+    the garbage collector removes the object when its last owner is gone."""
+    return {**owner_reference(ms), "controller": False}
+
+
 def _metadata(ms: ModelServer) -> dict[str, Any]:
     return {
         "name": ms.metadata.name,
@@ -97,7 +110,10 @@ def model_path(ms: ModelServer) -> str:
         return f"{MODELS_DIR}/pvc/{source.removeprefix('pvc://').rstrip('/')}"
     if source.startswith("file://"):
         return source.removeprefix("file://")
-    return f"{MODELS_DIR}/download"  # hf:// and s3://: fetched by an init container
+    gguf = source.rstrip("/").rpartition("/")[2]
+    if gguf.endswith(".gguf"):  # one named GGUF file of the repository or prefix
+        return f"{DOWNLOAD_DIR}/{gguf}"
+    return DOWNLOAD_DIR  # hf:// and s3://: fetched by the download Job (cache) or an init container
 
 
 def server_args(ms: ModelServer, placement: Placement) -> list[str]:
@@ -156,30 +172,37 @@ def _container_security() -> dict[str, Any]:
     }
 
 
-def _download_init_container(ms: ModelServer) -> dict[str, Any] | None:
-    """An init container that fetches hf:// or s3:// weights into the shared `model` volume."""
+def pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": SERVER_UID,
+        "runAsGroup": SERVER_UID,
+        "fsGroup": SERVER_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def download_container(
+    ms: ModelServer, name: str, dest: str, mounts: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """A container fetching hf:// weights (`inflight download`) or s3:// ones (`aws s3 sync`) to `dest`."""
     source = ms.spec.model.source
-    mounts = [{"name": "model", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
     if source.startswith("hf://"):
-        env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": "/tmp/huggingface"}]
         token = ms.spec.model.hf_token_secret_ref
         if token is not None:
             secret = {"secretKeyRef": {"name": token.name, "key": token.key}}
             env.append({"name": "HF_TOKEN", "valueFrom": secret})
-        script = (
-            "import sys; from huggingface_hub import snapshot_download; "
-            "snapshot_download(sys.argv[1], local_dir=sys.argv[2])"
-        )
-        command = ["python", "-c", script, source.removeprefix("hf://"), f"{MODELS_DIR}/download"]
+        command = ["inflight", "download", source, dest, "--revision", revision(ms.spec.model) or "main"]
         image = ms.spec.image
     elif source.startswith("s3://"):
-        env = [{"name": "HOME", "value": "/tmp"}]
-        command = ["aws", "s3", "sync", "--only-show-errors", source, f"{MODELS_DIR}/download"]
+        # The server image carries no boto3; the AWS CLI image syncs with the pod's credentials.
+        command = ["aws", "s3", "sync", "--only-show-errors", source, dest]
         image = AWS_CLI_IMAGE
     else:
         return None
     return {
-        "name": "fetch-model",
+        "name": name,
         "image": image,
         "imagePullPolicy": ms.spec.image_pull_policy,
         "command": command,
@@ -188,6 +211,20 @@ def _download_init_container(ms: ModelServer) -> dict[str, Any] | None:
         "securityContext": _container_security(),
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
     }
+
+
+def _download_init_container(ms: ModelServer) -> dict[str, Any] | None:
+    """Without a cache: an init container fetches hf:// or s3:// weights into the pod's `model` emptyDir."""
+    if cache_of(ms) is not None:
+        return None  # the download Job filled the cache before the Deployment was created
+    mounts = [{"name": "model", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    return download_container(ms, "fetch-model", DOWNLOAD_DIR, mounts)
+
+
+def download_size_limit(placement: Placement) -> str:
+    """The model emptyDir's sizeLimit: the checkpoint at its widest plus a margin, in MiB."""
+    limit = placement.plan.parameter_count * DOWNLOAD_LIMIT_BYTES_PER_PARAMETER + DOWNLOAD_LIMIT_EXTRA_BYTES
+    return f"{math.ceil(limit / sizing.MIB)}Mi"
 
 
 def _resources(ms: ModelServer) -> dict[str, Any]:
@@ -213,8 +250,13 @@ def _volumes_and_mounts(
         claim = source.removeprefix("pvc://").split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{MODELS_DIR}/pvc/{claim}", "readOnly": True})
+    elif (cache := cache_of(ms)) is not None:  # the download Job's folder in the cache volume
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": cache.claim_name, "readOnly": True}}
+        )
+        mounts.append({"name": "model", "mountPath": DOWNLOAD_DIR, "subPath": cache.key, "readOnly": True})
     elif source.startswith(("hf://", "s3://")):
-        volumes.append({"name": "model", "emptyDir": {}})
+        volumes.append({"name": "model", "emptyDir": {"sizeLimit": download_size_limit(placement)}})
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
     if ms.spec.auth is not None:
         ref = ms.spec.auth.api_key_secret_ref
@@ -267,13 +309,7 @@ def pod_template(ms: ModelServer, placement: Placement) -> dict[str, Any]:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": SERVER_UID,
-            "runAsGroup": SERVER_UID,
-            "fsGroup": SERVER_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security(),
     }
     init = _download_init_container(ms)
     if init is not None:

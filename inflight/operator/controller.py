@@ -4,8 +4,10 @@ Every trigger (a ModelServer event, an event of one of its children, the periodi
 idempotent `reconcile`: it reads the ModelServer, the nodes' GPU labels, the Secrets it references and the
 live children, then creates what is missing, merge-patches what drifted, and merge-patches `status` when
 it changed. It never writes `spec` and never PUTs; the children carry owner references, so the garbage
-collector removes them with the ModelServer. The one deletion: an HPA or ScaledObject of an actuator no
-longer in use (it would be a second writer of replicas). Reconciles of one ModelServer never overlap.
+collector removes them with the ModelServer. The deletions: an HPA or ScaledObject of an actuator no
+longer in use (it would be a second writer of replicas), and a model cache's claim and Job whose last
+ModelServer moved to another source, revision or cache. With a model cache the Deployment is created or
+changed only after the cache's download Job succeeded. Reconciles of one ModelServer never overlap.
 """
 
 from __future__ import annotations
@@ -20,9 +22,19 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from inflight.operator import builders, kube
+from inflight.operator import builders, cache_builders, kube
 from inflight.operator.autoscaling_builders import autoscaler_object
 from inflight.operator.metrics import OperatorMetrics
+from inflight.operator.model_cache import (
+    DOWNLOAD_CONTAINER,
+    JOB_POD_LABEL,
+    LABEL_CACHE,
+    Cache,
+    Download,
+    cache_of,
+    download_state,
+    newest_pod,
+)
 from inflight.operator.placement import Placement, SizingError, place
 from inflight.operator.pod_metrics import PodSizing, ready_pod_endpoints, scrape_sizing
 from inflight.operator.replicas import desired_replicas, woken
@@ -36,6 +48,7 @@ EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 
 NODE_CACHE_SECONDS = 10.0
 SERVER_CONTAINER = "server"
+DOWNLOAD_LOG_LINES = 20
 
 
 def now_rfc3339() -> str:
@@ -80,6 +93,9 @@ class Controller:
     pod: a pod's pool never changes) and records every outcome in `metrics`.
     """
 
+    # While a model downloads, reconcile this often to refresh status.modelCache's bytes.
+    download_poll_seconds = 10.0
+
     def __init__(
         self,
         client: kube.KubeClient,
@@ -95,6 +111,7 @@ class Controller:
         self._nodes: tuple[float, list[dict[str, str]]] | None = None
         self._measured: dict[tuple[str, str], dict[str, tuple[str, PodSizing]]] = {}  # pod -> (uid, sizing)
         self._http: httpx.AsyncClient | None = None
+        self._download_polls: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         self._locks.pop((namespace, name), None)
@@ -102,6 +119,7 @@ class Controller:
         self.metrics.forget(namespace, name)
 
     async def close(self) -> None:
+        self.stop_download_polls()
         if self._http is not None:
             await self._http.aclose()
         await self.kube.close()
@@ -136,6 +154,129 @@ class Controller:
             self.metrics.forget(namespace, name)
             return None
         return await self._reconcile(body)
+
+    async def reconcile_cache_users(self, namespace: str, key: str) -> None:
+        """Reconcile the ModelServers whose model cache is `key` (its download Job changed)."""
+        for body in await self.kube.list(kube.MODELSERVERS.path(namespace)):
+            try:
+                cache = cache_of(ModelServer.model_validate(body))
+            except ValidationError:
+                continue
+            if cache is not None and cache.key == key:
+                await self.reconcile(namespace, body["metadata"]["name"])
+
+    def _poll_download(self, namespace: str, name: str) -> None:
+        """Reconcile again in download_poll_seconds (once: a poll already pending is kept)."""
+        key = (namespace, name)
+        if key in self._download_polls:
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(self.download_poll_seconds)
+            del self._download_polls[key]
+            await self.reconcile(namespace, name)
+
+        self._download_polls[key] = asyncio.create_task(later())
+
+    def stop_download_polls(self) -> None:
+        for task in self._download_polls.values():
+            task.cancel()
+        self._download_polls.clear()
+
+    async def _ensure_shared(
+        self, ms: ModelServer, resource: kube.Resource, desired: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Create a shared cache object, or add this ModelServer to the owners of the existing one."""
+        path = resource.path(ms.metadata.namespace, desired["metadata"]["name"])
+        live = await self.kube.get(path)
+        if live is None:
+            try:
+                created = await self.kube.create(resource.path(ms.metadata.namespace), desired)
+                log.info(
+                    "created %s %s/%s", desired["kind"], ms.metadata.namespace, desired["metadata"]["name"]
+                )
+                return created
+            except kube.KubeError as error:
+                if error.status != 409:
+                    raise
+                live = await self.kube.get(path)
+                if live is None:
+                    raise
+        owners = live.get("metadata", {}).get("ownerReferences") or []
+        if not any(ref.get("uid") == ms.metadata.uid for ref in owners):
+            # resourceVersion: a concurrent owner change makes this a 409, retried by the next reconcile.
+            meta = {
+                "resourceVersion": live["metadata"].get("resourceVersion"),
+                "ownerReferences": [*owners, builders.shared_owner_reference(ms)],
+            }
+            try:
+                live = await self.kube.merge_patch(path, {"metadata": meta}) or live
+            except kube.KubeError as error:
+                if error.status != 409:
+                    raise
+        return live
+
+    async def _download(self, ms: ModelServer, cache: Cache) -> tuple[Download | None, Problem | None]:
+        """The cache's claim and Job, created or shared, and the download's state."""
+        namespace = ms.metadata.namespace
+        if cache.pvc is not None:
+            await self._ensure_shared(ms, kube.PERSISTENT_VOLUME_CLAIMS, cache_builders.claim(ms, cache))
+        elif await self.kube.get(kube.PERSISTENT_VOLUME_CLAIMS.path(namespace, cache.claim_name)) is None:
+            return None, Problem(
+                "CacheClaimNotFound",
+                f"spec.model.cache.claimName: PersistentVolumeClaim {namespace}/{cache.claim_name} does not "
+                "exist; create it, or set model.cache.pvc to let the operator create one",
+            )
+        job = await self._ensure_shared(ms, kube.JOBS, cache_builders.download_job(ms, cache))
+        pods = await self.kube.list(kube.PODS.path(namespace), {JOB_POD_LABEL: cache.job_name})
+        state = download_state(cache, job, pods, None)
+        if state.phase == "Downloading" and (pod := newest_pod(pods)) is not None:
+            try:
+                text = await self.kube.log(
+                    kube.PODS.path(namespace, pod["metadata"]["name"]), DOWNLOAD_CONTAINER, DOWNLOAD_LOG_LINES
+                )
+            except kube.KubeError as error:  # progress is for people; the phase does not depend on it
+                log.warning("reading the download log of %s/%s: %s", namespace, cache.job_name, error)
+                text = None
+            state = download_state(cache, job, pods, text)
+        if state.phase == "Failed":
+            return state, Problem(
+                "DownloadFailed",
+                f"{state.message}; fix the cause, then delete the Job (kubectl delete job -n {namespace} "
+                f"{cache.job_name}) to download again",
+            )
+        return state, None
+
+    async def _release_caches(self, ms: ModelServer, keep: Cache | None) -> None:
+        """Leave the model caches this ModelServer no longer uses (its source, revision or cache changed):
+        drop it from their owners, and delete a claim or Job it was the last owner of. A claim still
+        mounted by the old pods stays until they are gone (the API server's PVC protection)."""
+        selector = cache_builders.cache_selector()
+        for resource in (kube.JOBS, kube.PERSISTENT_VOLUME_CLAIMS):
+            for obj in await self.kube.list(resource.path(ms.metadata.namespace), selector):
+                meta = obj.get("metadata", {})
+                owners = meta.get("ownerReferences") or []
+                others = [ref for ref in owners if ref.get("uid") != ms.metadata.uid]
+                if len(others) == len(owners) or (
+                    keep is not None and (meta.get("labels") or {}).get(LABEL_CACHE) == keep.key
+                ):
+                    continue
+                path = resource.path(ms.metadata.namespace, meta["name"])
+                try:
+                    if others:
+                        patch = {"resourceVersion": meta.get("resourceVersion"), "ownerReferences": others}
+                        await self.kube.merge_patch(path, {"metadata": patch})
+                    else:
+                        await self.kube.delete(path)
+                        log.info(
+                            "deleted %s %s/%s (no longer used)",
+                            obj.get("kind"),
+                            ms.metadata.namespace,
+                            meta["name"],
+                        )
+                except kube.KubeError as error:
+                    if error.status != 409:  # a concurrent owner change: the next spec change retries
+                        raise
 
     async def _node_labels(self) -> list[dict[str, str]]:
         if self._nodes is None or time.monotonic() - self._nodes[0] > NODE_CACHE_SECONDS:
@@ -303,7 +444,17 @@ class Controller:
         replicas = desired_replicas(ms.spec, ms.status, woken(ms))
         deployment: dict[str, Any] | None = None
         template_hash = None
-        if problem is None and placement is not None:
+        download: Download | None = None
+        cache = cache_of(ms)
+        # The spec changed: the model cache may have moved. (A new ModelServer holds no cache yet.)
+        if ms.status.observed_generation not in (None, ms.metadata.generation):
+            await self._release_caches(ms, keep=cache)
+        if problem is None and cache is not None:
+            download, problem = await self._download(ms, cache)
+            if download is not None and download.phase == "Downloading":
+                self._poll_download(ms.metadata.namespace, ms.metadata.name)
+        # With a cache, the Deployment is created (or changed) only once the download Job has succeeded.
+        if problem is None and placement is not None and (download is None or download.phase == "Ready"):
             desired = builders.deployment(ms, placement, replicas)
             template_hash = builders.template_hash(desired)
             deployment, problem = await self._ensure(ms, kube.DEPLOYMENTS, desired)
@@ -314,7 +465,7 @@ class Controller:
         problem = problem or service_problem or await self._ensure_autoscaler(ms)
 
         measured = await self._measure(ms, deployment, template_hash) if problem is None else {}
-        observed = Observed(placement, problem, deployment, replicas, template_hash, measured)
+        observed = Observed(placement, problem, deployment, replicas, template_hash, measured, download)
         status = build_status(ms, observed, now_rfc3339())
         self.metrics.record_status(ms.metadata.namespace, ms.metadata.name, status, replicas)
         current = body.get("status") or {}

@@ -17,6 +17,7 @@ import kopf
 
 from inflight.operator import builders, kube, spec
 from inflight.operator.controller import Controller
+from inflight.operator.model_cache import LABEL_CACHE
 
 log = logging.getLogger("inflight.operator")
 
@@ -77,5 +78,20 @@ def build_registry() -> kopf.OperatorRegistry:
         ("autoscaling", "v2", "horizontalpodautoscalers"),
     ):
         kopf.on.event(group, version, plural, labels=CHILD_LABELS, registry=registry)(child_changed)
+
+    # A download Job is shared by the ModelServers of one model source: a change (it succeeded, failed)
+    # reconciles all of them, so their Deployments start at once.
+    @kopf.on.event(
+        "batch",
+        "v1",
+        "jobs",
+        labels={"app.kubernetes.io/managed-by": builders.MANAGED_BY, LABEL_CACHE: kopf.PRESENT},
+        registry=registry,
+    )
+    async def download_job_changed(
+        type: str | None, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+    ) -> None:
+        if type in ("MODIFIED", "DELETED"):
+            await memo.controller.reconcile_cache_users(namespace or "", labels[LABEL_CACHE])
 
     return registry

@@ -1,8 +1,8 @@
 """A small Kubernetes API client for the operator's own calls: get, list, create, merge-patch, delete.
 
 Kopf watches and posts Events with its own client; this one reads and writes the ModelServer's children
-and status. It never PUTs; children go away through owner references, and the one thing it deletes is an
-HPA or ScaledObject left from an autoscaling actuator no longer in use. Credentials come
+and status. It never PUTs; children go away through owner references; it deletes an HPA or ScaledObject
+left from an autoscaling actuator no longer in use and an unused model cache's claim and Job. Credentials come
 from `kopf.login_with_service_account()` in a pod, else `kopf.login_with_kubeconfig()`; a 401 logs in again
 once (projected service-account tokens rotate).
 """
@@ -52,6 +52,9 @@ NODES = Resource("", "v1", "nodes", namespaced=False)
 EVENTS = Resource("", "v1", "events")
 HORIZONTAL_POD_AUTOSCALERS = Resource("autoscaling", "v2", "horizontalpodautoscalers")
 SCALED_OBJECTS = Resource("keda.sh", "v1alpha1", "scaledobjects")
+PERSISTENT_VOLUME_CLAIMS = Resource("", "v1", "persistentvolumeclaims")
+JOBS = Resource("batch", "v1", "jobs")
+PODS = Resource("", "v1", "pods")
 
 
 class KubeError(Exception):
@@ -206,9 +209,21 @@ class KubeClient:
         """JSON merge patch (RFC 7386); None when the object does not exist."""
         return await self._request("PATCH", path, body=patch)
 
+    async def log(self, path: str, container: str, tail_lines: int) -> str | None:
+        """The last lines of a container's log (`path` is the pod's); None when the pod is gone."""
+        session = self._open()
+        params = {"container": container, "tailLines": str(tail_lines)}
+        async with session.get(f"{path.lstrip('/')}/log", params=params) as resp:
+            if resp.status in (400, 404):  # no such pod, or its container has not started yet
+                return None
+            text = await resp.text()
+            if resp.status >= 400:
+                raise KubeError(resp.status, "GET", f"{path}/log", text)
+            return text
+
     async def delete(self, path: str) -> None:
-        """DELETE (background propagation); an object already gone is fine."""
-        await self._request("DELETE", path)
+        """DELETE with background propagation (a Job's pods go too); an object already gone is fine."""
+        await self._request("DELETE", path, body={"propagationPolicy": "Background"})
 
 
 def _selector_params(label_selector: Mapping[str, str] | None) -> dict[str, str]:

@@ -1,8 +1,10 @@
 """Every API call the operator makes, as RBAC rules: the Helm chart and README are built from this list.
 
 The operator gets, lists, watches, creates and merge-patches; it never PUTs (`update`). Children carry
-owner references and are garbage-collected with their ModelServer; the one deletion is an HPA or
-ScaledObject of an autoscaling actuator no longer in use.
+owner references and are garbage-collected with their ModelServer (the model cache's claim and Job with
+the last ModelServer that shares them, or deleted by the operator when the last one changes its source,
+revision or cache); the other deletion is an HPA or ScaledObject of an autoscaling actuator no longer in
+use.
 """
 
 from __future__ import annotations
@@ -39,9 +41,29 @@ PERMISSIONS: tuple[Permission, ...] = (
         ("get",),
         "check that the API-key and HF-token Secrets exist (values are never read out)",
     ),
+    Permission(
+        "",
+        "persistentvolumeclaims",
+        ("get", "list", "create", "patch", "delete"),
+        "create the model cache's claim (model.cache.pvc), check an existing one (model.cache.claimName); "
+        "patch: add or drop a ModelServer that shares it; delete it when its last ModelServer moved on",
+    ),
+    Permission(
+        "batch",
+        "jobs",
+        ("get", "list", "watch", "create", "patch", "delete"),
+        "create the one download Job per model source and revision; watch it to start the Deployment when "
+        "it succeeds; patch: add or drop a ModelServer that shares it; delete it when its last ModelServer "
+        "moved on",
+    ),
+    Permission("", "pods/log", ("get",), "read the download Job's progress lines for status.modelCache"),
     Permission("", "nodes", ("list",), "read GPU feature discovery labels for sizing", scope="cluster"),
     Permission(
-        "", "pods", ("list",), "read the ready server pods' /metrics (measured sizing, builtin autoscaling)"
+        "",
+        "pods",
+        ("list",),
+        "read the ready server pods' /metrics (measured sizing, builtin autoscaling); find the download "
+        "Job's pods",
     ),
     Permission(
         "autoscaling",

@@ -116,6 +116,61 @@ class HFTokenSecretRef(SpecModel):
     key: str = Field(default="token", min_length=1, max_length=253, description="Key holding the token.")
 
 
+AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]
+
+
+def _read_write_once() -> list[AccessMode]:
+    return ["ReadWriteOnce"]
+
+
+class PVCSpec(SpecModel):
+    """A PersistentVolumeClaim the operator creates for the model cache (one per source and revision)."""
+
+    size: str = Field(
+        max_length=32,
+        pattern=QUANTITY_PATTERN,
+        description="Storage to request (a quantity, e.g. 40Gi): the checkpoint's size plus a margin.",
+    )
+    storage_class_name: str | None = Field(
+        default=None, max_length=253, description="StorageClass; absent: the cluster's default class."
+    )
+    access_modes: list[AccessMode] = Field(
+        default_factory=_read_write_once,
+        json_schema_extra={"default": ["ReadWriteOnce"]},
+        min_length=1,
+        max_length=4,
+        description="Access modes. ReadWriteOnce suits replicas on one node; replicas on several nodes need "
+        "ReadWriteMany (e.g. NFS, EFS, Filestore, CephFS).",
+    )
+
+
+class ModelCacheSpec(SpecModel):
+    """Download the weights once into a volume that every replica mounts read-only."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "has(self.pvc) != has(self.claimName)",
+                "set exactly one of model.cache.pvc (the operator creates a claim) and model.cache.claimName "
+                "(an existing claim)",
+            )
+        )
+    )
+
+    pvc: PVCSpec | None = Field(
+        default=None,
+        description="Create a PersistentVolumeClaim for this source and revision (shared by every "
+        "ModelServer of the same source and revision in the namespace).",
+    )
+    claim_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="An existing PersistentVolumeClaim to download into (each source and revision gets a "
+        "folder of its own in it).",
+    )
+
+
 class ModelSpec(SpecModel):
     """What to serve and under which name."""
 
@@ -131,6 +186,14 @@ class ModelSpec(SpecModel):
             cel(
                 "!has(self.hfTokenSecretRef) || self.source.startsWith('hf://')",
                 "model.hfTokenSecretRef applies only to hf:// sources",
+            ),
+            cel(
+                "!has(self.cache) || self.source.startsWith('hf://') || self.source.startsWith('s3://')",
+                "model.cache applies only to hf:// and s3:// sources (the others are not downloaded)",
+            ),
+            cel(
+                "!has(self.revision) || self.source.startsWith('hf://')",
+                "model.revision applies only to hf:// sources",
             ),
             cel(
                 "has(self.shape) || has(self.catalogName) || self.source.startsWith('hf://') || "
@@ -161,6 +224,19 @@ class ModelSpec(SpecModel):
         max_length=256,
         description="Catalog entry to size from, e.g. `meta-llama/Llama-3.1-8B` (see `inflight size "
         "--list`). Default: taken from an hf:// source.",
+    )
+    revision: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9._/-]+$",
+        description="Branch, tag or commit of an hf:// source (absent: main). The cache is per source and "
+        "revision: pin a commit to know what you serve.",
+    )
+    cache: ModelCacheSpec | None = Field(
+        default=None,
+        description="Download hf:// or s3:// weights once, by one Job, into a PersistentVolumeClaim that the "
+        "pods mount read-only; absent: every pod downloads into an emptyDir (bounded by a sizeLimit).",
     )
     hf_token_secret_ref: HFTokenSecretRef | None = Field(
         default=None, description="Secret with a Hugging Face token, for gated hf:// repositories."
@@ -488,6 +564,19 @@ class AutoscalingStatus(SpecModel):
     reason: str | None = Field(default=None, description="Why the last decision was taken.")
 
 
+class ModelCacheStatus(SpecModel):
+    """The model cache's download (spec.model.cache)."""
+
+    phase: Literal["Downloading", "Ready", "Failed"] = Field(
+        description="Downloading (the Job runs), Ready (the Job succeeded), Failed (see message)."
+    )
+    claim_name: str = Field(description="The PersistentVolumeClaim holding the weights.")
+    job: str = Field(description="The download Job (one per source and revision).")
+    bytes_done: int | None = Field(default=None, description="Bytes downloaded so far (from the Job's log).")
+    bytes_total: int | None = Field(default=None, description="Bytes to download in all.")
+    message: str = Field(description="What is happening, or why the download failed.")
+
+
 class ModelServerStatus(SpecModel):
     """Written by the operator only."""
 
@@ -503,6 +592,9 @@ class ModelServerStatus(SpecModel):
     endpoint: str | None = Field(default=None, description="In-cluster URL of the OpenAI-compatible API.")
     sizing: SizingStatus | None = Field(default=None, description="The sizing plan.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's state.")
+    model_cache: ModelCacheStatus | None = Field(
+        default=None, description="The model cache's download (with spec.model.cache)."
+    )
 
 
 class ObjectMeta(BaseModel):

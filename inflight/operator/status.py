@@ -20,6 +20,7 @@ from typing import Any
 
 from inflight import sizing
 from inflight.operator import builders
+from inflight.operator.model_cache import Download
 from inflight.operator.placement import Placement
 from inflight.operator.pod_metrics import PodSizing
 from inflight.operator.spec import ModelServer
@@ -46,6 +47,7 @@ class Observed:
     desired_replicas: int
     desired_template_hash: str | None
     measured: Mapping[str, PodSizing] = field(default_factory=dict)  # pod name -> what it runs with
+    download: Download | None = None  # the model cache's download (spec.model.cache)
 
 
 def _condition(
@@ -199,6 +201,9 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
             observed.deployment, observed.desired_replicas, observed.desired_template_hash
         )
         progressing = (False, "Complete", ready_message) if ready else (True, ready_reason, ready_message)
+        if observed.download is not None and observed.download.phase == "Downloading":
+            ready, ready_reason, ready_message = False, "Downloading", observed.download.message
+            progressing = (True, "Downloading", observed.download.message)
     degraded = (True, problem.reason, problem.message) if problem else (False, "AsExpected", "no problems")
 
     conditions = [
@@ -227,6 +232,8 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
         measured = measured_sizing(placement.plan, observed.measured)
         if measured is not None:
             status["sizing"]["measured"] = measured
+    if observed.download is not None:
+        status["modelCache"] = observed.download.status()
     return status
 
 
@@ -240,6 +247,8 @@ def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict
         patch["sizing"] = None
     elif "sizing" in patch and "measured" in (current.get("sizing") or {}):
         patch["sizing"] = {"measured": None, **patch["sizing"]}  # a merge patch keeps keys it does not name
+    if "modelCache" not in desired and current.get("modelCache") is not None:
+        patch["modelCache"] = None
     return patch
 
 

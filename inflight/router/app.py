@@ -10,24 +10,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
-import httpx
-from fastapi import FastAPI, Request
+import aiohttp
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Message, Receive, Scope, Send
 
 from inflight import __version__
 from inflight.router.metrics import Outcome, RouterMetrics
 from inflight.router.pool import ModelPool
-from inflight.router.proxy import Policy, forward, forwarded_headers
+from inflight.router.proxy import Policy, forward, forwarded_headers, upstream_session
 from inflight.router.routing_key import DEFAULT_KEY_CHARS, routing_key
 from inflight.router.scrape import scrape_forever
 from inflight.server.errors import APIError, install_error_handlers
-
-log = logging.getLogger("inflight.router")
 
 RETRY_AFTER_S = 10
 WAKE_REPEAT_S = 10.0  # while requests are held, the operator is asked again this often
@@ -99,19 +97,31 @@ def _model_card(model: str) -> dict[str, object]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "inflight"}
 
 
-def create_router_app(router: Router, discovery: Discovery) -> FastAPI:
-    settings = router.settings
-    policy = Policy(prefix_affinity=settings.prefix_affinity, epsilon=settings.epsilon)
-    timeout = httpx.Timeout(connect=settings.connect_timeout_s, read=None, write=60.0, pool=None)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    client = httpx.AsyncClient(timeout=timeout, limits=limits)
+class RouterApp:
+    """The router as an ASGI app.
+
+    POSTs to the forwarded paths are served here, as plain ASGI: no framework middleware, routing or
+    response classes on the hot path (they cost more than the forwarding itself). Everything else (probes,
+    metrics, `/v1/models`, the app's lifespan) is the FastAPI app `rest`.
+    """
+
+    def __init__(self, router: Router, discovery: Discovery) -> None:
+        self.router = router
+        self.policy = Policy(prefix_affinity=router.settings.prefix_affinity, epsilon=router.settings.epsilon)
+        self.session: aiohttp.ClientSession | None = None
+        self.discovery = discovery
+        self.rest = _rest_app(router, self._lifespan)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        """The upstream session (forwarding and the replicas' /metrics) and the discovery and scrape tasks."""
+        router = self.router
+        self.session = session = upstream_session(router.settings.connect_timeout_s)
         tasks = [
-            asyncio.create_task(discovery(router), name="discovery"),
+            asyncio.create_task(self.discovery(router), name="discovery"),
             asyncio.create_task(
-                scrape_forever(client, lambda: router.pools, settings.scrape_interval_s), name="scrape"
+                scrape_forever(session, lambda: router.pools, router.settings.scrape_interval_s),
+                name="scrape",
             ),
         ]
         try:
@@ -122,8 +132,88 @@ def create_router_app(router: Router, discovery: Discovery) -> FastAPI:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await client.aclose()
+            await session.close()
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in FORWARDED_PATHS:
+            try:
+                if scope["method"] != "POST":
+                    raise APIError(405, f"{scope['path']} takes POST.", headers={"Allow": "POST"})
+                await self._forward(scope, receive, send)
+            except APIError as error:
+                await error.response()(scope, receive, send)
+            return
+        await self.rest(scope, receive, send)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        router, settings = self.router, self.router.settings
+        raw = await _read_body(receive)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "The request has no `model` field; see /v1/models.", param="model",
+                           code="missing_model")  # fmt: skip
+        pool = router.pools.get(model)
+        if pool is None:
+            router.metrics.requests.labels(model="", outcome=Outcome.UNKNOWN_MODEL).inc()
+            raise _unknown_model(model)
+        assert self.session is not None, "the lifespan opens the upstream session"
+        async with _cancelled_when_client_leaves(receive):
+            if not pool.replicas:
+                await router.hold(pool)
+            key = routing_key(body, settings.key_chars) if settings.prefix_affinity else None
+            headers = forwarded_headers(scope["headers"])
+            await forward(
+                self.session, pool, scope["path"], raw, headers, key, self.policy, router.metrics, send
+            )
+
+
+async def _read_body(receive: Receive) -> bytes:
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body"):
+        return body  # the usual case: one message, no copy
+    parts = [body]
+    while message.get("more_body"):
+        message = await receive()
+        parts.append(message.get("body", b""))
+    return b"".join(parts)
+
+
+@contextlib.asynccontextmanager
+async def _cancelled_when_client_leaves(receive: Receive) -> AsyncIterator[None]:
+    """Cancels the block when the client disconnects (its request body read): a held request stops
+    waiting, a forwarded one closes its upstream connection (the replica stops generating)."""
+    task = asyncio.current_task()
+    assert task is not None
+    state = {"inside": True, "left": False}
+
+    def on_message(watcher: asyncio.Future[Message]) -> None:
+        if watcher.cancelled() or watcher.exception() is not None:
+            return
+        if state["inside"] and watcher.result()["type"] == "http.disconnect":
+            state["left"] = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(receive())
+    watcher.add_done_callback(on_message)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not state["left"]:
+            raise
+        task.uncancel()  # the client is gone: nothing to answer
+    finally:
+        state["inside"] = False
+        watcher.cancel()
+
+
+def _rest_app(
+    router: Router, lifespan: Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]
+) -> FastAPI:
     app = FastAPI(
         title="inflight router",
         version=__version__,
@@ -159,28 +249,6 @@ def create_router_app(router: Router, discovery: Discovery) -> FastAPI:
             raise _unknown_model(model)
         return JSONResponse(_model_card(model))
 
-    async def forward_request(request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
-        model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str) or not model:
-            raise APIError(400, "The request has no `model` field; see /v1/models.", param="model",
-                           code="missing_model")  # fmt: skip
-        pool = router.pools.get(model)
-        if pool is None:
-            router.metrics.requests.labels(model="", outcome=Outcome.UNKNOWN_MODEL).inc()
-            raise _unknown_model(model)
-        if not pool.replicas:
-            await router.hold(pool)
-        key = routing_key(body, settings.key_chars) if settings.prefix_affinity else None
-        headers = forwarded_headers(request.headers)
-        return await forward(client, pool, request.url.path, raw, headers, key, policy, router.metrics)
-
-    for path in FORWARDED_PATHS:
-        app.add_api_route(path, forward_request, methods=["POST"], tags=["openai"])
     return app
 
 

@@ -79,7 +79,7 @@ def _router(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from inflight.router.app import Router, RouterSettings, create_router_app
+    from inflight.router.app import Router, RouterApp, RouterSettings
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -108,6 +108,15 @@ def _router(args: argparse.Namespace) -> int:
         from inflight.router.kubernetes import kubernetes_discovery
 
         discovery = kubernetes_discovery(operator_namespace(args.namespace), args.hold_timeout)
-    app = create_router_app(Router(settings), discovery)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on")
+    app = RouterApp(Router(settings), discovery)
+    # proxy_headers off: the router reads no client address, so the middleware would only cost time
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        proxy_headers=False,
+    )
     return 0

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
-import httpx
+import aiohttp
 
 from inflight.operator.pod_metrics import MetricsFormatError, metric_value
 from inflight.operator.spec import AutoscalingMetric
@@ -19,13 +19,14 @@ from inflight.router.pool import ModelPool, Replica
 log = logging.getLogger("inflight.router")
 
 
-async def scrape_replica(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
+async def scrape_replica(session: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> None:
     try:
-        response = await client.get(f"{replica.url}/metrics", timeout=timeout_s)
-        response.raise_for_status()
-        replica.waiting = metric_value(response.text, AutoscalingMetric.QUEUE_DEPTH)
-        replica.kv_usage = metric_value(response.text, AutoscalingMetric.KV_CACHE_USAGE)
-    except (httpx.HTTPError, MetricsFormatError) as error:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.get(f"{replica.url}/metrics", timeout=timeout, raise_for_status=True) as response:
+            text = await response.text()
+        replica.waiting = metric_value(text, AutoscalingMetric.QUEUE_DEPTH)
+        replica.kv_usage = metric_value(text, AutoscalingMetric.KV_CACHE_USAGE)
+    except (aiohttp.ClientError, TimeoutError, MetricsFormatError) as error:
         if replica.healthy:
             log.warning("replica %s (%s) is unhealthy: /metrics: %s", replica.id, replica.url, error)
         replica.healthy = False
@@ -36,9 +37,9 @@ async def scrape_replica(client: httpx.AsyncClient, replica: Replica, timeout_s:
 
 
 async def scrape_forever(
-    client: httpx.AsyncClient, pools: Callable[[], Mapping[str, ModelPool]], interval_s: float
+    session: aiohttp.ClientSession, pools: Callable[[], Mapping[str, ModelPool]], interval_s: float
 ) -> None:
     while True:
         replicas = [r for pool in list(pools().values()) for r in list(pool.replicas.values())]
-        await asyncio.gather(*(scrape_replica(client, r, min(interval_s, 5.0)) for r in replicas))
+        await asyncio.gather(*(scrape_replica(session, r, min(interval_s, 5.0)) for r in replicas))
         await asyncio.sleep(interval_s)

@@ -17,7 +17,12 @@ NO_LEADER_ELECTION = ("--set", "replicaCount=1", "--set", "leaderElection.enable
 DANGEROUS_VERBS = {"*", "update", "deletecollection", "escalate", "bind", "impersonate"}
 # The only deletions: an HPA or ScaledObject the operator made, once the ModelServer's actuator changes
 # (owner references remove everything else with the ModelServer).
-DELETABLE = {("autoscaling", "horizontalpodautoscalers"), ("keda.sh", "scaledobjects")}
+DELETABLE = {
+    ("autoscaling", "horizontalpodautoscalers"),
+    ("keda.sh", "scaledobjects"),
+    ("", "persistentvolumeclaims"),  # a model cache's claim and Job that no ModelServer uses any more
+    ("batch", "jobs"),
+}
 
 
 def rule_set(rule_list: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -41,7 +46,9 @@ def named(objects: list[dict[str, Any]], kind: str) -> dict[tuple[str | None, st
 @pytest.mark.parametrize(
     "values", [ALL_NAMESPACES, WATCH_SOME, NO_LEADER_ELECTION], ids=["all", "some", "no-lease"]
 )
-def test_no_wildcards_no_update_and_deletes_only_of_autoscalers(helm: Any, values: tuple[str, ...]) -> None:
+def test_no_wildcards_no_update_and_deletes_only_of_autoscalers_and_caches(
+    helm: Any, values: tuple[str, ...]
+) -> None:
     roles = [obj for obj in helm.render(*values) if obj["kind"] in ("ClusterRole", "Role")]
     assert roles
     for role in roles:

@@ -17,6 +17,9 @@ from inflight.operator.main import OperatorOptions, run
 MODELSERVERS = "inflight.dev/v1alpha1/modelservers"
 DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
+JOBS = "batch/v1/jobs"
+PVCS = "v1/persistentvolumeclaims"
+PODS = "v1/pods"
 
 
 @contextlib.asynccontextmanager
@@ -26,6 +29,9 @@ async def emulated_cluster() -> AsyncIterator[KubeEmulator]:
         cluster.declare(DEPLOYMENTS, "Deployment", subresources=("status", "scale"))
         cluster.declare(SERVICES, "Service")
         cluster.declare("v1/secrets", "Secret")
+        cluster.declare(JOBS, "Job", subresources=("status",))
+        cluster.declare(PVCS, "PersistentVolumeClaim")
+        cluster.declare(PODS, "Pod", subresources=("log",))
         cluster.declare("v1/events", "Event")
         cluster.declare("v1/nodes", "Node", namespaced=False)
         cluster.declare("coordination.k8s.io/v1/leases", "Lease")

@@ -11,8 +11,9 @@ has no garbage collector. This adapter supplies, over the same real HTTP:
 - 422 when a JSON patch's `test` op fails, 409 when a merge patch carries a stale `resourceVersion`;
 - list with `labelSelector`, `kind` and the current `resourceVersion`; watch that resumes after the
   `resourceVersion` it is given (from an event log) and ends after `timeoutSeconds`;
-- garbage collection of objects whose owner reference points at a deleted object (cascading), also
-  when such an object is created after its owner was deleted;
+- garbage collection of objects whose owner references all point at deleted objects (cascading), also
+  when such an object is created after its owners were deleted;
+- `pods/NAME/log` from `pod_logs[(namespace, name)]` (text; `tailLines` honoured);
 - constant time per request: kmock's log of served requests is cut to the current one.
 Writes are serialized, so the event log has one order, as etcd gives.
 """
@@ -30,13 +31,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
 from kmock._internal import k8s_dicts, rendering  # types of the handler hooks we override
 from kmock._internal.enums import action
 
-STATUS_SUBRESOURCE = {"modelservers", "deployments"}
+STATUS_SUBRESOURCE = {"modelservers", "deployments", "jobs"}
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -114,6 +116,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     # time.perf_counter() of every create, by (resource, namespace, name): for latency measurements.
     created_at: dict[tuple[Any, ...], float] = attrs.field(factory=dict, init=False)
     _alive_uids: set[str] = attrs.field(factory=set, init=False)
+    pod_logs: dict[tuple[str, str], str] = attrs.field(factory=dict, init=False)
 
     def declare(
         self, key: str, kind: str, namespaced: bool = True, subresources: tuple[str, ...] = ()
@@ -138,6 +141,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         # kmock decides which reaction serves a request by scanning its log of every request served so
         # far (O(n) per request); the tests assert on stored objects instead, so only the current one is kept.
         del self._requests[:-1]
+        if request.resource is not None and (request.resource.plural, request.subresource) == ("pods", "log"):
+            return self._serve_log(request)
         if request.resource is None or request.action not in (action.CREATE, action.UPDATE, action.DELETE):
             return await super()._handle(request)
         async with self._write_lock:
@@ -152,6 +157,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
             response = await super()._handle(request)
             await self._record(request, key)
             return response
+
+    def _serve_log(self, request: rendering.Request) -> aiohttp.web.Response:
+        key = (request.namespace or "", request.name or "")
+        if self._find((request.resource, *key)) is None:
+            return aiohttp.web.json_response({"kind": "Status", "code": 404}, status=404)
+        lines = self.pod_logs.get(key, "").splitlines(keepends=True)
+        tail = request.params.get("tailLines")
+        return aiohttp.web.Response(text="".join(lines[-int(tail) :] if tail else lines))
 
     def _prepare_create(self, request: rendering.Request) -> dict[str, Any]:
         body = copy.deepcopy(request.data or {})
@@ -253,7 +266,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if obj.deleted:
                 continue
             refs = obj.raw.get("metadata", {}).get("ownerReferences") or []
-            if any(ref.get("uid") == owner_uid for ref in refs):
+            owners = {ref.get("uid") for ref in refs}
+            if owner_uid in owners and not owners & self._alive_uids:  # the last owner went
                 raw = dict(obj.raw)
                 obj.delete()
                 await self._log_deleted(key, raw)

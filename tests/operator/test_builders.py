@@ -167,7 +167,17 @@ def test_api_key_and_hf_download() -> None:
         {"key": "api-key", "path": "api-key"}
     ]
     (init,) = pod["initContainers"]
-    assert init["command"][-2:] == ["meta-llama/Llama-3.1-8B-Instruct", "/models/download"]
+    assert init["command"] == [
+        "inflight",
+        "download",
+        "hf://meta-llama/Llama-3.1-8B-Instruct",
+        "/models/download",
+        "--revision",
+        "main",
+    ]
+    from inflight.cli import build_parser
+
+    assert build_parser().parse_args(init["command"][1:]).command == "download"
     token = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
     assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
     assert flags(deployment)["--model"] == "/models/download"

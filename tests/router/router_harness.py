@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from inflight.router.app import Discovery, Router, RouterSettings, create_router_app
+from inflight.router.app import Discovery, Router, RouterApp, RouterSettings
 
 MODEL = "tiny"
 # Per replica: room for what a third of the affinity workload keeps, not for all of it (a real pool is
@@ -110,7 +110,7 @@ class LiveRouter:
 def start_router(discovery: Discovery, settings: RouterSettings | None = None) -> LiveRouter:
     """The router app on a real socket, in a thread with its own event loop."""
     router = Router(settings or RouterSettings(scrape_interval_s=0.5))
-    app = create_router_app(router, discovery)
+    app = RouterApp(router, discovery)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -31,7 +31,19 @@
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
-# read the ready server pods' /metrics (measured sizing, builtin autoscaling)
+# create the model cache's claim (model.cache.pvc), check an existing one (model.cache.claimName); patch: add or drop a ModelServer that shares it; delete it when its last ModelServer moved on
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+# create the one download Job per model source and revision; watch it to start the Deployment when it succeeds; patch: add or drop a ModelServer that shares it; delete it when its last ModelServer moved on
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# read the download Job's progress lines for status.modelCache
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
+# read the ready server pods' /metrics (measured sizing, builtin autoscaling); find the download Job's pods
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
