@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve bench-operator clean k8s-tools chart-crds install-yaml chart-rbac
+.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve bench-operator clean k8s-tools chart-crds install-yaml chart-rbac docs-reference
 
 venv: $(STAMP)
 
@@ -41,6 +41,10 @@ chart-crds:
 # The chart's RBAC rules from the operator's list of API calls (inflight/operator/rbac.py).
 chart-rbac: $(STAMP)
 	$(PY) scripts/render_chart_rbac.py
+
+# docs/reference/{modelserver,rbac}.md from the spec models and the operator's API-call list.
+docs-reference: $(STAMP)
+	$(PY) scripts/render_docs_reference.py
 
 # manifests/install.yaml = `helm template` of the chart (tests/install fails when it is stale).
 install-yaml: k8s-tools chart-crds chart-rbac

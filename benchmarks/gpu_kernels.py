@@ -77,7 +77,7 @@ def require_cuda() -> None:
         raise SystemExit(
             "gpu_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False here). "
             "Run it on a GPU machine with a CUDA build of torch and triton installed; "
-            "on CPU the kernels are checked by `pytest tests/kernels` under TRITON_INTERPRET=1."
+            "on CPU the kernels are checked by `pytest tests/engine/attention` under TRITON_INTERPRET=1."
         )
     try:
         import triton  # noqa: F401

@@ -29,12 +29,12 @@ from typing import Any
 
 import kmock
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "operator"))
-
-from emulated import emulated_cluster, write_kubeconfig
-from kube_emulator import KubeEmulator
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' shared helpers: `support`
 
 from inflight.operator.main import OperatorOptions, run
+
+from support.emulated import emulated_cluster, write_kubeconfig
+from support.kube_emulator import KubeEmulator
 
 URL = "/apis/inflight.dev/v1alpha1/namespaces/bench/modelservers"
 DEPLOYMENTS = kmock.resource("apps/v1/deployments")

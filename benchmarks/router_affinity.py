@@ -16,14 +16,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "router"))
-
-from router_harness import MODEL, start_router, start_servers, stop_servers  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' shared helpers: `support`
 
 from inflight.router.app import RouterSettings  # noqa: E402
 from inflight.router.static import static_discovery  # noqa: E402
 from inflight.router.workload import run_conversations  # noqa: E402
-from tests.conftest import cached_model  # noqa: E402
+
+from support.models import cached_model  # noqa: E402
+from support.router_harness import MODEL, start_router, start_servers, stop_servers  # noqa: E402
 
 
 def main() -> int:

@@ -24,11 +24,10 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "router"))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' shared helpers: `support`
 
-from router_harness import MODEL, free_port, start_servers, stop_servers  # noqa: E402
-
-from tests.conftest import cached_model  # noqa: E402
+from support.models import cached_model  # noqa: E402
+from support.router_harness import MODEL, free_port, start_servers, stop_servers  # noqa: E402
 
 
 def ttft(client: httpx.Client, url: str, prompt: str) -> float:

@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # Before torch loads OpenMP: idle worker threads sleep instead of spinning. On a busy or small
-    # machine spinning workers starve the threads doing real work (measured on the shared 2-core box,
-    # engine with 2 threads: 3.2 tokens/s spinning, 24 with PASSIVE). An explicit setting wins.
+    # machine spinning workers starve the threads doing real work (docs/benchmarks.md has the
+    # measurement). An explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     code: int = args.func(args)

@@ -1,10 +1,9 @@
 """Linear layers with oneDNN-prepacked weights, for float32 inference on CPU.
 
 PyTorch's default CPU GEMM (MKL sgemm) runs the engine's small-batch projections at a fraction of the
-machine's speed; oneDNN with the weight reordered once into its blocked layout is 1.3-1.8x faster on
-them (measured on AMD EPYC / AVX2: batch 64 x 512 -> 2816 went from 7.8 to 5.8 ms, batch 8 from 2.7 to
-1.5 ms). The engine swaps the decoder layers' projections after loading; CUDA and other dtypes are
-left alone.
+machine's speed; oneDNN with the weight reordered once into its blocked layout is faster on them
+(measurements: docs/benchmarks.md). The engine swaps the decoder layers' projections after loading;
+CUDA and other dtypes are left alone.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ HPA_METRIC_NAMES: dict[AutoscalingMetric, str] = {
     AutoscalingMetric.KV_CACHE_USAGE: "inflight:kv_cache_usage_perc",
 }
 """The custom-metrics name the HPA asks for. Two are the server's own series; requests in flight is
-running + waiting, which the README's Prometheus Adapter rule publishes under its name."""
+running + waiting, which the Prometheus Adapter rule in docs/autoscaling.md publishes under its name."""
 
 
 def policy_of(autoscaling: AutoscalingSpec) -> ScalingPolicy:

@@ -233,7 +233,7 @@ def _rules(node: dict[str, Any], path: str) -> list[str]:
 
 
 def render_reference_markdown() -> str:
-    """The README's CRD reference: every field (type, default, meaning), the CEL rules, the columns."""
+    """docs/reference/modelserver.md's tables: every field (type, default, meaning), CEL rules, columns."""
     schema = render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     header = "| Field | Type | Default | Meaning |\n|---|---|---|---|"
     spec_rows = "\n".join(_rows(schema["properties"]["spec"], "spec", True)[1:])

@@ -1,4 +1,4 @@
-"""Every API call the operator makes, as RBAC rules: the Helm chart and README are built from this list.
+"""Every API call the operator makes, as RBAC rules: the chart and docs/reference/rbac.md are built from it.
 
 The operator gets, lists, watches, creates and merge-patches; it never PUTs (`update`). Children carry
 owner references and are garbage-collected with their ModelServer (the model cache's claim and Job with

@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM's names under the `inflight:` prefix (see the README's API section).
+"""Prometheus metrics with vLLM's names under the `inflight:` prefix (see docs/api.md).
 
 Each app owns its registry, so tests can run many apps in one process. Engine gauges and counters
 are read from the engine's latest stats snapshot at scrape time; latencies are observed per request.
@@ -115,6 +115,11 @@ class ServerMetrics:
             self.time_to_first_token.observe(first_token - arrival)
             if tokens > 1:
                 self.time_per_output_token.observe((finish - first_token) / (tokens - 1))
+
+    def observe_aborted(self, count: int) -> None:
+        """Record sequences whose client left before they finished (no latency: they did not finish)."""
+        if count:
+            self.request_success.labels(finished_reason="abort").inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -290,6 +290,16 @@ class RunState:
             reason=choice.finish_reason,
         )
 
+    def record_aborts(self) -> None:
+        """The client left: every sequence of this request that had not finished ends as `abort`."""
+        unfinished = 0
+        for index in range(len(self.prompts) * self.n):
+            choice = self.choice(*divmod(index, self.n))
+            if choice.finish_reason is None:
+                choice.finish_reason, choice.finish_time = "abort", time.monotonic()
+                unfinished += 1
+        self.ctx.metrics.observe_aborted(unfinished)
+
     def note_usage(self, request: Request, disconnected: bool = False) -> None:
         usage = self.usage()
         request.state.usage = {
@@ -340,6 +350,7 @@ async def _collect(run: RunState, request: Request) -> bool:
             work.cancel()
         run.generation.close()
     if not work.done() or work.cancelled():
+        run.record_aborts()
         run.note_usage(request, disconnected=True)
         return False
     error = work.exception()
@@ -367,6 +378,8 @@ def _sse_stream(
             finished = True
         finally:
             run.generation.close()
+            if not finished:
+                run.record_aborts()
             run.note_usage(request, disconnected=not finished)
         yield _sse("[DONE]")
 

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
-from harness import running_operator
-from kube_emulator import KubeEmulator
 
 from inflight.operator.controller import Controller
 from inflight.operator.kube import KubeError
 from inflight.operator.spec import ModelServer
+
+from support.autoscale_harness import running_operator
+from support.emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
+from support.kube_emulator import KubeEmulator
 
 pytestmark = pytest.mark.timeout(120)
 

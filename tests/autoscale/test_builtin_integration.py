@@ -24,9 +24,10 @@ from typing import Any
 import httpx
 import kmock
 import pytest
-from emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
-from harness import background, free_port, ready, running_operator, server_ready
-from kube_emulator import KubeEmulator
+
+from support.autoscale_harness import background, free_port, ready, running_operator, server_ready
+from support.emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
+from support.kube_emulator import KubeEmulator
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -22,7 +22,10 @@ from typing import Any
 import httpx
 import kmock
 import pytest
-from emulated import (
+from prometheus_client.parser import text_string_to_metric_families
+
+from support.autoscale_harness import background, free_port, ready, server_ready
+from support.emulated import (
     DEPLOYMENTS,
     MODELSERVERS,
     emulated_cluster,
@@ -31,9 +34,7 @@ from emulated import (
     running_operator,
     write_kubeconfig,
 )
-from harness import background, free_port, ready, server_ready
-from kube_emulator import KubeEmulator
-from prometheus_client.parser import text_string_to_metric_families
+from support.kube_emulator import KubeEmulator
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, running_demo
+from support.browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, running_demo
 
 POLICIES = ("static", "continuous")
 FIGURES = ("throughput_tokens_per_s", "makespan_s", "mean_latency_s", "p95_latency_s", "idle_slot_s", "steps")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO_ROOT, running_demo
+from support.browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO_ROOT, running_demo
 
 pytestmark = [
     pytest.mark.browser,

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_hub import FakeHub, Repo, serve_hub
 
 from inflight.cli import main
 from inflight.download.errors import ExitCode
 from inflight.download.progress import parse_progress
+
+from support.fake_hub import FakeHub, Repo, serve_hub
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARD_1 = "model-00001-of-00002.safetensors"

@@ -7,6 +7,7 @@ qwen2 tiny checkpoints; the transformers reference is computed once per checkpoi
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
+from inflight.engine.scheduler import StepRecord
 from inflight.engine.sequence import SamplingParams
 
 NUM_PROMPTS = 16
@@ -57,9 +59,10 @@ class Reference:
         self.prompts, self.max_tokens = make_prompts(vocab)
         self.expected = hf_greedy(model_dir, self.prompts, self.max_tokens)
 
-    def run(self, **overrides: Any) -> LLMEngine:
+    def run(self, on_step: Callable[[StepRecord], None] | None = None, **overrides: Any) -> LLMEngine:
         config = EngineConfig(block_size=BLOCK_SIZE, dtype="float32", device="cpu", **overrides)
         engine = LLMEngine(self.model_dir, config)
+        engine.scheduler.on_step = on_step
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in self.max_tokens]
         outputs = engine.generate(self.prompts, params)
         got = [o.outputs[0].token_ids for o in outputs]
@@ -92,9 +95,28 @@ def test_prefix_caching_hits(reference: Reference) -> None:
 
 def test_chunked_prefill_budget_below_longest_prompt(reference: Reference) -> None:
     longest = max(len(p) for p in reference.prompts)
-    engine = reference.run(max_num_seqs=6, max_num_batched_tokens=longest // 3)
-    assert engine.stats().num_steps > 0
+    budget = longest // 3
+    records: list[StepRecord] = []
+    engine = reference.run(max_num_seqs=6, max_num_batched_tokens=budget, on_step=records.append)
+    assert engine.stats().num_preemptions == 0  # so each sequence's scheduled tokens are computed once
+    assert all(sum(n for _, n in record.scheduled) <= budget for record in records)
+    # The longest prompt was prefilled in chunks: a sequence computes (prompt - cached) tokens in its
+    # prefill steps and then one token per decode step, max_tokens - 1 of them.
+    index = max(range(NUM_PROMPTS), key=lambda i: len(reference.prompts[i]))
+    steps = [n for record in records for seq_id, n in record.scheduled if seq_id == f"generate-1-{index}"]
+    prefill_steps = len(steps) - (reference.max_tokens[index] - 1)
+    assert prefill_steps >= 2, f"the {longest}-token prompt was prefilled in one step under a {budget} budget"
 
 
-def test_static_scheduler(reference: Reference) -> None:
-    reference.run(max_num_seqs=5, scheduler="static", max_num_batched_tokens=40)
+def test_static_scheduler_admits_nothing_while_a_batch_runs(reference: Reference) -> None:
+    records: list[StepRecord] = []
+    reference.run(max_num_seqs=5, scheduler="static", max_num_batched_tokens=40, on_step=records.append)
+    running: set[str] = set()
+    batches = []
+    for record in records:
+        if record.admitted:
+            assert not running, f"step {record.step} admitted {record.admitted} while {sorted(running)} ran"
+            batches.append(len(record.admitted))
+        running |= set(record.admitted)
+        running -= set(record.finished) | set(record.failed) | set(record.preempted)
+    assert batches == [5, 5, 5, 1]

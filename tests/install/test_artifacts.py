@@ -1,38 +1,26 @@
 """Generated install artifacts are current; the chart's CRD copy admits the examples, rejects bad specs.
 
 The admission check (schema with unknown fields rejected, API-server defaulting, then the CRD's CEL rules)
-is the operator tests' `crd_check`, run here against the chart's copy of the CRD.
+is `tests/support/crd_check.py` (the operator tests use it too), run here against the chart's copy of the CRD.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from support import crd_check
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART_CRD = ROOT / "charts" / "inflight" / "crds" / "modelserver.yaml"
 INSTALL_YAML = ROOT / "manifests" / "install.yaml"
-
-
-def load_crd_check() -> ModuleType:
-    path = ROOT / "tests" / "operator" / "crd_check.py"
-    spec = importlib.util.spec_from_file_location("install_crd_check", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CRD_CHECK = load_crd_check()
 
 
 def chart_schema() -> dict[str, Any]:
@@ -110,7 +98,7 @@ def test_there_are_examples_for_cpu_gpu_multi_gpu_and_autoscaling() -> None:
     ],
 )
 def test_examples_are_admitted_by_the_chart_crd(name: str, obj: dict[str, Any]) -> None:
-    assert CRD_CHECK.admission_errors(chart_schema(), obj) == [], name
+    assert crd_check.admission_errors(chart_schema(), obj) == [], name
 
 
 def with_change(path: str, value: Any) -> dict[str, Any]:
@@ -145,6 +133,6 @@ def with_change(path: str, value: Any) -> dict[str, Any]:
     ],
 )
 def test_bad_model_servers_are_rejected_by_the_chart_crd(obj: dict[str, Any], complaint: str) -> None:
-    errors = CRD_CHECK.admission_errors(chart_schema(), obj)
+    errors = crd_check.admission_errors(chart_schema(), obj)
     assert errors, "the chart's CRD admitted an invalid ModelServer"
     assert any(complaint in error for error in errors), errors

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 HEALTH_DIR = Path(__file__).resolve().parents[2] / "charts" / "inflight" / "health"
-README = Path(__file__).resolve().parents[2] / "README.md"
+INSTALL_DOC = Path(__file__).resolve().parents[2] / "docs" / "install.md"
 
 
 def condition(
@@ -191,12 +191,12 @@ def test_flux_health_agrees_with_argocd(obj: dict[str, Any], expected_status: st
     assert flux_health(obj) == ARGO_TO_FLUX[expected_status]
 
 
-def test_readme_shows_the_tested_flux_snippet() -> None:
-    readme = README.read_text()
+def test_install_doc_shows_the_tested_flux_snippet() -> None:
+    doc = INSTALL_DOC.read_text()
     body = "\n".join(
         line
         for line in (HEALTH_DIR / "flux-healthcheckexprs.yaml").read_text().splitlines()
         if not line.startswith("#")
     )
     indented = "\n".join(f"    {line}" if line else "" for line in body.splitlines())
-    assert indented in readme, "README's Flux healthCheckExprs snippet differs from the tested file"
+    assert indented in doc, "docs/install.md's Flux healthCheckExprs snippet differs from the tested file"

@@ -1,16 +1,12 @@
-"""Monitoring tests: `kit` holds the helpers (imported by name: pytest runs with --import-mode=importlib)."""
+"""Monitoring tests: the helpers are in tests/support/monitoring_kit.py."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from kit import ALL_MONITORING, PrometheusTools, find_prometheus_tools, render_chart
+from support.monitoring_kit import ALL_MONITORING, PrometheusTools, find_prometheus_tools, render_chart
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from kit import PrometheusTools, alert_queries, dashboard_queries, selectors
 from prometheus_client.parser import text_string_to_metric_families
 
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
@@ -29,6 +28,8 @@ from inflight.operator.placement import place
 from inflight.operator.pod_metrics import PodSizing
 from inflight.operator.spec import ModelServer
 from inflight.operator.status import Observed, build_status
+
+from support.monitoring_kit import PrometheusTools, alert_queries, dashboard_queries, selectors
 
 pytestmark = pytest.mark.timeout(180)
 

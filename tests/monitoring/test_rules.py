@@ -7,10 +7,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import kit
 import pytest
 import yaml
-from kit import PrometheusTools
+
+import support.monitoring_kit as kit
+from support.monitoring_kit import PrometheusTools
 
 UNIT_TESTS = Path(__file__).parent / "alerts_test.yaml"
 ALERTS = {

@@ -8,11 +8,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from crd_check import admission_errors, apply_defaults, cel_errors, structural_errors
 
 from inflight.cli import main
 from inflight.operator.crd import render_crd, render_crd_yaml, render_reference_markdown
 from inflight.operator.spec import ModelServerSpec
+
+from support.crd_check import admission_errors, apply_defaults, cel_errors, structural_errors
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())
@@ -134,10 +135,10 @@ def test_cel_rules_accept_the_boundaries() -> None:
     assert cel_errors(spec_schema, apply_defaults(spec_schema, hpa_with_replicas)) == []
 
 
-def test_readme_reference_is_current() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert render_reference_markdown() in readme, (
-        "README's CRD reference is stale: paste `inflight crd --reference`"
+def test_docs_reference_is_current() -> None:
+    page = (REPO / "docs" / "reference" / "modelserver.md").read_text()
+    assert render_reference_markdown() in page, (
+        "docs/reference/modelserver.md is stale: run `make docs-reference`"
     )
 
 

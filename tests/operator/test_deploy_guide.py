@@ -27,8 +27,6 @@ import kopf
 import kubernetes_validate
 import pytest
 import yaml
-from crd_check import admission_errors
-from emulated import emulated_cluster
 
 from inflight.operator import builders, spec
 from inflight.operator.controller import Controller
@@ -37,6 +35,9 @@ from inflight.operator.kube import KubeClient
 from inflight.operator.placement import place
 from inflight.operator.spec import ModelServer
 from inflight.operator.status import CONDITION_TYPES, condition_of
+
+from support.crd_check import admission_errors
+from support.emulated import emulated_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "deploy-gpu.md"

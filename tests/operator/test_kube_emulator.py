@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster
-from kube_emulator import merge_diff, merge_patch, parse_selector, selected
+from support.emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster
+from support.kube_emulator import merge_diff, merge_patch, parse_selector, selected
 
 MS_URL = "/apis/inflight.dev/v1alpha1/namespaces/ns/modelservers"
 MERGE = {"Content-Type": "application/merge-patch+json"}

@@ -7,11 +7,12 @@ from datetime import UTC, datetime, timedelta
 
 import kopf
 import pytest
-from emulated import emulated_cluster
 
 from inflight.operator import leader
 from inflight.operator.kube import KubeClient
 from inflight.operator.leader import LeaderElector
+
+from support.emulated import emulated_cluster
 
 LEASES = "coordination.k8s.io/v1/leases"
 

@@ -16,7 +16,15 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from emulated import (
+
+from inflight import sizing
+from inflight.operator import builders, cache_builders
+from inflight.operator.controller import Controller
+from inflight.operator.model_cache import cache_of
+from inflight.operator.placement import place
+from inflight.operator.spec import ModelServer
+
+from support.emulated import (
     DEPLOYMENTS,
     JOBS,
     MODELSERVERS,
@@ -27,14 +35,7 @@ from emulated import (
     running_operator,
     write_kubeconfig,
 )
-from kube_emulator import KubeEmulator
-
-from inflight import sizing
-from inflight.operator import builders, cache_builders
-from inflight.operator.controller import Controller
-from inflight.operator.model_cache import cache_of
-from inflight.operator.placement import place
-from inflight.operator.spec import ModelServer
+from support.kube_emulator import KubeEmulator
 
 NS = "ns"
 MS_URL = f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers"

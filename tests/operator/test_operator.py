@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from emulated import (
+
+from support.emulated import (
     DEPLOYMENTS,
     MODELSERVERS,
     SERVICES,
@@ -19,7 +20,7 @@ from emulated import (
     running_operator,
     write_kubeconfig,
 )
-from kube_emulator import KubeEmulator
+from support.kube_emulator import KubeEmulator
 
 NS = "ns"
 MS_URL = f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers"

@@ -8,13 +8,14 @@ from typing import Any
 import httpx
 import kopf
 import pytest
-from emulated import MODELSERVERS, emulated_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
 from inflight.operator.controller import Controller
 from inflight.operator.kube import MODELSERVERS as MODELSERVER_RESOURCE
 from inflight.operator.kube import KubeClient, KubeError
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
+
+from support.emulated import MODELSERVERS, emulated_cluster
 
 MS_URL = "/apis/inflight.dev/v1alpha1/namespaces/ns/modelservers"
 

@@ -23,7 +23,8 @@ from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.parallel.layout import ShardLayout, valid_degrees
 from inflight.engine.sequence import SamplingParams
-from tests.conftest import cached_model
+
+from support.models import cached_model
 
 BLOCK_SIZE = 8
 NUM_PROMPTS = 12

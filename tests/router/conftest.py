@@ -1,17 +1,13 @@
-"""Import paths (`router_harness`, the operator tests' emulator helpers); the module-shared real servers."""
+"""The module-shared real servers of the router tests (helpers: tests/support/router_harness.py)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
-sys.path.insert(0, str(Path(__file__).parent))
-
-from router_harness import KV_BLOCKS, ServerProcess, start_servers, stop_servers
+from support.router_harness import KV_BLOCKS, ServerProcess, start_servers, stop_servers
 
 
 @pytest.fixture(scope="module")

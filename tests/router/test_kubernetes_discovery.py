@@ -20,7 +20,12 @@ from typing import Any
 
 import httpx
 import pytest
-from emulated import (
+
+from inflight.operator.replicas import WAKE_ANNOTATION
+from inflight.router.app import RouterSettings
+from inflight.router.kubernetes import kubernetes_discovery
+
+from support.emulated import (
     DEPLOYMENTS,
     MODELSERVERS,
     emulated_cluster,
@@ -28,12 +33,8 @@ from emulated import (
     running_operator,
     write_kubeconfig,
 )
-from kube_emulator import KubeEmulator
-from router_harness import MODEL, LiveRouter, ServerProcess, start_router, start_servers, stop_servers
-
-from inflight.operator.replicas import WAKE_ANNOTATION
-from inflight.router.app import RouterSettings
-from inflight.router.kubernetes import kubernetes_discovery
+from support.kube_emulator import KubeEmulator
+from support.router_harness import MODEL, LiveRouter, ServerProcess, start_router, start_servers, stop_servers
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -340,6 +340,10 @@ def test_dropped_streams_are_aborted_and_free_every_block(
     live: LiveServer, step_gate: Any, wait_for: Any
 ) -> None:
     gate = step_gate(live)  # steps run only when the test allows them: nothing can finish on its own
+    before = {
+        reason: live.metric("inflight:request_success_total", f'finished_reason="{reason}"')
+        for reason in ("abort", "length")
+    }
     body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
     clients = [httpx.Client(timeout=60) for _ in range(12)]  # 12 streams > 8 slots: some wait in the queue
     streams = []
@@ -373,7 +377,13 @@ def test_dropped_streams_are_aborted_and_free_every_block(
     assert live.metric("inflight:num_requests_running") == 0
     assert live.metric("inflight:num_requests_waiting") == 0
     assert live.metric("inflight:kv_cache_usage_perc") == 0
-    assert live.metric("inflight:request_success_total", 'finished_reason="length"') >= 0
+    # every dropped stream ended as an abort (per sequence); none ran to its length
+    after = {
+        reason: live.metric("inflight:request_success_total", f'finished_reason="{reason}"')
+        for reason in before
+    }
+    assert after["abort"] - before["abort"] == 12
+    assert after["length"] == before["length"]
     # the server still serves
     response = httpx.post(f"{live.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
     assert response.json()["usage"]["completion_tokens"] == 2

@@ -23,7 +23,7 @@ def free_port() -> int:
         return port
 
 
-HELD_CLI = Path(__file__).with_name("held_cli.py")
+HELD_CLI = Path(__file__).parents[1] / "support" / "held_cli.py"
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:

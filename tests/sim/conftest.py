@@ -6,19 +6,19 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 import uvicorn
-from fastapi import FastAPI
 
 from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.server.app import ServerSettings, create_app
+
+from support.demo_server import DemoServer
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,14 +28,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@dataclass
-class DemoServer:
-    url: str
-    app: FastAPI
-    server: uvicorn.Server
-    thread: threading.Thread
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
 from inflight.sim.simulator import simulate
 from inflight.sim.workload import demo_workload
 
-from .conftest import DemoServer
+from support.demo_server import DemoServer
 
 
 def test_simulate_returns_both_policies_with_timelines_and_the_ratio(demo_server: DemoServer) -> None:

@@ -2,7 +2,7 @@
 
 Each function takes the raw bytes of a tensor as a (num_blocks, bytes_per_block) uint8 tensor and
 returns float32 values, (num_blocks, values_per_block), computed in the same order as the `gguf`
-package's numpy reference so the results are bit-identical (tests/gguf/test_dequant.py). Types without
+package's numpy reference so the results are bit-identical (tests/engine/gguf/test_dequant.py). Types without
 a kernel here but with a dequantizer in the `gguf` package (Q2_K, Q3_K, the IQ types) go through that
 numpy reference; anything else is refused with its name.
 """

@@ -2,7 +2,7 @@
 
 Both kinds llama.cpp writes for the Llama family are rebuilt the way transformers' GGUF loader builds
 them, so ids and text are the same as with `AutoTokenizer.from_pretrained(dir, gguf_file=...)`
-(tests/gguf/test_gguf_tokenizer.py):
+(tests/engine/gguf/test_gguf_tokenizer.py):
 - byte-level BPE (`tokenizer.ggml.model` = gpt2: Llama 3, Qwen2, SmolLM, ...): the vocabulary and
   merges from the file, the pre-tokenizer split that `tokenizer.ggml.pre` names;
 - SentencePiece BPE (`llama`: Llama 2, Mistral 7B, ...): the vocabulary with byte fallback, merges from

@@ -1,39 +1,15 @@
-"""transformers' GGUF-dequantized reference for the real SmolLM2 GGUF (the `smollm2_gguf` fixture of
-tests/conftest.py), loaded once per session, and `paged_logits`, a model's logits through a paged KV
-cache."""
+"""A model's logits for one sequence through a paged KV cache with shuffled blocks (the GGUF tests)."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
-from typing import Any
 
-import pytest
 import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.model.llama import LlamaForCausalLM, allocate_kv_caches
 
 PAGED_BLOCK_SIZE = 8
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf: Path) -> Any:
-    """transformers' model for the same file (its own GGUF reader and dequantization), float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2_tokenizer(smollm2_gguf: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
 def paged_logits(model: LlamaForCausalLM, chunks: list[list[int]]) -> torch.Tensor:

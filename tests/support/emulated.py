@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import kmock
-from kube_emulator import KubeEmulator
 
 from inflight.operator.main import OperatorOptions, run
+
+from support.kube_emulator import KubeEmulator
 
 MODELSERVERS = "inflight.dev/v1alpha1/modelservers"
 DEPLOYMENTS = "apps/v1/deployments"

@@ -9,10 +9,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, str(Path(__file__).parent))  # the tests import the shared helpers in paged_cases.py
 
 _KERNELS = "inflight.engine.attention.triton_kernels"
 if _KERNELS in sys.modules:

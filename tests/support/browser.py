@@ -1,4 +1,4 @@
-"""Headless Chromium and a running `inflight demo` for the browser tests."""
+"""Headless Chromium and a running `inflight demo` for the browser tests (tests/browser/)."""
 
 from __future__ import annotations
 

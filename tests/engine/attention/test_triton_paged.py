@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import dense_reference, make_case
 
 from inflight.engine.attention import triton_paged
+
+from support.paged_cases import dense_reference, make_case
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 

@@ -18,7 +18,7 @@ from inflight.engine.gguf.checkpoint import GGUF_ARCHITECTURES
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.loader import load_model
 
-from .conftest import paged_logits
+from support.paged_model import paged_logits
 
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",

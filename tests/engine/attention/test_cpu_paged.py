@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from paged_cases import dense_reference, make_case
 
 from inflight.engine import cpu_kernels
 from inflight.engine.attention import cpu_paged, torch_paged
 from inflight.engine.attention.backend import get_attention_backend
+
+from support.paged_cases import dense_reference, make_case
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from emulated import running_operator as _running_operator
+
+from support.emulated import running_operator as _running_operator
 
 
 def running_operator(autoscale_seconds: float = 1.0) -> contextlib.AbstractAsyncContextManager[Any]:

@@ -1,4 +1,4 @@
-"""Sizing: the DESIGN.md formula checked against arithmetic written out by hand."""
+"""Sizing: the formula of docs/operator.md (Sizing) checked against arithmetic written out by hand."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.model.loader import load_model
 from inflight.engine.sequence import SamplingParams
 
-from .conftest import paged_logits
+from support.paged_model import paged_logits
 
 ATOL = 1e-4
 BLOCK_SIZE = 8
