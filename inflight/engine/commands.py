@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,7 +21,11 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "All prompts run together through the engine's scheduler. A PROMPT of '-' reads standard input.",
     )
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text ('-' = read stdin)")
-    parser.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint folder")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint folder, or builtin:tiny / builtin:small (made once into $INFLIGHT_CACHE_DIR)",
+    )
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument(
         "--max-tokens", type=int, default=64, help="new tokens per completion (default: 64)"
@@ -60,8 +63,14 @@ def _generate(args: argparse.Namespace) -> int:
     from inflight.engine.model.errors import ModelLoadError
     from inflight.engine.sequence import SamplingParams
     from inflight.engine.tokenizer import TokenizerError
+    from inflight.server.run import resolve_model  # the same --model rules as inflight serve
 
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    try:
+        model_dir = resolve_model(args.model)
+    except SystemExit as e:
+        print(f"inflight generate: {e}", file=sys.stderr)
+        return 2
     try:
         params = SamplingParams(
             n=args.n,
@@ -87,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
             device=args.device,
             tensor_parallel_size=args.tensor_parallel_size,
         )
-        engine = LLMEngine(args.model, config)
+        engine = LLMEngine(model_dir, config)
         if args.chat:
             prompts = [
                 engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts

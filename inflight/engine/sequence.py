@@ -13,6 +13,15 @@ from enum import StrEnum
 from typing import Literal
 
 MAX_LOGPROBS = 20
+# The API's bounds of the numeric sampling fields (the server's protocol reads them; one source). The
+# engine takes some wider values: top_k above the vocabulary means off, a temperature below
+# GREEDY_TEMPERATURE is greedy.
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 2.0
+MIN_REPETITION_PENALTY = 1e-2  # 1 / penalty scales logits: 1e-300 would overflow float32
+MAX_REPETITION_PENALTY = 100.0
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
 # Temperatures below this sample greedily: dividing logits by them overflows to inf/NaN (vLLM's rule).
 GREEDY_TEMPERATURE = 1e-5
 FLOAT_FIELDS = (
@@ -86,14 +95,22 @@ class SamplingParams:
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (
-                -2 <= self.presence_penalty <= 2,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}",
             ),
             (
-                -2 <= self.frequency_penalty <= 2,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
+                f"presence_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {self.presence_penalty}",
+            ),
+            (
+                -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
+                f"frequency_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {self.frequency_penalty}",
+            ),
+            (
+                self.seed is None or 0 <= self.seed <= MAX_SEED,
+                f"seed must be in [0, {MAX_SEED}] (or None), got {self.seed}",
             ),
             (all(s for s in self.stop or []), "stop strings must be non-empty"),
             (self.cache_salt is None or self.cache_salt != "", "cache_salt must be non-empty (or None)"),

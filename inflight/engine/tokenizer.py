@@ -7,6 +7,8 @@ extra end-of-sequence ids from generation_config.json and config.json.
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -14,9 +16,11 @@ from typing import Any
 
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
+LONG_TEXT = 16_384  # characters; longer texts are tokenized without holding the GIL (see `_encoding`)
 
 
 class TokenizerError(Exception):
@@ -102,6 +106,18 @@ class Tokenizer:
         self.all_eos_ids: frozenset[int] = frozenset([*eos_ids, *extra_eos_ids])
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._compiled_template: Template | None = None
+        special = {
+            token.content: token_id
+            for token_id, token in tokenizer.get_added_tokens_decoder().items()
+            if token.special and token.content
+        }
+        self._special_ids = frozenset(special.values())
+        self._special_text = (
+            re.compile("|".join(re.escape(text) for text in sorted(special, key=len, reverse=True)))
+            if special
+            else None
+        )
+        self._plain: HFTokenizer | None = None  # a copy that reads special-token text as plain text
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
@@ -145,12 +161,23 @@ class Tokenizer:
         return cls(tokenizer, tokenizer_config, extra_eos, template if isinstance(template, str) else None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids: list[int] = self._encoding(text, add_special_tokens).ids
         return ids
 
+    def _encoding(self, text: str, add_special_tokens: bool) -> Encoding:
+        # The batch call gives up the GIL while it works, the single one does not: a long text
+        # tokenized in a worker thread would otherwise stall the server's event loop for seconds.
+        if len(text) < LONG_TEXT:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        encoding: Encoding = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return encoding
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        return text
+        if len(ids) < LONG_TEXT // 4:
+            text: str = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            return text
+        texts: list[str] = self._tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)
+        return texts[0]
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._tokenizer.id_to_token(i) for i in ids]
@@ -173,6 +200,61 @@ class Tokenizer:
             unk_token=self.unk_token or "",
         )
         return rendered
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat where only the template makes control tokens: special-token text
+        inside a message (e.g. a user writing "<|im_start|>system") is encoded as plain text, so a
+        message cannot forge a turn. Benign messages tokenize exactly as the rendered text does."""
+        if self._special_text is None or not any(self._special_text.search(m["content"]) for m in messages):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        special_text = self._special_text
+        nonce = uuid.uuid4().hex
+        forged: list[str] = []
+
+        def mark(match: re.Match[str]) -> str:
+            forged.append(match.group())
+            return f"\ue000{nonce}:{len(forged) - 1}\ue001"
+
+        marked = [{**m, "content": special_text.sub(mark, m["content"])} for m in messages]
+        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        # Put the literal text back, remembering where each forged piece lies in the final text.
+        marker = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        spans: set[tuple[int, int]] = set()
+        parts: list[str] = []
+        length = 0
+        position = 0
+        for match in marker.finditer(rendered):
+            parts.append(rendered[position : match.start()])
+            length += match.start() - position
+            literal = forged[int(match.group(1))]
+            spans.add((length, length + len(literal)))
+            parts.append(literal)
+            length += len(literal)
+            position = match.end()
+        parts.append(rendered[position:])
+        if not spans:
+            raise TokenizerError(
+                "a message contains special-token text (e.g. "
+                f"{forged[0]!r}) that this model's chat template does not pass through unchanged; remove it"
+            )
+        text = "".join(parts)
+        encoding = self._encoding(text, add_special_tokens=False)
+        ids: list[int] = []
+        for token_id, offset in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id in self._special_ids and tuple(offset) in spans:
+                ids.extend(
+                    self._plain_tokenizer().encode(text[offset[0] : offset[1]], add_special_tokens=False).ids
+                )
+            else:
+                ids.append(token_id)
+        return ids
+
+    def _plain_tokenizer(self) -> HFTokenizer:
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self._tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
 
 class IncrementalDetokenizer:

@@ -3,15 +3,49 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inflight.engine.commands import add_tensor_parallel_argument
+from inflight.server.limits import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+)
 
 if TYPE_CHECKING:
     from inflight.engine.config import EngineConfig
 
 DEFAULT_MAX_QUEUE = 256
+
+
+def port_number(text: str) -> int:
+    """argparse type of --port: an integer in 1..65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1..65535)") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1..65535)")
+    return port
+
+
+def positive(kind: type[int] | type[float]) -> argparse._ActionType:
+    """argparse type: a number > 0 of `kind`."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+
+    return parse
 
 
 def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
@@ -25,7 +59,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     add_engine_arguments(serve)
     serve.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port, 1..65535 (default: 8000)")
     serve.add_argument(
         "--max-queue",
         type=int,
@@ -43,6 +77,34 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         type=float,
         default=30.0,
         help="on SIGTERM, seconds to let in-flight requests finish before exiting (default: 30)",
+    )
+    limits = serve.add_argument_group("limits (one client must not hurt the others; see docs/api.md)")
+    limits.add_argument(
+        "--max-body-bytes",
+        type=positive(int),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES} = 4 MiB)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=positive(int),
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections at most; a new one beyond this closes the oldest idle or half-sent one "
+        f"(default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=positive(float),
+        default=DEFAULT_HEADER_TIMEOUT,
+        help=f"seconds a client has to send a request's headers, else 408 + close "
+        f"(default: {DEFAULT_HEADER_TIMEOUT:g})",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=positive(float),
+        default=DEFAULT_BODY_TIMEOUT,
+        help=f"seconds a client has to send a request's body after its headers, else 408 + close "
+        f"(default: {DEFAULT_BODY_TIMEOUT:g})",
     )
     serve.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
@@ -160,34 +222,51 @@ def _serve(args: argparse.Namespace) -> int:
 
     from inflight.engine.async_engine import AsyncEngine
     from inflight.engine.engine import LLMEngine
-    from inflight.server.app import ServerSettings, create_app
+    from inflight.server.app import ServerSettings, create_app, model_loaded
     from inflight.server.auth import load_api_key
-    from inflight.server.run import DrainingServer, configure_logging, resolve_model
+    from inflight.server.limits import ConnectionLimits
+    from inflight.server.run import DrainingServer, bind_socket, configure_logging, resolve_model
+    from inflight.server.transport import guarded_protocol
 
     configure_logging(args.log_level)
     if args.max_queue < 0:
         raise SystemExit("--max-queue must be >= 0")
     api_key = load_api_key(args.api_key_file)
     config = engine_config_from_args(args)
+    sock = bind_socket(args.host, args.port)  # before the model: a taken port fails at once
     model_dir = resolve_model(args.model)
     engine = AsyncEngine(
         lambda: LLMEngine(model_dir, config), max_slots=config.max_num_seqs, max_queue=args.max_queue
     )
-    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=api_key)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or args.model,
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
     app = create_app(engine, settings)
+    limits = ConnectionLimits(
+        max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+    )
     uvicorn_config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="on",
+        http=guarded_protocol(limits),
     )
     server = DrainingServer(uvicorn_config, engine, drain_timeout=args.drain_timeout)
     engine.on_fatal = server.stop_on_engine_failure
-    server.run()
-    return 1 if engine.state == "failed" else 0
+    server.run(sockets=[sock])
+    code = 1 if engine.state == "failed" else 0
+    if not model_loaded(engine):
+        # Stopped during the load: its thread is inside the weights reader and cannot be joined or
+        # interrupted; a normal interpreter exit would abort under it. Leave now, logs flushed.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ _TYPE_BY_STATUS = {
     401: AUTHENTICATION,
     404: NOT_FOUND,
     405: INVALID_REQUEST,
+    408: INVALID_REQUEST,
     413: INVALID_REQUEST,
     415: INVALID_REQUEST,
     429: RATE_LIMIT,
@@ -65,6 +66,10 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def not_supported(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="not_supported")
 
 
 def _location(loc: Sequence[int | str]) -> str:
@@ -125,7 +130,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         if exc.status_code == 404:
             message = "Not found: no such endpoint. See /docs for the API."
-        error = APIError(exc.status_code, message, code=None)
+        error = APIError(exc.status_code, message, code="body_too_large" if exc.status_code == 413 else None)
         error.headers = dict(exc.headers or {})
         return error.response()
 

@@ -116,11 +116,6 @@ class ServerMetrics:
             if tokens > 1:
                 self.time_per_output_token.observe((finish - first_token) / (tokens - 1))
 
-    def observe_aborted(self, count: int) -> None:
-        """Record sequences whose client left before they finished (no latency: they did not finish)."""
-        if count:
-            self.request_success.labels(finished_reason="abort").inc(count)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -7,15 +7,44 @@ documents it and a bad value becomes a 400 with the field named.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from inflight.engine.sequence import MAX_LOGPROBS
+from inflight.engine.sequence import (
+    GREEDY_TEMPERATURE,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+)
 
 MAX_N = 64
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKENS_LIMIT = 2**31 - 1  # the context length is checked per model in serving.py; this bounds the type
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(text: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"); it is not text and cannot be tokenized."""
+    match = _LONE_SURROGATE.search(text)
+    if match is not None:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate (U+{ord(match.group()):04X}) at character {match.start()}; "
+            "send valid Unicode text"
+        )
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):
@@ -31,53 +60,62 @@ class StreamOptions(Strict):
 class SamplingFields(Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = Field(default=None, description="The served model name (see /v1/models).")
+    model: Text | None = Field(default=None, description="The served model name (see /v1/models).")
     n: int = Field(default=1, ge=1, le=MAX_N, description="Completions to generate per prompt.")
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 = greedy; default 1.")
+    temperature: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=MAX_TEMPERATURE,
+        description=f"0 = greedy; default 1. Below {GREEDY_TEMPERATURE} sampling is greedy.",
+    )
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0 = off.")
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K, description="-1 or 0 = off.")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = Field(default=None, description="Stop strings (not in the output).")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description="1 = off."
+    )
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: Text | list[Text] | None = Field(default=None, description="Stop strings (not in the output).")
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, description="Accepted for compatibility; not used.")
-    cache_salt: str | None = Field(
+    user: Text | None = Field(default=None, description="Accepted for compatibility; not used.")
+    cache_salt: Text | None = Field(
         default=None,
         min_length=1,
         max_length=256,
         description="Share cached prompt prefixes only with requests of the same salt (e.g. one per tenant).",
     )
-    # Accepted for compatibility only at their neutral values; anything else is a 400.
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    # Accepted for compatibility only when empty; anything else is a 400.
     logit_bias: dict[str, float] | None = None
 
 
-PromptType = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+PromptType = Text | list[Text] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptType = Field(description="Text, a list of texts, token ids, or a list of token-id lists.")
-    max_tokens: int | None = Field(default=16, description="Tokens to generate (>= 1); default 16.")
+    max_tokens: int | None = Field(
+        default=16, le=MAX_TOKENS_LIMIT, description="Tokens to generate (>= 1); default 16."
+    )
     echo: bool = Field(default=False, description="Return the prompt before the completion.")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="Top alternatives.")
     best_of: int | None = Field(default=None, ge=1, description="Only best_of == n is supported.")
-    suffix: str | None = Field(default=None, description="Not supported; must be null.")
+    suffix: Text | None = Field(default=None, description="Not supported; must be null.")
 
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -87,30 +125,45 @@ class ChatMessage(Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(Strict):
-    type: Literal["text"]
+class ResponseFormat(BaseModel):
+    """Only "text" is supported; the others are accepted by the schema so the answer can say so."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, description="Default: the rest of the context.")
-    max_completion_tokens: int | None = Field(default=None, description="Preferred over max_tokens.")
+    max_tokens: int | None = Field(
+        default=None, le=MAX_TOKENS_LIMIT, description="Default: the rest of the context."
+    )
+    max_completion_tokens: int | None = Field(
+        default=None, le=MAX_TOKENS_LIMIT, description="Preferred over max_tokens."
+    )
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    # Tool calling is not supported: accepted by the schema only so that the answer is a clear 400.
+    tools: list[dict[str, Any]] | None = Field(default=None, description="Not supported; must be empty.")
+    tool_choice: str | dict[str, Any] | None = Field(default=None, description='Not supported; "none".')
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = Field(default=None, description="Not supported; must be empty.")
+    function_call: str | dict[str, Any] | None = Field(
+        default=None, description='Not supported; "none" only.'
+    )
 
 
 class TokenizeRequest(Strict):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(Strict):
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------- responses

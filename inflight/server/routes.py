@@ -92,7 +92,7 @@ async def list_models(ctx: Context) -> ModelList:
 
 
 @api_router.get(
-    "/v1/models/{model}", response_model=ModelCard, tags=["openai"], responses=error_responses(404)
+    "/v1/models/{model:path}", response_model=ModelCard, tags=["openai"], responses=error_responses(404)
 )
 async def get_model(model: str, ctx: Context) -> ModelCard:
     if model != ctx.settings.served_model_name:
@@ -130,9 +130,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
 @api_router.post("/tokenize", response_model=TokenizeResponse, tags=["tokens"])
 async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
-    return serving.tokenize(ctx, body)
+    return await serving.tokenize(ctx, body)
 
 
 @api_router.post("/detokenize", response_model=DetokenizeResponse, tags=["tokens"])
 async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeResponse:
-    return serving.detokenize(ctx, body)
+    return await serving.detokenize(ctx, body)

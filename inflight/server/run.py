@@ -8,8 +8,10 @@ connections and the process exits 0. A second signal skips the wait.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 from pathlib import Path
 from types import FrameType
 
@@ -35,14 +37,32 @@ def resolve_model(model: str) -> Path:
         return path
     if not path.is_dir():
         raise SystemExit(
-            f"inflight serve: --model {model}: no such directory or .gguf file "
-            "(or use builtin:smollm2 / builtin:tiny)"
+            f"--model {model}: no such directory or .gguf file (or use builtin:smollm2 / builtin:tiny)"
         )
     if not (path / "config.json").is_file():
-        raise SystemExit(
-            f"inflight serve: --model {model}: no config.json there; expected a Hugging Face checkpoint"
-        )
+        raise SystemExit(f"--model {model}: no config.json there; expected a Hugging Face checkpoint")
     return path
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a taken port fails at once and clearly."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        hint = (
+            "another process is listening there; stop it or choose another --port"
+            if error.errno == errno.EADDRINUSE
+            else "check --host and --port"
+        )
+        raise SystemExit(
+            f"inflight serve: cannot listen on {host}:{port}: {error.strerror}; {hint}"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class DrainingServer(uvicorn.Server):

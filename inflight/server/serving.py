@@ -28,7 +28,7 @@ from inflight.engine.async_engine import (
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from inflight.server.app import ServerContext
-from inflight.server.errors import APIError, bad_request
+from inflight.server.errors import APIError, bad_request, not_supported
 from inflight.server.protocol import (
     MAX_STOP_SEQUENCES,
     AssistantMessage,
@@ -102,6 +102,18 @@ def _check_common(ctx: ServerContext, body: SamplingFields) -> None:
         )
 
 
+def _check_fits(ctx: ServerContext, num_prompts: int, n: int) -> None:
+    """A request needing more sequences than the server ever holds is a 400 (a 429 would be retried)."""
+    capacity = ctx.engine.max_slots + ctx.engine.max_queue
+    if num_prompts * n > capacity:
+        raise bad_request(
+            f"{num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences, but this server holds at most "
+            f"{capacity} ({ctx.engine.max_slots} slots + {ctx.engine.max_queue} queued); "
+            "send fewer prompts per request or lower n.",
+            param="prompt" if n == 1 else "n",
+        )
+
+
 def _sampling_params(
     body: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
 ) -> SamplingParams:
@@ -161,6 +173,11 @@ def _check_lengths(ctx: ServerContext, prompts: list[list[int]], max_tokens: int
             raise bad_request(error, param="max_tokens", code="context_length_exceeded")
 
 
+def _is_prompt_list(prompt: Any) -> bool:
+    """Several prompts (texts or token-id lists), as opposed to one text or one list of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
 def _completion_prompts(ctx: ServerContext, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
     """Token ids and (for text prompts) the text of each prompt in a completions request."""
     tokenizer = ctx.engine.tokenizer
@@ -182,7 +199,7 @@ def _chat_prompt(
 ) -> list[int]:
     tokenizer = ctx.engine.tokenizer
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.encode_chat(
             [{"role": m.role, "content": m.text()} for m in messages],
             add_generation_prompt=add_generation_prompt,
         )
@@ -190,7 +207,6 @@ def _chat_prompt(
         raise bad_request(str(error), param="messages") from error
     except Exception as error:  # a template's raise_exception(...) or a rendering error
         raise bad_request(f"The chat template rejected the messages: {error}", param="messages") from error
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 # ---------------------------------------------------------------- running
@@ -208,6 +224,11 @@ def _submit(
         ) from error
     except EngineUnavailableError as error:
         raise APIError(503, str(error), code="unavailable") from error
+
+
+def _unfinished_reason(error: BaseException | None) -> str:
+    """The finish reason of choices cut short: "error" when the engine failed them, else "abort"."""
+    return "error" if isinstance(error, RequestFailedError) else "abort"
 
 
 def _engine_error(error: Exception) -> APIError:
@@ -245,11 +266,14 @@ class ChoiceState:
         if output.token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()
         if output.finish_reason is not None and self.finish_reason is None:
-            self.finish_reason = output.finish_reason
-            self.stop_reason = output.stop_reason
             self.error = output.error
-            self.finish_time = time.monotonic()
+            self.finish(output.finish_reason, output.stop_reason)
         return output.text, output.token_ids, logprobs
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.monotonic()
 
 
 @dataclass
@@ -280,6 +304,17 @@ class RunState:
             total_tokens=prompt_tokens + completion_tokens,
         )
 
+    def close(self, reason: str) -> None:
+        """Stop the generation (aborting what is unfinished); count every choice that never finished as
+        finished with `reason` ("abort": the client left or the server drained; "error")."""
+        self.generation.close()
+        for prompt_index in range(len(self.prompts)):
+            for seq_index in range(self.n):
+                choice = self.choice(prompt_index, seq_index)
+                if choice.finish_reason is None:
+                    choice.finish(reason)
+                    self.record_finish(choice)
+
     def record_finish(self, choice: ChoiceState) -> None:
         assert choice.finish_time is not None and choice.finish_reason is not None
         self.ctx.metrics.observe_sequence(
@@ -289,16 +324,6 @@ class RunState:
             tokens=choice.num_tokens,
             reason=choice.finish_reason,
         )
-
-    def record_aborts(self) -> None:
-        """The client left: every sequence of this request that had not finished ends as `abort`."""
-        unfinished = 0
-        for index in range(len(self.prompts) * self.n):
-            choice = self.choice(*divmod(index, self.n))
-            if choice.finish_reason is None:
-                choice.finish_reason, choice.finish_time = "abort", time.monotonic()
-                unfinished += 1
-        self.ctx.metrics.observe_aborted(unfinished)
 
     def note_usage(self, request: Request, disconnected: bool = False) -> None:
         usage = self.usage()
@@ -321,7 +346,9 @@ class RunState:
                 if choice.finish_reason is not None and not was_finished:
                     self.record_finish(choice)
                     if choice.finish_reason == "error":
-                        raise RequestFailedError(choice.error or "the engine failed this sequence")
+                        raise RequestFailedError(
+                            choice.error or output.error or "the engine failed this sequence"
+                        )
                 yield choice, text, tokens, logprobs
 
 
@@ -348,9 +375,9 @@ async def _collect(run: RunState, request: Request) -> bool:
         watcher.cancel()
         if not work.done():
             work.cancel()
-        run.generation.close()
+        failed = work.done() and not work.cancelled() and work.exception() is not None
+        run.close(_unfinished_reason(work.exception() if failed else None))
     if not work.done() or work.cancelled():
-        run.record_aborts()
         run.note_usage(request, disconnected=True)
         return False
     error = work.exception()
@@ -369,17 +396,17 @@ def _sse_stream(
 ) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         finished = False
+        failure: BaseException | None = None
         try:
             async for chunk in chunks():
                 yield chunk
             finished = True
         except (RequestFailedError, RequestAbortedError) as error:
+            failure = error
             yield _sse(json.dumps(_engine_error(error).body()))
             finished = True
         finally:
-            run.generation.close()
-            if not finished:
-                run.record_aborts()
+            run.close(_unfinished_reason(failure))
             run.note_usage(request, disconnected=not finished)
         yield _sse("[DONE]")
 
@@ -444,7 +471,8 @@ async def completion(ctx: ServerContext, body: CompletionRequest, request: Reque
         raise bad_request("suffix is not supported; leave it out.", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is only supported equal to n.", param="best_of")
-    prompts, prompt_texts = _completion_prompts(ctx, body.prompt)
+    _check_fits(ctx, len(body.prompt) if _is_prompt_list(body.prompt) else 1, body.n)
+    prompts, prompt_texts = await ctx.off_loop(_completion_prompts, ctx, body.prompt)
     _check_lengths(ctx, prompts, body.max_tokens, param="prompt")
     want_prompt_logprobs = body.echo and body.logprobs is not None
     params = _sampling_params(
@@ -581,12 +609,29 @@ def _chat_logprobs(
     return ChatLogprobs(content=content)
 
 
+def _check_unsupported_chat_features(body: ChatCompletionRequest) -> None:
+    """Tool calling and structured output are not implemented: say so instead of ignoring them."""
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise not_supported(
+            f"response_format {body.response_format.type!r} (structured output) is not supported by this "
+            'server; only {"type": "text"}.',
+            "response_format",
+        )
+
+
 async def chat_completion(ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> Response:
     _check_common(ctx, body)
+    _check_unsupported_chat_features(body)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    prompt = _chat_prompt(ctx, body.messages)
+    prompt = await ctx.off_loop(_chat_prompt, ctx, body.messages)
     _check_lengths(ctx, [prompt], max_tokens, param="messages")
     top_n = body.top_logprobs or 0
     params = _sampling_params(body, max_tokens, top_n if body.logprobs else None, None)
@@ -658,7 +703,7 @@ async def chat_completion(ctx: ServerContext, body: ChatCompletionRequest, reque
 # ---------------------------------------------------------------- /tokenize, /detokenize
 
 
-def tokenize(ctx: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of prompt or messages.", param="prompt")
     if body.model is not None and body.model != ctx.settings.served_model_name:
@@ -666,18 +711,20 @@ def tokenize(ctx: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
     if body.messages is not None:
         if not body.messages:
             raise bad_request("messages is empty.", param="messages")
-        tokens = _chat_prompt(ctx, body.messages, body.add_generation_prompt)
+        tokens = await ctx.off_loop(_chat_prompt, ctx, body.messages, body.add_generation_prompt)
     else:
         assert body.prompt is not None
-        tokens = ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await ctx.off_loop(
+            ctx.engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        )
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.engine.max_model_len)
 
 
-def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> DetokenizeResponse:
     if body.model is not None and body.model != ctx.settings.served_model_name:
         raise bad_request(f"The model {body.model!r} does not exist.", param="model", code="model_not_found")
     vocab = ctx.engine.vocab_size
     bad = [t for t in body.tokens if t >= vocab]
     if bad:
         raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (size {vocab}).", param="tokens")
-    return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await ctx.off_loop(ctx.engine.tokenizer.decode, body.tokens))

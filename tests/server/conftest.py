@@ -21,6 +21,8 @@ from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.server.app import ServerSettings, create_app
+from inflight.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits
+from inflight.server.transport import guarded_protocol
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 256
@@ -66,22 +68,36 @@ def start_server(
     num_kv_blocks: int = 128,
     block_size: int = 16,
     max_model_len: int = MAX_MODEL_LEN,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    connection_limits: ConnectionLimits | None = None,
+    engine_max_slots: int | None = None,
+    served_model_name: str = MODEL_NAME,
 ) -> LiveServer:
+    """`engine_max_slots`: give the engine fewer slots than the server admits (to make it fail requests)."""
     config = EngineConfig(
-        max_num_seqs=max_slots,
+        max_num_seqs=engine_max_slots or max_slots,
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
         max_model_len=max_model_len,
         max_num_batched_tokens=512,
     )
     engine = AsyncEngine(lambda: LLMEngine(model_dir, config), max_slots=max_slots, max_queue=max_queue)
-    app = create_app(engine, ServerSettings(served_model_name=MODEL_NAME, api_key=api_key))
+    settings = ServerSettings(
+        served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes
+    )
+    app = create_app(engine, settings)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=2)
+        uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            http=guarded_protocol(connection_limits or ConnectionLimits()),
+        )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -107,7 +107,7 @@ BAD_CHATS = [
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_tokens"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"model": "other"}, "model"),
 ]
 

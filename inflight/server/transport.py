@@ -1,0 +1,139 @@
+"""Enforces limits.py: the body-size middleware (413) and uvicorn's protocol with a connection cap and
+header/body read deadlines (408)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from inflight.server.errors import APIError
+from inflight.server.limits import ConnectionLimits
+
+logger = logging.getLogger("inflight.server")
+
+
+def body_too_large(max_body_bytes: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server's limit of {max_body_bytes} bytes "
+        "(inflight serve --max-body-bytes); send a smaller request.",
+        code="body_too_large",
+    )
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over `max_body_bytes`, before the app parses it."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = body_too_large(self.max_body_bytes)
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+                await error.response()(scope, receive, send)
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    # An HTTPException passes FastAPI's body parsing unchanged; errors.py renders it.
+                    raise StarletteHTTPException(413, error.message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _raw_error(status: int, reason: str, message: str) -> bytes:
+    """A complete HTTP/1.1 error response that closes the connection (sent outside any ASGI cycle)."""
+    body = json.dumps(APIError(status, message, code="request_timeout").body()).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a connection cap and header/body read deadlines."""
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._deadline: asyncio.TimerHandle | None = None
+            self._opened_at = 0.0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._opened_at = self.loop.time()
+            if len(self.connections) > limits.max_connections:
+                self._evict_one()
+            self._arm(limits.header_timeout, "headers")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._deadline is None:
+                self._arm(limits.header_timeout, "headers")
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+            if self.cycle is not None and self.cycle.more_body:
+                self._arm(limits.body_timeout, "body")
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def _busy(self) -> bool:
+            """A request of this connection is being answered (its headers arrived, no response yet)."""
+            return self.cycle is not None and not self.cycle.response_complete and self._deadline is None
+
+        def _evict_one(self) -> None:
+            idle = [c for c in self.connections if isinstance(c, GuardedHttpToolsProtocol) and not c._busy()]
+            victim = min(idle, key=lambda c: c._opened_at) if idle else self
+            logger.warning(
+                "more than %d open connections (--max-connections): closing the oldest idle one",
+                limits.max_connections,
+            )
+            victim.transport.close()
+            victim.connections.discard(victim)
+
+        def _arm(self, seconds: float, what: str) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._timed_out, what, seconds)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _timed_out(self, what: str, seconds: float) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or not self.cycle.response_started:
+                flag = "--header-timeout" if what == "headers" else "--body-timeout"
+                message = f"The request {what} did not arrive within {seconds:g} s ({flag}); closing."
+                self.transport.write(_raw_error(408, "Request Timeout", message))
+            self.transport.close()
+
+    return GuardedHttpToolsProtocol
