@@ -38,7 +38,7 @@ chart-crds:
 	mkdir -p charts/inflight/crds
 	cp crds/modelserver.yaml charts/inflight/crds/modelserver.yaml
 
-# The chart's RBAC rules from the operator's list of API calls (inflight/operator/rbac.py).
+# The chart's RBAC rules from the operator's list of API calls (inflight/operator/api/rbac.py).
 chart-rbac: $(STAMP)
 	$(PY) scripts/render_chart_rbac.py
 

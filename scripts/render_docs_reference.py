@@ -3,7 +3,7 @@
 - `docs/reference/modelserver.md`: every ModelServer field (type, default, meaning), the CEL rules and the
   printer columns, from the pydantic spec models (`inflight crd --reference` prints the same tables);
 - `docs/reference/rbac.md`: every API call the operator and the router make, with its verbs, scope and
-  reason, from `inflight/operator/rbac.py` (the chart's RBAC rules are rendered from the same list).
+  reason, from `inflight/operator/api/rbac.py` (the chart's RBAC rules are rendered from the same list).
 
 With `--check` nothing is written: the exit status says whether the files on disk are current.
 
@@ -17,8 +17,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from inflight.operator.crd import render_reference_markdown
-from inflight.operator.rbac import PERMISSIONS, ROUTER_PERMISSIONS, Permission
+from inflight.operator.api.crd import render_reference_markdown
+from inflight.operator.api.rbac import PERMISSIONS, ROUTER_PERMISSIONS, Permission
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
@@ -31,7 +31,7 @@ GENERATED = (
 def modelserver_reference() -> str:
     return "\n".join(
         [
-            GENERATED.format(source="inflight/operator/spec.py"),
+            GENERATED.format(source="inflight/operator/api/types.py"),
             "",
             "# ModelServer reference (`inflight.dev/v1alpha1`)",
             "",
@@ -57,7 +57,7 @@ def _rows(permissions: Iterable[Permission]) -> list[str]:
 def rbac_reference() -> str:
     return "\n".join(
         [
-            GENERATED.format(source="inflight/operator/rbac.py"),
+            GENERATED.format(source="inflight/operator/api/rbac.py"),
             "",
             "# RBAC: what the operator and the router may do, and why",
             "",

@@ -30,9 +30,10 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     )
     parser.add_argument(
         "--model",
-        type=Path,
         default=None,
-        help=f"checkpoint folder (default: the `small` preset, made into {DEFAULT_MODEL} on first use)",
+        help="checkpoint folder, .gguf file (exported once to a Hugging Face folder next to it, which every "
+        "system reads) or builtin:NAME, e.g. builtin:smollm2 "
+        f"(default: the `small` preset, made into {DEFAULT_MODEL} on first use)",
     )
     parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -88,14 +89,17 @@ def run_offline_command(args: argparse.Namespace) -> int:
     from inflight.bench.system import BenchSettings
     from inflight.bench.workload import load_workload
 
-    model_dir: Path = args.model or DEFAULT_MODEL
-    if args.model is None and not (model_dir / "config.json").is_file():
-        from inflight.engine.model.make_model import make_model
+    if args.model is None:
+        model_dir = DEFAULT_MODEL
+        if not (model_dir / "config.json").is_file():
+            from inflight.engine.model.make_model import make_model
 
-        _say(f"bench: making the `small` benchmark model in {model_dir}")
-        make_model(model_dir, preset="small", arch="llama", seed=0, progress=_say, overwrite=True)
-    if not (model_dir / "config.json").is_file():
-        raise SystemExit(f"--model {model_dir}: no config.json there; give a Hugging Face checkpoint folder")
+            _say(f"bench: making the `small` benchmark model in {model_dir}")
+            make_model(model_dir, preset="small", arch="llama", seed=0, progress=_say, overwrite=True)
+    else:
+        from inflight.bench.checkpoint import bench_checkpoint
+
+        model_dir = bench_checkpoint(args.model)
     vllm_python = args.vllm_python
     if vllm_python is None and DEFAULT_VLLM_PYTHON.is_file():
         vllm_python = DEFAULT_VLLM_PYTHON

@@ -27,7 +27,8 @@ def unavailable(settings: BenchSettings) -> str | None:
     return None
 
 
-def _env(cache_dir: Path, threads: int | None) -> dict[str, str]:
+def vllm_env(cache_dir: Path, threads: int | None) -> dict[str, str]:
+    """vLLM-CPU's environment: caches under `cache_dir`, offline, OpenMP bound to `threads` cores."""
     env = dict(os.environ)
     threads = threads or os.cpu_count() or 1
     env.update(
@@ -67,7 +68,7 @@ def run(settings: BenchSettings) -> SystemRun:
         # vLLM's own log goes to our stderr: it is the progress output of its long start-up.
         completed = subprocess.run(
             [str(settings.vllm_python), "-P", str(DRIVER), str(work / "spec.json"), str(result_path)],
-            env=_env(work, settings.threads),
+            env=vllm_env(work, settings.threads),
             stdout=sys.stderr,
             stderr=sys.stderr,
             timeout=TIMEOUT_S,
@@ -81,7 +82,7 @@ def run(settings: BenchSettings) -> SystemRun:
         "max_num_seqs": settings.max_slots,
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         "kv_cache_gib": KV_CACHE_GIB,
-        "omp_threads_bind": _env(Path(), settings.threads)["VLLM_CPU_OMP_THREADS_BIND"],
+        "omp_threads_bind": vllm_env(Path(), settings.threads)["VLLM_CPU_OMP_THREADS_BIND"],
     }
     return SystemRun(result["outputs"], result["seconds"], result["setup_seconds"], config)
 

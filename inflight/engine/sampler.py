@@ -17,6 +17,8 @@ import torch
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 
 SEED_MASK = (1 << 63) - 1
+# Tokens ranked first for a top_p row without top_k; more only when these do not reach its top_p mass.
+TOP_P_CANDIDATES = 1024
 
 
 @dataclass
@@ -115,17 +117,58 @@ class Sampler:
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     def _top_k_top_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """`logits` with every token outside each row's top-k / top-p set at -inf (rows with neither
+        filter are left as they are).
+
+        Only the best candidates are ranked (`topk`), not the whole vocabulary: the rows' largest top_k,
+        at least TOP_P_CANDIDATES when a row has top_p without top_k. Such a row whose candidates do not
+        reach its top_p mass makes the step rank the whole vocabulary instead."""
+        vocab = logits.shape[1]
+        bounded = [r.params.top_k for r in rows if 0 < r.params.top_k < vocab]
+        candidates = max(bounded, default=0)
+        if len(bounded) < len(rows):
+            candidates = max(candidates, TOP_P_CANDIDATES)
+        candidates = min(vocab, candidates)
+        filtered = self._rank_and_filter(logits, rows, candidates)
+        if filtered is None:
+            filtered = self._rank_and_filter(logits, rows, vocab)
+        assert filtered is not None
+        unfiltered = [r.params.top_k in range(1, vocab) or r.params.top_p < 1.0 for r in rows]
+        unfiltered = [not filters for filters in unfiltered]
+        if any(unfiltered):
+            keep = torch.tensor(unfiltered, device=logits.device)[:, None]
+            filtered = torch.where(keep, logits, filtered)
+        return filtered
+
+    def _rank_and_filter(
+        self, logits: torch.Tensor, rows: list[SamplingRow], candidates: int
+    ) -> torch.Tensor | None:
+        """The filter over the `candidates` best tokens of each row; None when that is too few for a row
+        without top_k (the tokens beyond them could be inside its top_p set)."""
         vocab = logits.shape[1]
         device = logits.device
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
         # top_k at or above the vocabulary keeps every token (and could overflow a tensor of int64).
         top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows], device=device)
-        ranks = torch.arange(vocab, device=device)[None, :]
+        if candidates < vocab:
+            sorted_logits, order = logits.topk(candidates, dim=-1)
+        else:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(candidates, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
+        # Probabilities among each row's top-k tokens (all of the vocabulary for a row without top_k).
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        unbounded = top_k > candidates
+        if candidates < vocab and bool(unbounded.any()):
+            peak = sorted_logits[:, :1]
+            whole = (sorted_logits - peak).exp() / (logits - peak).exp().sum(dim=-1, keepdim=True)
+            sorted_probs = torch.where(unbounded[:, None], whole, sorted_probs)
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
         # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-        above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        cumulative = sorted_probs.cumsum(dim=-1)
+        short = unbounded & (cumulative[:, -1] < top_p) & (top_p < 1.0)
+        if candidates < vocab and bool(short.any()):
+            return None
+        above = cumulative - sorted_probs
         sorted_logits = sorted_logits.masked_fill(above >= top_p[:, None], float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 

@@ -124,7 +124,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 
 
 def _run_crd(args: argparse.Namespace) -> int:
-    from inflight.operator.crd import render_crd_yaml, render_reference_markdown
+    from inflight.operator.api.crd import render_crd_yaml, render_reference_markdown
 
     text = render_reference_markdown() if args.reference else render_crd_yaml()
     if args.check is not None:

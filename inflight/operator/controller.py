@@ -16,14 +16,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
-from inflight.operator import builders, cache_builders, kube
-from inflight.operator.autoscaling_builders import autoscaler_object
+from inflight.operator import kube
+from inflight.operator.api.types import HFTokenSecretRef, ModelServer, SecretKeyRef
+from inflight.operator.autoscaling.pod_metrics import PodSizing, ready_pod_endpoints, scrape_sizing
+from inflight.operator.children import server
+from inflight.operator.children.autoscalers import autoscaler_object
+from inflight.operator.children.cache import cache_selector, claim, download_job
 from inflight.operator.metrics import OperatorMetrics
 from inflight.operator.model_cache import (
     DOWNLOAD_CONTAINER,
@@ -36,10 +39,16 @@ from inflight.operator.model_cache import (
     newest_pod,
 )
 from inflight.operator.placement import Placement, SizingError, place
-from inflight.operator.pod_metrics import PodSizing, ready_pod_endpoints, scrape_sizing
-from inflight.operator.replicas import desired_replicas, woken
-from inflight.operator.spec import HFTokenSecretRef, ModelServer, SecretKeyRef
-from inflight.operator.status import Observed, Problem, build_status, condition_of, not_fitting, status_patch
+from inflight.operator.status import (
+    Observed,
+    Problem,
+    build_status,
+    condition_of,
+    desired_replicas,
+    not_fitting,
+    status_patch,
+    woken,
+)
 
 log = logging.getLogger("inflight.operator")
 
@@ -47,28 +56,7 @@ log = logging.getLogger("inflight.operator")
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 
 NODE_CACHE_SECONDS = 10.0
-SERVER_CONTAINER = "server"
 DOWNLOAD_LOG_LINES = 20
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def is_subset(desired: Any, live: Any) -> bool:
-    """Whether every field we set is present and equal in the live object (server defaults are extra)."""
-    if isinstance(desired, Mapping):
-        return isinstance(live, Mapping) and all(
-            k in live and is_subset(v, live[k]) for k, v in desired.items()
-        )
-    if isinstance(desired, list):
-        return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
-    return bool(desired == live)
-
-
-def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(ref.get("controller") and ref.get("uid") == uid for ref in refs)
 
 
 def child_patch(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
@@ -183,31 +171,40 @@ class Controller:
             task.cancel()
         self._download_polls.clear()
 
+    async def _read_or_create(
+        self, resource: kube.Resource, namespace: str, path: str, desired: dict[str, Any]
+    ) -> tuple[dict[str, Any], bool]:
+        """The live object at `path`, created from `desired` when there is none, and whether this call
+        created it. A 409 (another writer created it first) reads it again."""
+        live = await self.kube.get(path)
+        if live is not None:
+            return live, False
+        try:
+            created = await self.kube.create(resource.path(namespace), desired)
+        except kube.KubeError as error:
+            if error.status != 409:
+                raise
+            live = await self.kube.get(path)
+            if live is None:
+                raise
+            return live, False
+        log.info("created %s %s/%s", desired["kind"], namespace, desired["metadata"]["name"])
+        return created, True
+
     async def _ensure_shared(
         self, ms: ModelServer, resource: kube.Resource, desired: dict[str, Any]
     ) -> dict[str, Any]:
         """Create a shared cache object, or add this ModelServer to the owners of the existing one."""
         path = resource.path(ms.metadata.namespace, desired["metadata"]["name"])
-        live = await self.kube.get(path)
-        if live is None:
-            try:
-                created = await self.kube.create(resource.path(ms.metadata.namespace), desired)
-                log.info(
-                    "created %s %s/%s", desired["kind"], ms.metadata.namespace, desired["metadata"]["name"]
-                )
-                return created
-            except kube.KubeError as error:
-                if error.status != 409:
-                    raise
-                live = await self.kube.get(path)
-                if live is None:
-                    raise
+        live, created = await self._read_or_create(resource, ms.metadata.namespace, path, desired)
+        if created:
+            return live
         owners = live.get("metadata", {}).get("ownerReferences") or []
         if not any(ref.get("uid") == ms.metadata.uid for ref in owners):
             # resourceVersion: a concurrent owner change makes this a 409, retried by the next reconcile.
             meta = {
                 "resourceVersion": live["metadata"].get("resourceVersion"),
-                "ownerReferences": [*owners, builders.shared_owner_reference(ms)],
+                "ownerReferences": [*owners, server.shared_owner_reference(ms)],
             }
             try:
                 live = await self.kube.merge_patch(path, {"metadata": meta}) or live
@@ -220,14 +217,14 @@ class Controller:
         """The cache's claim and Job, created or shared, and the download's state."""
         namespace = ms.metadata.namespace
         if cache.pvc is not None:
-            await self._ensure_shared(ms, kube.PERSISTENT_VOLUME_CLAIMS, cache_builders.claim(ms, cache))
+            await self._ensure_shared(ms, kube.PERSISTENT_VOLUME_CLAIMS, claim(ms, cache))
         elif await self.kube.get(kube.PERSISTENT_VOLUME_CLAIMS.path(namespace, cache.claim_name)) is None:
             return None, Problem(
                 "CacheClaimNotFound",
                 f"spec.model.cache.claimName: PersistentVolumeClaim {namespace}/{cache.claim_name} does not "
                 "exist; create it, or set model.cache.pvc to let the operator create one",
             )
-        job = await self._ensure_shared(ms, kube.JOBS, cache_builders.download_job(ms, cache))
+        job = await self._ensure_shared(ms, kube.JOBS, download_job(ms, cache))
         pods = await self.kube.list(kube.PODS.path(namespace), {JOB_POD_LABEL: cache.job_name})
         state = download_state(cache, job, pods, None)
         if state.phase == "Downloading" and (pod := newest_pod(pods)) is not None:
@@ -251,7 +248,7 @@ class Controller:
         """Leave the model caches this ModelServer no longer uses (its source, revision or cache changed):
         drop it from their owners, and delete a claim or Job it was the last owner of. A claim still
         mounted by the old pods stays until they are gone (the API server's PVC protection)."""
-        selector = cache_builders.cache_selector()
+        selector = cache_selector()
         for resource in (kube.JOBS, kube.PERSISTENT_VOLUME_CLAIMS):
             for obj in await self.kube.list(resource.path(ms.metadata.namespace), selector):
                 meta = obj.get("metadata", {})
@@ -320,25 +317,16 @@ class Controller:
     ) -> tuple[dict[str, Any] | None, Problem | None]:
         """Create the child or patch it back to `desired`; a same-named object we do not own is a problem."""
         path = resource.path(ms.metadata.namespace, ms.metadata.name)
-        live = await self.kube.get(path)
-        if live is None:
-            try:
-                created = await self.kube.create(resource.path(ms.metadata.namespace), desired)
-                log.info("created %s %s/%s", desired["kind"], ms.metadata.namespace, ms.metadata.name)
-                return created, None
-            except kube.KubeError as error:
-                if error.status != 409:
-                    raise
-                live = await self.kube.get(path)
-                if live is None:
-                    raise
-        if not controlled_by(live, ms.metadata.uid):
+        live, created = await self._read_or_create(resource, ms.metadata.namespace, path, desired)
+        if created:
+            return live, None
+        if not kube.controlled_by(live, ms.metadata.uid):
             return live, Problem(
                 "NameConflict",
                 f"a {desired['kind']} named {ms.metadata.name} exists in {ms.metadata.namespace} and is not "
                 "owned by this ModelServer; delete it or rename the ModelServer",
             )
-        drifted = builders.template_hash(desired) != builders.template_hash(live) or not is_subset(
+        drifted = server.template_hash(desired) != server.template_hash(live) or not kube.is_subset(
             {k: desired[k] for k in ("metadata", "spec")}, live
         )
         if drifted:
@@ -380,7 +368,7 @@ class Controller:
             if resource == keep:
                 continue
             live = await self.kube.get(path)
-            if live is not None and controlled_by(live, ms.metadata.uid):
+            if live is not None and kube.controlled_by(live, ms.metadata.uid):
                 await self.kube.delete(path)
                 log.info(
                     "deleted %s %s/%s (actuator changed)",
@@ -390,13 +378,7 @@ class Controller:
                 )
 
     async def server_pods(self, ms: ModelServer) -> list[dict[str, Any]]:
-        """The ModelServer's pods (the label selector checked again: a client may ignore it)."""
-        selector = builders.selector_labels(ms)
-        return [
-            pod
-            for pod in await self.kube.list(kube.PODS.path(ms.metadata.namespace), label_selector=selector)
-            if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
-        ]
+        return await kube.pods_of(self.kube, ms.metadata.namespace, server.selector_labels(ms))
 
     async def _measure(
         self, ms: ModelServer, deployment: Mapping[str, Any] | None, template_hash: str | None
@@ -410,10 +392,10 @@ class Controller:
         pods = [
             pod
             for pod in await self.server_pods(ms)
-            if (pod.get("metadata", {}).get("annotations") or {}).get(builders.ANNOTATION_TEMPLATE_HASH)
+            if (pod.get("metadata", {}).get("annotations") or {}).get(server.ANNOTATION_TEMPLATE_HASH)
             == template_hash
         ]
-        endpoints = ready_pod_endpoints(pods, SERVER_CONTAINER)
+        endpoints = ready_pod_endpoints(pods, server.SERVER_CONTAINER)
         uids = {str(pod["metadata"].get("name")): str(pod["metadata"].get("uid", "")) for pod in pods}
         known = self._measured.get(key, {})
         kept = {
@@ -455,18 +437,18 @@ class Controller:
                 self._poll_download(ms.metadata.namespace, ms.metadata.name)
         # With a cache, the Deployment is created (or changed) only once the download Job has succeeded.
         if problem is None and placement is not None and (download is None or download.phase == "Ready"):
-            desired = builders.deployment(ms, placement, replicas)
-            template_hash = builders.template_hash(desired)
+            desired = server.deployment(ms, placement, replicas)
+            template_hash = server.template_hash(desired)
             deployment, problem = await self._ensure(ms, kube.DEPLOYMENTS, desired)
         else:
             # Leave a running Deployment as it is: the previous, working spec keeps serving.
             deployment = await self.kube.get(kube.DEPLOYMENTS.path(ms.metadata.namespace, ms.metadata.name))
-        _, service_problem = await self._ensure(ms, kube.SERVICES, builders.service(ms))
+        _, service_problem = await self._ensure(ms, kube.SERVICES, server.service(ms))
         problem = problem or service_problem or await self._ensure_autoscaler(ms)
 
         measured = await self._measure(ms, deployment, template_hash) if problem is None else {}
         observed = Observed(placement, problem, deployment, replicas, template_hash, measured, download)
-        status = build_status(ms, observed, now_rfc3339())
+        status = build_status(ms, observed, kube.rfc3339(time.time()))
         self.metrics.record_status(ms.metadata.namespace, ms.metadata.name, status, replicas)
         current = body.get("status") or {}
         patch = status_patch(current, status)

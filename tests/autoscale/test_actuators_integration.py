@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from inflight.operator.api.types import ModelServer
 from inflight.operator.controller import Controller
 from inflight.operator.kube import KubeError
-from inflight.operator.spec import ModelServer
 
 from support.autoscale_harness import running_operator
 from support.emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig

@@ -11,15 +11,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inflight.operator.autoscaler import ScalingPolicy
-from inflight.operator.autoscaling_builders import (
+from inflight.operator.api.types import AutoscalingMetric, ModelServer
+from inflight.operator.autoscaling.decision import ScalingPolicy
+from inflight.operator.children.autoscalers import (
     autoscaler_object,
     build_hpa,
     build_scaled_object,
     prometheus_query,
     quantity,
 )
-from inflight.operator.spec import AutoscalingMetric, ModelServer
 
 KEDA_CRD = Path(__file__).parent / "data" / "keda" / "keda.sh_scaledobjects.yaml"
 OWNER = {

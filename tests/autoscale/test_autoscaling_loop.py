@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from inflight.operator.autoscaling_loop import BuiltinAutoscaling
+from inflight.operator.api.types import ModelServer
+from inflight.operator.autoscaling.loop import BuiltinAutoscaling
 from inflight.operator.controller import Controller
 from inflight.operator.kube import DEPLOYMENTS, MODELSERVERS
 from inflight.operator.metrics import OperatorMetrics
-from inflight.operator.replicas import desired_replicas
-from inflight.operator.spec import ModelServer
+from inflight.operator.status import desired_replicas
 
 NS = "ns"
 
@@ -123,7 +123,9 @@ def serving(in_flight: dict[int, int]) -> httpx.AsyncClient:
 async def test_a_round_records_the_decision_the_reconcile_applies(cluster: MemoryKube) -> None:
     controller = RecordingController(cluster)
     load = {8001: 7, 8009: 100}
-    loop = BuiltinAutoscaling(controller, interval_s=1, scrape_timeout_s=1, http=serving(load))  # type: ignore[arg-type]
+    loop = BuiltinAutoscaling(
+        controller.kube, controller.metrics, interval_s=1, scrape_timeout_s=1, http=serving(load)
+    )  # type: ignore[arg-type]
 
     await loop.round()
     ms = cluster.objects[MODELSERVERS.path(NS, "llama")]
@@ -162,7 +164,9 @@ async def test_a_round_records_the_decision_the_reconcile_applies(cluster: Memor
 
 async def test_turning_builtin_autoscaling_off_clears_its_status(cluster: MemoryKube) -> None:
     controller = RecordingController(cluster)
-    loop = BuiltinAutoscaling(controller, interval_s=1, scrape_timeout_s=1, http=serving({8001: 1}))  # type: ignore[arg-type]
+    loop = BuiltinAutoscaling(
+        controller.kube, controller.metrics, interval_s=1, scrape_timeout_s=1, http=serving({8001: 1})
+    )  # type: ignore[arg-type]
     await loop.round()
     assert ("ns", "llama") in loop.states
 
@@ -176,7 +180,9 @@ async def test_turning_builtin_autoscaling_off_clears_its_status(cluster: Memory
 async def test_no_deployment_yet_is_not_an_error(cluster: MemoryKube) -> None:
     del cluster.objects[DEPLOYMENTS.path(NS, "llama")]
     controller = RecordingController(cluster)
-    loop = BuiltinAutoscaling(controller, interval_s=1, scrape_timeout_s=1, http=serving({8001: 9}))  # type: ignore[arg-type]
+    loop = BuiltinAutoscaling(
+        controller.kube, controller.metrics, interval_s=1, scrape_timeout_s=1, http=serving({8001: 9})
+    )  # type: ignore[arg-type]
     await loop.round()
     assert cluster.patches == []
     assert controller.events == []

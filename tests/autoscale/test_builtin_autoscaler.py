@@ -6,16 +6,16 @@ from typing import Any
 
 import httpx
 
-from inflight.operator.autoscaler import Direction, Observation, ScalingPolicy
-from inflight.operator.builtin_autoscaler import (
+from inflight.operator.api.types import AutoscalingMetric, AutoscalingSpec
+from inflight.operator.autoscaling.actuator import (
     AutoscalerState,
     autoscaling_status,
     evaluate,
-    rfc3339,
     scaled,
     starting_replicas,
 )
-from inflight.operator.spec import AutoscalingMetric, AutoscalingSpec
+from inflight.operator.autoscaling.decision import Direction, Observation, ScalingPolicy
+from inflight.operator.kube import rfc3339
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=4, target=2.0, scale_down_delay_s=5.0)
 NOW = 1_800_000_000.0

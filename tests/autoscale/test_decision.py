@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inflight.operator.autoscaler import Decision, Direction, Observation, ScalingPolicy, decide
+from inflight.operator.autoscaling.decision import Decision, Direction, Observation, ScalingPolicy, decide
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=4, target=4.0, scale_down_delay_s=10.0)
 

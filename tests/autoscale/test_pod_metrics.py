@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from inflight.operator.pod_metrics import (
+from inflight.operator.api.types import AutoscalingMetric
+from inflight.operator.autoscaling.pod_metrics import (
     MetricsFormatError,
     PodEndpoint,
     metric_value,
     ready_pod_endpoints,
     scrape,
 )
-from inflight.operator.spec import AutoscalingMetric
 
 BODY = """\
 # HELP inflight:num_requests_running Requests in a slot.

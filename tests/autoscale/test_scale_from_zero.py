@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from inflight.operator.replicas import (
+from inflight.operator.api.types import ModelServer, ModelServerSpec, ModelServerStatus
+from inflight.operator.status import (
     WAKE_ANNOTATION,
     desired_replicas,
     wake_pending,
     wake_requested_at,
     woken,
 )
-from inflight.operator.spec import ModelServer, ModelServerSpec, ModelServerStatus
 
 SPEC = ModelServerSpec.model_validate(
     {"model": {"name": "m", "source": "builtin:tiny"},

@@ -146,3 +146,34 @@ def test_stop_accepts_a_single_string_and_top_k_minus_one_disables() -> None:
     params = SamplingParams(stop="END", top_k=-1)
     assert params.stop_strings == ["END"]
     assert params.top_k == 0
+
+
+def _full_sort_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The top-k / top-p set by ranking the whole vocabulary: the definition the sampler must match."""
+    vocab = logits.shape[0]
+    sorted_logits, order = logits.sort(descending=True)
+    sorted_logits = sorted_logits.masked_fill(torch.arange(vocab) >= (top_k or vocab), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    sorted_logits = sorted_logits.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+
+
+def test_top_k_top_p_over_a_large_vocabulary_equals_a_full_sort() -> None:
+    """Mixed rows over a 49152-token vocabulary: top_k alone, top_p alone (peaked, so the candidates
+    suffice), both, neither, and a flat row whose top_p set is larger than the candidates ranked first."""
+    torch.manual_seed(0)
+    vocab = 49152
+    peaked = torch.randn(5, vocab) * 4
+    flat = torch.randn(1, vocab) * 0.01
+    logits = torch.cat([peaked, flat])
+    settings = [(50, 1.0), (0, 0.9), (40, 0.8), (0, 1.0), (1, 0.5), (0, 0.95)]
+    batch = [
+        SamplingRow(SamplingParams(temperature=1.0, top_k=k, top_p=p), [], 0, index=0, output_position=0)
+        for k, p in settings
+    ]
+    filtered = Sampler(seed=0)._top_k_top_p(logits, batch)
+    for i, (k, p) in enumerate(settings):
+        expected = logits[i] if (k, p) == (0, 1.0) else _full_sort_filter(logits[i], k, p)
+        kept, want = torch.isfinite(filtered[i]), torch.isfinite(expected)
+        assert torch.equal(kept, want), f"row {i}: {int(kept.sum())} tokens kept, want {int(want.sum())}"
+        torch.testing.assert_close(filtered[i][kept], expected[want])

@@ -11,10 +11,10 @@ import kubernetes_validate
 import pytest
 from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 
-from inflight.operator import builders
-from inflight.operator.controller import is_subset
+from inflight.operator.api.types import ModelServer
+from inflight.operator.children import server as builders
+from inflight.operator.kube import is_subset
 from inflight.operator.placement import place
-from inflight.operator.spec import ModelServer
 
 PIECES = {
     "podMonitor": {"PodMonitor"},

@@ -1,4 +1,4 @@
-"""The chart's RBAC is exactly the operator's list of API calls (inflight/operator/rbac.py), no wildcards."""
+"""The chart's RBAC is exactly the operator's list of API calls (operator/api/rbac.py), no wildcards."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from inflight.operator.rbac import PERMISSIONS, rules
+from inflight.operator.api.rbac import PERMISSIONS, rules
 
 WATCHED = ("team-a", "team-b")
 ALL_NAMESPACES: tuple[str, ...] = ()

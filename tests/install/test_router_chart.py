@@ -6,7 +6,7 @@ from typing import Any
 
 import kubernetes_validate
 
-from inflight.operator.rbac import ROUTER_PERMISSIONS, rules
+from inflight.operator.api.rbac import ROUTER_PERMISSIONS, rules
 
 VALUES = ("--set", "router.namespaces={team-a,team-b}", "--set-json", "router.epsilon=0.5")
 

@@ -23,10 +23,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from inflight.operator.api.types import ModelServer
+from inflight.operator.autoscaling.pod_metrics import PodSizing
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
 from inflight.operator.placement import place
-from inflight.operator.pod_metrics import PodSizing
-from inflight.operator.spec import ModelServer
 from inflight.operator.status import Observed, build_status
 
 from support.monitoring_kit import PrometheusTools, alert_queries, dashboard_queries, selectors

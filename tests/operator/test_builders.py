@@ -9,10 +9,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inflight.operator import builders
+from inflight.operator.api.types import ModelServer, ModelServerStatus
+from inflight.operator.children import server
 from inflight.operator.placement import Placement, SizingError, parse_quantity, place
-from inflight.operator.replicas import desired_replicas
-from inflight.operator.spec import ModelServer, ModelServerStatus
+from inflight.operator.status import desired_replicas
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())
@@ -42,8 +42,8 @@ def built(
     placement = place(ms.spec, nodes or [])
     return (
         placement,
-        builders.deployment(ms, placement, desired_replicas(ms.spec, ms.status)),
-        builders.service(ms),
+        server.deployment(ms, placement, desired_replicas(ms.spec, ms.status)),
+        server.service(ms),
     )
 
 
@@ -152,9 +152,9 @@ def test_labels_owner_and_service() -> None:
     template_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
     assert (
-        builders.selector_string(ms) == "app.kubernetes.io/name=inflight-server,inflight.dev/modelserver=tiny"
+        server.selector_string(ms) == "app.kubernetes.io/name=inflight-server,inflight.dev/modelserver=tiny"
     )
-    assert builders.endpoint(ms) == "http://tiny.default.svc:8000/v1"
+    assert server.endpoint(ms) == "http://tiny.default.svc:8000/v1"
 
 
 def test_api_key_and_hf_download() -> None:
@@ -186,11 +186,11 @@ def test_api_key_and_hf_download() -> None:
 
 
 def test_template_hash_follows_the_spec() -> None:
-    first = builders.template_hash(built(tiny())[1])
-    assert first == builders.template_hash(built(tiny())[1])
-    assert first != builders.template_hash(built(tiny(engine={"scheduler": "static"}))[1])
+    first = server.template_hash(built(tiny())[1])
+    assert first == server.template_hash(built(tiny())[1])
+    assert first != server.template_hash(built(tiny(engine={"scheduler": "static"}))[1])
     assert built(tiny(replicas=3))[1]["spec"]["replicas"] == 3
-    assert builders.template_hash(built(tiny(replicas=3))[1]) == first  # replicas are not in the template
+    assert server.template_hash(built(tiny(replicas=3))[1]) == first  # replicas are not in the template
 
 
 def test_gpu_memory_sources_in_priority_order() -> None:
@@ -288,9 +288,9 @@ def test_nodes_with_too_few_gpus_are_not_counted_and_none_is_an_error() -> None:
 
 
 def test_version_label_from_the_image_tag() -> None:
-    assert builders.image_version("ghcr.io/inflight-dev/inflight-server:0.1.0") == "0.1.0"
-    assert builders.image_version("registry:5000/inflight-server") is None  # a port is not a tag
-    assert builders.image_version("inflight@sha256:" + "a" * 64) is None
+    assert server.image_version("ghcr.io/inflight-dev/inflight-server:0.1.0") == "0.1.0"
+    assert server.image_version("registry:5000/inflight-server") is None  # a port is not a tag
+    assert server.image_version("inflight@sha256:" + "a" * 64) is None
     _, deployment, _ = built(example("tiny-cpu.yaml"))
     assert deployment["metadata"]["labels"]["app.kubernetes.io/version"] == "0.1.0"
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from inflight.cli import main
-from inflight.operator.crd import render_crd, render_crd_yaml, render_reference_markdown
-from inflight.operator.spec import ModelServerSpec
+from inflight.operator.api.crd import render_crd, render_crd_yaml, render_reference_markdown
+from inflight.operator.api.types import ModelServerSpec
 
 from support.crd_check import admission_errors, apply_defaults, cel_errors, structural_errors
 

@@ -28,12 +28,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inflight.operator import builders, spec
+from inflight.operator.api import types as spec
+from inflight.operator.api.crd import render_crd
+from inflight.operator.api.types import ModelServer
+from inflight.operator.children import server as builders
 from inflight.operator.controller import Controller
-from inflight.operator.crd import render_crd
 from inflight.operator.kube import KubeClient
 from inflight.operator.placement import place
-from inflight.operator.spec import ModelServer
 from inflight.operator.status import CONDITION_TYPES, condition_of
 
 from support.crd_check import admission_errors

@@ -18,11 +18,12 @@ import kubernetes_validate
 import pytest
 
 from inflight import sizing
-from inflight.operator import builders, cache_builders
+from inflight.operator.api.types import ModelServer
+from inflight.operator.children import cache as cache_builders
+from inflight.operator.children import server as builders
 from inflight.operator.controller import Controller
 from inflight.operator.model_cache import cache_of
 from inflight.operator.placement import place
-from inflight.operator.spec import ModelServer
 
 from support.emulated import (
     DEPLOYMENTS,

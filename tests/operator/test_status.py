@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from inflight.operator.api.types import ModelServer
+from inflight.operator.autoscaling.pod_metrics import PodSizing
 from inflight.operator.placement import place
-from inflight.operator.pod_metrics import PodSizing
-from inflight.operator.spec import ModelServer
 from inflight.operator.status import Observed, Problem, build_status, status_patch
 
 NOW = "2026-01-01T00:00:00Z"

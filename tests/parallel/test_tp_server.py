@@ -20,9 +20,9 @@ import psutil
 import pytest
 import yaml
 
-from inflight.operator import builders
+from inflight.operator.api.types import ModelServer
+from inflight.operator.children import server as builders
 from inflight.operator.placement import place
-from inflight.operator.spec import ModelServer
 
 REPO = Path(__file__).resolve().parents[2]
 H100_NODE = {"nvidia.com/gpu.memory": "81559", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}

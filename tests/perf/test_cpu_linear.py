@@ -55,3 +55,34 @@ def test_engine_prepacks_on_cpu_and_still_matches_unpacked_greedy(tiny_llama_dir
     packed_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     plain_tokens = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert packed_tokens == plain_tokens
+
+
+def test_tied_lm_head_is_prepacked_over_the_shared_embedding() -> None:
+    from inflight.engine.attention.backend import get_attention_backend
+    from inflight.engine.model.config import ModelConfig
+    from inflight.engine.model.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 300,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": True,
+        }
+    )
+    cpu = torch.device("cpu")
+    model = LlamaForCausalLM(config, get_attention_backend(cpu), cpu)
+    hidden = torch.randn(9, 64)
+    expected = model.compute_logits(hidden)
+    parameters_before = dict(model.named_parameters())
+    prepack_linears(model, batch_size_hint=8)
+    assert isinstance(model.lm_head, PrepackedLinear)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert dict(model.named_parameters()) == parameters_before
+    torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inflight.operator.replicas import WAKE_ANNOTATION
+from inflight.operator.status import WAKE_ANNOTATION
 from inflight.router.app import RouterSettings
 from inflight.router.kubernetes import kubernetes_discovery
 

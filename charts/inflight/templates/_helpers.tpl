@@ -68,7 +68,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end }}
 {{- end }}
 
-{{/* Labels on the ModelServer server pods the operator creates (inflight/operator/builders.py). */}}
+{{/* Labels on the ModelServer server pods the operator creates (inflight/operator/children/server.py). */}}
 {{- define "inflight.serverPodSelector" -}}
 app.kubernetes.io/name: inflight-server
 app.kubernetes.io/managed-by: inflight-operator

@@ -49,11 +49,23 @@ class PrepackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module, batch_size_hint: int) -> int:
-    """Replace every nn.Linear inside `model` by a PrepackedLinear; return how many were replaced."""
+    """Replace every nn.Linear inside `model` by a PrepackedLinear; return how many were replaced.
+
+    A model whose LM head is its embedding (tied, `lm_head` None) gets a prepacked LM head over the
+    embedding weight: MKL runs the [batch, hidden] x [vocab, hidden]^T logits product 2-3.5x slower than
+    oneDNN with the weight prepacked (SmolLM2's 49152 x 576 at batch 8 / 64), at the cost of one packed
+    copy of the embedding."""
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, PrepackedLinear(child, batch_size_hint))
                 replaced += 1
+    embed = getattr(model, "embed_tokens", None)
+    if hasattr(model, "lm_head") and model.lm_head is None and isinstance(embed, nn.Embedding):
+        vocab, hidden = embed.weight.shape
+        tied = nn.Linear(hidden, vocab, bias=False, device="meta")
+        tied.weight = embed.weight  # shared: the packed copy is the only extra memory
+        model.lm_head = PrepackedLinear(tied, batch_size_hint)
+        replaced += 1
     return replaced

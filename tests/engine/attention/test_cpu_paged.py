@@ -28,7 +28,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1), (9, 3), (10, 2)])
 def test_decode_ragged_lengths_across_block_boundaries(
     num_heads: int, num_kv_heads: int, dtype: torch.dtype, torch_threads: int
 ) -> None:
@@ -180,7 +180,7 @@ def test_the_portable_c_path_matches_the_references(
     monkeypatch.setattr(cpu_kernels, "library", lambda: portable_library)
     tolerance = 2 * TOLERANCE[dtype]
     for seq_lens, window in (([1, 16, 17, 32, 8, 9, 141], None), ([90, 45, 40, 3], 20)):
-        for num_heads, num_kv_heads, head_dim in ((8, 2, 32), (8, 1, 24), (6, 6, 40)):
+        for num_heads, num_kv_heads, head_dim in ((8, 2, 32), (8, 1, 24), (6, 6, 40), (9, 3, 24)):
             case = make_case(
                 seq_lens,
                 [1] * len(seq_lens),

@@ -2,7 +2,7 @@
 
 One round per ModelServer: read its Deployment and pods, scrape the ready pods' ``/metrics`` (with a
 timeout), decide, and record the decision in ``status.autoscaling``. ``desiredReplicas`` there is what the
-operator's one replica-count function (``replicas.desired_replicas``) carries to the Deployment: the
+operator's one replica-count function (``status.desired_replicas``) carries to the Deployment: the
 status write is a ModelServer event, so a scale goes through the same reconcile as every other change
 (with the periodic resync as the backstop). Scale-ups and scale-downs are also posted as
 Events, through the API (kopf's ``kopf.event`` works only inside its handlers, not in this loop).
@@ -21,17 +21,12 @@ import httpx
 from pydantic import ValidationError
 
 from inflight.operator import kube
-from inflight.operator.autoscaler import Direction
-from inflight.operator.builtin_autoscaler import (
-    AutoscalerState,
-    autoscaling_status,
-    evaluate,
-    rfc3339,
-    scaled,
-)
-from inflight.operator.controller import SERVER_CONTAINER, Controller
-from inflight.operator.replicas import desired_replicas, woken
-from inflight.operator.spec import Actuator, ModelServer
+from inflight.operator.api.types import Actuator, ModelServer
+from inflight.operator.autoscaling.actuator import AutoscalerState, autoscaling_status, evaluate, scaled
+from inflight.operator.autoscaling.decision import Direction
+from inflight.operator.children import server
+from inflight.operator.metrics import OperatorMetrics
+from inflight.operator.status import desired_replicas, woken
 
 log = logging.getLogger("inflight.operator.autoscaling")
 
@@ -41,12 +36,14 @@ class BuiltinAutoscaling:
 
     def __init__(
         self,
-        controller: Controller,
+        client: kube.KubeClient,
+        metrics: OperatorMetrics,
         interval_s: float,
         scrape_timeout_s: float,
         http: httpx.AsyncClient | None = None,
     ) -> None:
-        self.controller = controller
+        self.kube = client
+        self.metrics = metrics
         self.interval_s = interval_s
         self.scrape_timeout_s = scrape_timeout_s
         self.states: dict[tuple[str, str], AutoscalerState] = {}
@@ -65,7 +62,7 @@ class BuiltinAutoscaling:
 
     async def round(self) -> None:
         """One decision for each builtin-autoscaled ModelServer (concurrently)."""
-        bodies = await self.controller.kube.list(kube.MODELSERVERS.path())
+        bodies = await self.kube.list(kube.MODELSERVERS.path())
         active: list[tuple[dict[str, Any], ModelServer]] = []
         for body in bodies:
             try:
@@ -89,13 +86,13 @@ class BuiltinAutoscaling:
         autoscaling = ms.spec.autoscaling
         assert autoscaling is not None
         namespace, name = ms.metadata.namespace, ms.metadata.name
-        deployment = await self.controller.kube.get(kube.DEPLOYMENTS.path(namespace, name))
+        deployment = await self.kube.get(kube.DEPLOYMENTS.path(namespace, name))
         if deployment is None:
             return  # not created yet (or the spec is Degraded): nothing to scale
         woken_from_zero = woken(ms) and desired_replicas(ms.spec, ms.status) == 0
         # what the reconcile holds the Deployment at (one replica at once when the router asked for it)
         replicas = desired_replicas(ms.spec, ms.status, woken(ms))
-        pods = await self.controller.server_pods(ms)
+        pods = await kube.pods_of(self.kube, namespace, server.selector_labels(ms))
         state = self.states.get((namespace, name))
         if state is None:
             last = ms.status.autoscaling.last_scale_time if ms.status.autoscaling else None
@@ -104,16 +101,16 @@ class BuiltinAutoscaling:
         if woken_from_zero:
             # The rounds at zero replicas say nothing about demand: the scale-down delay starts now.
             state.history.clear()
-            state.last_scale_time = rfc3339(now)
+            state.last_scale_time = kube.rfc3339(now)
             message = f"0 -> {replicas} replicas: a request is waiting in the router (scale from zero)"
             log.info("%s/%s: %s", namespace, name, message)
             event = kube.event_body(body, "Normal", "ScaledUp", message, state.last_scale_time)
-            await self.controller.kube.create(kube.EVENTS.path(namespace), event)
+            await self.kube.create(kube.EVENTS.path(namespace), event)
         decision = await evaluate(
             state,
             autoscaling,
             pods,
-            SERVER_CONTAINER,
+            server.SERVER_CONTAINER,
             replicas,
             ms.spec.startup_timeout_seconds,
             self.http,
@@ -121,16 +118,16 @@ class BuiltinAutoscaling:
             now,
         )
         changed = scaled(decision, replicas)
-        self.controller.metrics.autoscaling_decisions.labels(direction=decision.direction.value).inc()
+        self.metrics.autoscaling_decisions.labels(direction=decision.direction.value).inc()
         if changed:
-            state.last_scale_time = rfc3339(now)
+            state.last_scale_time = kube.rfc3339(now)
             log.info(
                 "%s/%s: %d -> %d replicas: %s", namespace, name, replicas, decision.desired, decision.reason
             )
             reason = "ScaledUp" if decision.direction is Direction.UP else "ScaledDown"
             message = f"{replicas} -> {decision.desired} replicas: {decision.reason}"
             event = kube.event_body(body, "Normal", reason, message, state.last_scale_time)
-            await self.controller.kube.create(kube.EVENTS.path(namespace), event)
+            await self.kube.create(kube.EVENTS.path(namespace), event)
         await self._patch_status(ms, autoscaling_status(decision, state.last_scale_time))
 
     async def _patch_status(self, ms: ModelServer, status: Mapping[str, Any] | None) -> None:
@@ -138,4 +135,4 @@ class BuiltinAutoscaling:
         if current == status:
             return
         path = kube.MODELSERVERS.path(ms.metadata.namespace, ms.metadata.name, "status")
-        await self.controller.kube.merge_patch(path, {"status": {"autoscaling": status}})
+        await self.kube.merge_patch(path, {"status": {"autoscaling": status}})

@@ -12,13 +12,10 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from inflight.operator import builders
-from inflight.operator.autoscaler import ScalingPolicy
-from inflight.operator.pod_metrics import SERIES
-from inflight.operator.spec import Actuator, AutoscalingMetric, AutoscalingSpec, ModelServer
-
-GROUP_VERSION = "inflight.dev/v1alpha1"
-KIND = "ModelServer"
+from inflight.operator.api.types import API_VERSION, KIND, Actuator, AutoscalingMetric, ModelServer
+from inflight.operator.autoscaling.decision import ScalingPolicy, policy_of
+from inflight.operator.autoscaling.pod_metrics import SERIES
+from inflight.operator.children import server
 
 HPA_METRIC_NAMES: dict[AutoscalingMetric, str] = {
     AutoscalingMetric.REQUESTS_IN_FLIGHT: "inflight:num_requests_in_flight",
@@ -27,17 +24,6 @@ HPA_METRIC_NAMES: dict[AutoscalingMetric, str] = {
 }
 """The custom-metrics name the HPA asks for. Two are the server's own series; requests in flight is
 running + waiting, which the Prometheus Adapter rule in docs/autoscaling.md publishes under its name."""
-
-
-def policy_of(autoscaling: AutoscalingSpec) -> ScalingPolicy:
-    """The decision knobs of a ModelServer's ``spec.autoscaling``."""
-    return ScalingPolicy(
-        min_replicas=autoscaling.min_replicas,
-        max_replicas=autoscaling.max_replicas,
-        target=autoscaling.target,
-        scale_up_stabilization_s=autoscaling.scale_up_stabilization_seconds,
-        scale_down_delay_s=autoscaling.scale_down_delay_seconds,
-    )
 
 
 def autoscaler_object(ms: ModelServer) -> dict[str, Any] | None:
@@ -50,7 +36,7 @@ def autoscaler_object(ms: ModelServer) -> dict[str, Any] | None:
         return None
     name, namespace = ms.metadata.name, ms.metadata.namespace
     policy = policy_of(autoscaling)
-    owner, labels = builders.owner_reference(ms), builders.labels(ms)
+    owner, labels = server.owner_reference(ms), server.labels(ms)
     if autoscaling.actuator is Actuator.HPA:
         return build_hpa(name, namespace, policy, autoscaling.metric, owner, labels)
     prometheus = autoscaling.prometheus
@@ -91,7 +77,7 @@ def build_hpa(
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(name, namespace, owner_reference, labels),
         "spec": {
-            "scaleTargetRef": {"apiVersion": GROUP_VERSION, "kind": KIND, "name": name},
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicas": policy.min_replicas,
             "maxReplicas": policy.max_replicas,
             "metrics": [
@@ -138,7 +124,7 @@ def build_scaled_object(
         "kind": "ScaledObject",
         "metadata": _metadata(name, namespace, owner_reference, labels),
         "spec": {
-            "scaleTargetRef": {"apiVersion": GROUP_VERSION, "kind": KIND, "name": name},
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicaCount": policy.min_replicas,
             "maxReplicaCount": policy.max_replicas,
             "pollingInterval": polling_interval_s,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from inflight.operator.spec import AutoscalingMetric
+from inflight.operator.api.types import AutoscalingMetric
 
 RUNNING = "inflight:num_requests_running"
 WAITING = "inflight:num_requests_waiting"

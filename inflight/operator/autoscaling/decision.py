@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from inflight.operator.api.types import AutoscalingSpec
+
 
 @dataclass(frozen=True)
 class ScalingPolicy:
@@ -174,3 +176,14 @@ def _describe_load(observation: Observation, policy: ScalingPolicy) -> str:
     known = observation.known
     average = sum(known) / len(known)
     return f"load {sum(known):g} over {len(known)} pod(s) ({average:.3g} per pod, target {policy.target:g})"
+
+
+def policy_of(autoscaling: AutoscalingSpec) -> ScalingPolicy:
+    """The decision knobs of a ModelServer's ``spec.autoscaling``."""
+    return ScalingPolicy(
+        min_replicas=autoscaling.min_replicas,
+        max_replicas=autoscaling.max_replicas,
+        target=autoscaling.target,
+        scale_up_stabilization_s=autoscaling.scale_up_stabilization_seconds,
+        scale_down_delay_s=autoscaling.scale_down_delay_seconds,
+    )

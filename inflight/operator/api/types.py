@@ -14,6 +14,7 @@ from pydantic.alias_generators import to_camel
 
 GROUP = "inflight.dev"
 VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "ModelServer"
 PLURAL = "modelservers"
 SINGULAR = "modelserver"
@@ -21,7 +22,6 @@ SHORT_NAMES = ["ms"]
 CATEGORIES = ["inflight"]
 
 DEFAULT_IMAGE = "ghcr.io/inflight-dev/inflight-server:0.1.0"
-SOURCE_SCHEMES = ("pvc://", "hf://", "s3://", "file://")
 BUILTIN_TINY = "builtin:tiny"
 
 # An object field whose own fields all have defaults: `{}` in the schema, so the API server fills them in.

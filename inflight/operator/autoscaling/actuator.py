@@ -10,15 +10,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-from inflight.operator.autoscaler import Decision, Direction, Observation, ScalingPolicy, decide
-from inflight.operator.autoscaling_builders import policy_of
-from inflight.operator.pod_metrics import ready_pod_endpoints, scrape
-from inflight.operator.spec import AutoscalingMetric, AutoscalingSpec
+from inflight.operator.api.types import AutoscalingMetric, AutoscalingSpec
+from inflight.operator.autoscaling.decision import (
+    Decision,
+    Direction,
+    Observation,
+    ScalingPolicy,
+    decide,
+    policy_of,
+)
+from inflight.operator.autoscaling.pod_metrics import ready_pod_endpoints, scrape
+from inflight.operator.kube import parse_rfc3339
 
 
 @dataclass
@@ -90,10 +96,6 @@ def scaled(decision: Decision, replicas: int) -> bool:
     return decision.direction is not Direction.HOLD and decision.desired != replicas
 
 
-def rfc3339(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _is_ready(pod: Mapping[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
@@ -103,4 +105,5 @@ def _created(pod: Mapping[str, Any], now: float) -> float:
     stamp = pod.get("metadata", {}).get("creationTimestamp")
     if not isinstance(stamp, str):
         return now
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    created = parse_rfc3339(stamp)
+    return now if created is None else created.timestamp()

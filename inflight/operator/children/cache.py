@@ -13,14 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from inflight.download.errors import PERMANENT
-from inflight.operator.builders import (
+from inflight.operator.api.types import ModelServer
+from inflight.operator.children.server import (
     MANAGED_BY,
     download_container,
     pod_security,
+    scheduling,
     shared_owner_reference,
 )
 from inflight.operator.model_cache import ANNOTATION_SOURCE, DOWNLOAD_CONTAINER, LABEL_CACHE, Cache
-from inflight.operator.spec import ModelServer
 
 CACHE_MOUNT = "/cache"
 DOWNLOAD_BACKOFF_LIMIT = 6
@@ -86,13 +87,7 @@ def download_job(ms: ModelServer, cache: Cache) -> dict[str, Any]:
         "enableServiceLinks": False,
         "securityContext": pod_security(),
     }
-    spec = ms.spec
-    if spec.service_account_name:  # s3:// through workload identity
-        pod_spec["serviceAccountName"] = spec.service_account_name
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    pod_spec.update(scheduling(ms))
     fail_at_once = {
         "action": "FailJob",
         "onExitCodes": {

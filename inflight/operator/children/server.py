@@ -16,9 +16,9 @@ import re
 from typing import Any
 
 from inflight import sizing
+from inflight.operator.api.types import API_VERSION, BUILTIN_TINY, KIND, ModelServer
 from inflight.operator.model_cache import cache_of, revision
 from inflight.operator.placement import Placement
-from inflight.operator.spec import BUILTIN_TINY, GROUP, KIND, VERSION, ModelServer
 
 PORT = 8000
 API_KEY_DIR = "/var/run/inflight"
@@ -38,6 +38,7 @@ LABEL_MODELSERVER = "inflight.dev/modelserver"
 LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 ANNOTATION_TEMPLATE_HASH = "inflight.dev/template-hash"
 MANAGED_BY = "inflight-operator"
+SERVER_CONTAINER = "server"
 
 
 def selector_labels(ms: ModelServer) -> dict[str, str]:
@@ -77,7 +78,7 @@ def endpoint(ms: ModelServer) -> str:
 
 def owner_reference(ms: ModelServer) -> dict[str, Any]:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
+        "apiVersion": API_VERSION,
         "kind": KIND,
         "name": ms.metadata.name,
         "uid": ms.metadata.uid,
@@ -270,12 +271,26 @@ def _volumes_and_mounts(
     return volumes, mounts
 
 
+def scheduling(ms: ModelServer) -> dict[str, Any]:
+    """The pod fields that say who a ModelServer's pods run as and where: its service account (s3:// through
+    workload identity, too), node selector and tolerations; the ones the spec leaves out are absent."""
+    spec = ms.spec
+    fields: dict[str, Any] = {}
+    if spec.service_account_name:
+        fields["serviceAccountName"] = spec.service_account_name
+    if spec.node_selector:
+        fields["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        fields["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    return fields
+
+
 def pod_template(ms: ModelServer, placement: Placement) -> dict[str, Any]:
     spec = ms.spec
     volumes, mounts = _volumes_and_mounts(ms, placement)
     http_get = {"port": "http", "scheme": "HTTP"}
     container = {
-        "name": "server",
+        "name": SERVER_CONTAINER,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["inflight", "serve"],
@@ -314,12 +329,7 @@ def pod_template(ms: ModelServer, placement: Placement) -> dict[str, Any]:
     init = _download_init_container(ms)
     if init is not None:
         pod_spec["initContainers"] = [init]
-    if spec.service_account_name:
-        pod_spec["serviceAccountName"] = spec.service_account_name
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    pod_spec.update(scheduling(ms))
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(PORT),

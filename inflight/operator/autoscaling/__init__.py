@@ -1,0 +1,1 @@
+"""Autoscaling: the pure decision, the builtin actuator, its loop, and the pods' /metrics it reads."""
