@@ -1,7 +1,7 @@
 /* Small C kernels for CPU inference: paged decode attention that reads K/V blocks where they lie, and
  * the model's elementwise steps fused into one pass each (add + RMSNorm, SiLU * up, rotary embedding).
  *
- * Compiled at first use by cpu_kernels.py (cc -O3 -march=native -fopenmp -fno-trapping-math -fno-math-errno:
+ * Compiled at first use by kernels.py (cc -O3 -march=native -fopenmp -fno-trapping-math -fno-math-errno:
  * without the last two gcc keeps float selects and sqrtf out of vector loops) and called through ctypes.
  * Element type: float32 (dtype 0) or bfloat16 (dtype 1); arithmetic is float32 either way.
  * Parallel loops use `num_threads` OpenMP threads (the OpenMP runtime torch already loaded).
