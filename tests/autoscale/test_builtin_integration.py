@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -25,7 +24,15 @@ import httpx
 import kmock
 import pytest
 
-from support.autoscale_harness import background, free_port, ready, running_operator, server_ready
+from support.autoscale_harness import (
+    background,
+    free_port,
+    mark_ready,
+    ready,
+    report_deployment_status,
+    running_operator,
+    server_ready,
+)
 from support.emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
 from support.kube_emulator import KubeEmulator
 
@@ -36,7 +43,6 @@ NAME = "tiny"
 SERVERS = 2  # the pods; 2 cores run them, the operator and the load
 PODS = "v1/pods"
 POD_URL = f"/api/v1/namespaces/{NS}/pods"
-MERGE = {"Content-Type": "application/merge-patch+json"}
 POD_STARTUP_S = 1.0  # how long a new "pod" takes to become Ready
 SCALE_DOWN_DELAY_S = 5
 CLIENTS = 6  # concurrent request loops
@@ -143,24 +149,11 @@ async def play_controllers(cluster: KubeEmulator, servers: Servers) -> None:
                         and time.monotonic() - born.get(name, 0.0) >= POD_STARTUP_S
                         and await server_ready(http, port)
                     ):
-                        status = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
-                        await cluster.patch(f"{POD_URL}/{name}", data=json.dumps(status), headers=MERGE)
+                        await mark_ready(cluster, f"{POD_URL}/{name}")
                 for name in live:
                     if int(name.rsplit("-", 1)[1]) >= wanted:
                         await cluster.delete(f"{POD_URL}/{name}")
-                live = pods(cluster)
-                ready_count = sum(1 for pod in live.values() if ready(pod))
-                counts = {
-                    "observedGeneration": deployment["metadata"]["generation"],
-                    "replicas": len(live),
-                    "updatedReplicas": len(live),
-                    "readyReplicas": ready_count,
-                    "availableReplicas": ready_count,
-                }
-                if counts != reported:
-                    url = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}/status"
-                    await cluster.patch(url, data=json.dumps({"status": counts}), headers=MERGE)
-                    reported = counts
+                reported = await report_deployment_status(cluster, deployment, pods(cluster), reported)
             await asyncio.sleep(0.2)
 
 

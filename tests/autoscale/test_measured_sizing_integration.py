@@ -24,7 +24,15 @@ import kmock
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.autoscale_harness import background, free_port, ready, server_ready
+from support.autoscale_harness import (
+    MERGE,
+    background,
+    free_port,
+    mark_ready,
+    ready,
+    report_deployment_status,
+    server_ready,
+)
 from support.emulated import (
     DEPLOYMENTS,
     MODELSERVERS,
@@ -43,7 +51,6 @@ NAME = "tiny"
 PODS = "v1/pods"
 POD_URL = f"/api/v1/namespaces/{NS}/pods"
 MS_URL = f"/apis/inflight.dev/v1alpha1/namespaces/{NS}/modelservers"
-MERGE = {"Content-Type": "application/merge-patch+json"}
 MODELSERVER = {
     "apiVersion": "inflight.dev/v1alpha1",
     "kind": "ModelServer",
@@ -150,21 +157,8 @@ async def play_kubelet(cluster: KubeEmulator, ports: list[int]) -> None:
                     response = await cluster.post(POD_URL, json=pod_for(deployment, index, ports[index]))
                     assert response.status in (200, 201), await response.text()
                 elif not ready(live[name]) and await server_ready(http, ports[index]):
-                    status = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
-                    await cluster.patch(f"{POD_URL}/{name}", data=json.dumps(status), headers=MERGE)
-            live = live_pods(cluster)
-            ready_count = sum(1 for pod in live.values() if ready(pod))
-            counts = {
-                "observedGeneration": deployment["metadata"]["generation"],
-                "replicas": len(live),
-                "updatedReplicas": len(live),
-                "readyReplicas": ready_count,
-                "availableReplicas": ready_count,
-            }
-            if counts != reported:
-                url = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}/status"
-                await cluster.patch(url, data=json.dumps({"status": counts}), headers=MERGE)
-                reported = counts
+                    await mark_ready(cluster, f"{POD_URL}/{name}")
+            reported = await report_deployment_status(cluster, deployment, live_pods(cluster), reported)
             await asyncio.sleep(0.2)
 
 
