@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.engine.scheduler import StepRecord
 from inflight.engine.sequence import SamplingParams
+
+from support.reference import hf_greedy
 
 NUM_PROMPTS = 16
 BLOCK_SIZE = 8
@@ -33,21 +34,6 @@ def make_prompts(vocab_size: int) -> tuple[list[list[int]], list[int]]:
         prompts.append(shared + tail if i % 3 == 0 else tail)
         max_tokens.append(rng.randrange(8, 25))
     return prompts, max_tokens
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt, n in zip(prompts, max_tokens, strict=True):
-            # eos_token_id=None: never stop early, like ignore_eos on our side.
-            config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=n)
-            out = model.generate(torch.tensor([prompt]), generation_config=config)
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
 
 
 class Reference:

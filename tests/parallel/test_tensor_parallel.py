@@ -26,6 +26,7 @@ from inflight.engine.parallel.layout import ShardLayout, valid_degrees
 from inflight.engine.sequence import SamplingParams
 
 from support.models import cached_model
+from support.reference import hf_greedy
 
 BLOCK_SIZE = 8
 NUM_PROMPTS = 12
@@ -45,18 +46,9 @@ def make_prompts(vocab_size: int) -> tuple[list[list[int]], list[int]]:
 
 
 @functools.cache
-def hf_greedy(model_dir: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
+def hf_reference(model_dir: Path) -> list[list[int]]:
     prompts, max_tokens = make_prompts(ModelConfig.from_dir(model_dir).vocab_size)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt, n in zip(prompts, max_tokens, strict=True):
-            config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=n)
-            out = model.generate(torch.tensor([prompt]), generation_config=config)
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(model_dir, prompts, max_tokens)
 
 
 def engine(model_dir: Path, tp: int, **overrides: object) -> LLMEngine:
@@ -134,7 +126,7 @@ def test_two_ranks_equal_one_rank_and_transformers(arch: str, tmp_path: Path) ->
         model_dir = llama_with_attention_bias(tmp_path / "model")
     else:
         model_dir = cached_model("tiny", arch)
-    expected = hf_greedy(model_dir)
+    expected = hf_reference(model_dir)
     single = engine(model_dir, 1)
     reference = greedy(single)
     assert tokens(reference) == expected
@@ -183,7 +175,7 @@ def test_four_ranks_replicate_kv_heads() -> None:
         assert len(worker_processes()) == 3
         # Half the workload (4 processes share 2 cores here); still more requests than slots.
         half = NUM_PROMPTS // 2
-        assert tokens(greedy(split, half)) == hf_greedy(model_dir)[:half]
+        assert tokens(greedy(split, half)) == hf_reference(model_dir)[:half]
         single = engine(model_dir, 1)
         assert split.parameter_bytes_per_rank == expected_rank_bytes(single, 4)
     finally:
