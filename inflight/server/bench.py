@@ -4,9 +4,10 @@ Each request is a streaming /v1/completions call with the workload's prompt toke
 ignore_eos and max_tokens = the request's output length, so the server generates exactly the tokens the
 offline engine does. Measured per request: time to first token (TTFT), the gaps between streamed chunks
 (inter-token latency, ITL: one chunk per engine step, several steps merged when the server lags),
-end-to-end latency, and output tokens (from the stream's usage). Then the same workload runs through
-the offline engine in this process with the same engine settings, and the report gives served output
-tokens/s divided by offline tokens/s.
+end-to-end latency, time per output token after the first (TPOT, which unlike ITL does not depend on
+how tokens are packed into chunks), and output tokens (from the stream's usage). Then the same workload
+runs through the offline engine in this process with the same engine settings, and the report gives
+served output tokens/s divided by offline tokens/s.
 """
 
 from __future__ import annotations
@@ -161,10 +162,20 @@ async def run_clients(
     return list(results), time.perf_counter() - t0
 
 
+def time_per_output_token(result: RequestResult) -> float:
+    """Seconds per output token after the first: (end-to-end - TTFT) / (output tokens - 1). Unlike the
+    chunk gaps (ITL) it does not depend on how the server packs tokens into chunks: a server that merges
+    a lagging client's tokens into one chunk and one that sends a burst of one-token chunks back to back
+    deliver the same tokens at the same times, and get the same TPOT, but very different ITLs."""
+    assert result.e2e is not None and result.ttft is not None and result.output_tokens > 1
+    return (result.e2e - result.ttft) / (result.output_tokens - 1)
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [gap for r in ok for gap in r.itls]
+    tpots = [time_per_output_token(r) for r in ok if r.output_tokens > 1]
     e2es = [r.e2e for r in ok if r.e2e is not None]
     output_tokens = sum(r.output_tokens for r in ok)
 
@@ -183,6 +194,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "output_tokens_per_s": output_tokens / duration,
         "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p99": ms(percentile(ttfts, 99))},
         "itl_ms": {"p50": ms(percentile(itls, 50)), "p99": ms(percentile(itls, 99))},
+        "tpot_ms": {"p50": ms(percentile(tpots, 50)), "p99": ms(percentile(tpots, 99))},
         "e2e_ms": {"p50": ms(percentile(e2es, 50)), "p99": ms(percentile(e2es, 99))},
     }
 
@@ -387,6 +399,7 @@ def _ratios(inflight: dict[str, Any], other: dict[str, Any]) -> dict[str, float 
         "ttft_p50": over(inflight["ttft_ms"]["p50"], other["ttft_ms"]["p50"]),
         "itl_p50": over(inflight["itl_ms"]["p50"], other["itl_ms"]["p50"]),
         "itl_p99": over(inflight["itl_ms"]["p99"], other["itl_ms"]["p99"]),
+        "tpot_p50": over(inflight["tpot_ms"]["p50"], other["tpot_ms"]["p50"]),
     }
 
 
@@ -483,7 +496,8 @@ def _run_rate(
             _say(
                 f"{system.name}: {summary['completed']}/{summary['requests']} ok in "
                 f"{summary['duration_s']} s, {summary['output_tokens_per_s']:.1f} output tokens/s, "
-                f"TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms"
+                f"TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
+                f"TPOT p50 {summary['tpot_ms']['p50']} ms"
             )
             rounds.setdefault(system.name, []).append((summary, results))
         if not args.skip_offline:

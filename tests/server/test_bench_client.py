@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from inflight.bench.workload import BenchRequest
-from inflight.server.bench import percentile, run_clients, summarize
+from inflight.server.bench import RequestResult, percentile, run_clients, summarize, time_per_output_token
 
 
 def test_the_benchmark_client_measures_every_token(live: Any) -> None:
@@ -22,6 +24,7 @@ def test_the_benchmark_client_measures_every_token(live: Any) -> None:
     assert summary["completed"] == 4 and summary["output_tokens"] == 18
     assert summary["output_tokens_per_s"] == 18 / duration
     assert summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
+    assert 0 < summary["tpot_ms"]["p50"] <= summary["tpot_ms"]["p99"]
 
 
 def test_a_rejected_request_is_reported_not_counted(live: Any) -> None:
@@ -35,3 +38,14 @@ def test_percentile_interpolates() -> None:
     assert percentile([], 50) is None
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+
+
+def test_tpot_does_not_depend_on_how_tokens_are_packed_into_chunks() -> None:
+    # Five tokens: the first at 0.1 s, the other four 40 ms later, either merged into one chunk or sent
+    # as a burst of four one-token chunks. ITL (gaps between chunks) differs; TPOT is 10 ms in both.
+    merged = RequestResult(4, 5, 5, start=0.0, ttft=0.1, e2e=0.14, itls=[0.04])
+    burst = RequestResult(4, 5, 5, start=0.0, ttft=0.1, e2e=0.14, itls=[0.04, 0.0, 0.0, 0.0])
+    assert time_per_output_token(merged) == time_per_output_token(burst) == pytest.approx(0.01)
+    summaries = [summarize([result], 1.0) for result in (merged, burst)]
+    assert summaries[0]["tpot_ms"] == summaries[1]["tpot_ms"] == {"p50": 10.0, "p99": 10.0}
+    assert summaries[0]["itl_ms"]["p50"] == 40.0 and summaries[1]["itl_ms"]["p50"] == 0.0
