@@ -261,6 +261,7 @@ def _vllm_command(args: argparse.Namespace, model_dir: Path, port: int, longest:
         "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, longest)),
         "--max-model-len", str(longest), "--seed", "0", "--disable-log-stats",
         "--uvicorn-log-level", "warning",
+        "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
 
 

@@ -119,7 +119,13 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "rate to a server (started here, or --url), measure request throughput, output tokens/s, "
         "time to first token and inter-token latency, and compare with the offline engine in the same run.",
     )
-    add_engine_arguments(bench_serve, default_model="builtin:small")
+    add_engine_arguments(
+        bench_serve,
+        default_model="builtin:small",
+        prefix_caching=False,
+        prefix_caching_help="; the workload shares no prefixes, so with caching on a round after the first "
+        "would find every prompt cached by the round before and skip its prefill",
+    )
     bench_serve.set_defaults(dtype="float32")
     bench_serve.add_argument("--url", help="benchmark this running server instead of starting one")
     bench_serve.add_argument(
@@ -162,7 +168,12 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     bench_serve.set_defaults(func=_bench_serve)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+def add_engine_arguments(
+    parser: argparse.ArgumentParser,
+    default_model: str | None = None,
+    prefix_caching: bool = True,
+    prefix_caching_help: str = "",
+) -> None:
     parser.add_argument(
         "--model",
         required=default_model is None,
@@ -187,8 +198,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share KV blocks of identical prompt prefixes (default: on)",
+        default=prefix_caching,
+        help=f"share KV blocks of identical prompt prefixes (default: {'on' if prefix_caching else 'off'}"
+        f"{prefix_caching_help})",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="GPU memory share to use (default: 0.9)"

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from inflight.bench.workload import BenchRequest
-from inflight.server.bench import RequestResult, percentile, run_clients, summarize, time_per_output_token
+from inflight.server.bench import (
+    RequestResult,
+    _inflight_command,
+    _vllm_command,
+    percentile,
+    run_clients,
+    summarize,
+    time_per_output_token,
+)
 
 
 def test_the_benchmark_client_measures_every_token(live: Any) -> None:
@@ -49,3 +58,19 @@ def test_tpot_does_not_depend_on_how_tokens_are_packed_into_chunks() -> None:
     summaries = [summarize([result], 1.0) for result in (merged, burst)]
     assert summaries[0]["tpot_ms"] == summaries[1]["tpot_ms"] == {"p50": 10.0, "p99": 10.0}
     assert summaries[0]["itl_ms"]["p50"] == 40.0 and summaries[1]["itl_ms"]["p50"] == 0.0
+
+
+def test_bench_serve_runs_every_round_cold_on_both_servers(tmp_path: Path) -> None:
+    """The workload shares no prefixes: with prefix caching a round after the first would find its prompts
+    cached by the round before and skip their prefill, so bench serve turns caching off on both servers
+    (`inflight serve` keeps it on by default)."""
+    from inflight.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve"])
+    assert args.enable_prefix_caching is False
+    assert build_parser().parse_args(["serve", "--model", "m"]).enable_prefix_caching is True
+    assert "--no-enable-prefix-caching" in _inflight_command(args, tmp_path, 8000, 100)
+    assert "--no-enable-prefix-caching" in _vllm_command(args, tmp_path, 8001, 300)
+    cached = build_parser().parse_args(["bench", "serve", "--enable-prefix-caching"])
+    assert "--enable-prefix-caching" in _vllm_command(cached, tmp_path, 8001, 300)
+    assert "--no-enable-prefix-caching" not in _inflight_command(cached, tmp_path, 8000, 100)
