@@ -271,6 +271,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from inflight.server.bench import run_serve_benchmark
+    from inflight.bench.served import run_serve_benchmark
 
     return run_serve_benchmark(args)
