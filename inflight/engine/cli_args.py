@@ -93,22 +93,30 @@ def add_tensor_parallel_arg(parser: ArgumentTarget) -> None:
     )
 
 
+# EngineConfig's field -> the dest of its flag (the flag is `--` + the dest with dashes).
+FLAG_DESTS = {
+    "max_num_seqs": "max_slots",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "num_kv_blocks": "num_kv_blocks",
+    "block_size": "block_size",
+    "max_model_len": "max_model_len",
+    "scheduler": "scheduler",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "dtype": "dtype",
+    "device": "device",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "tensor_parallel_size": "tensor_parallel_size",
+}
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of the flags `add_engine_args` added; SystemExit (with pydantic's reasons) if
-    they are invalid together."""
+    """The EngineConfig of the flags `add_engine_args` added; SystemExit naming each flag that is wrong."""
     try:
-        return EngineConfig(
-            max_num_seqs=args.max_slots,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_kv_blocks=args.num_kv_blocks,
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            scheduler=args.scheduler,
-            enable_prefix_caching=args.enable_prefix_caching,
-            dtype=args.dtype,
-            device=args.device,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
+        return EngineConfig(**{field: getattr(args, dest) for field, dest in FLAG_DESTS.items()})
     except ValidationError as error:
-        raise SystemExit(f"invalid engine settings: {error}") from error
+        reasons = []
+        for problem in error.errors():
+            field = problem["loc"][0] if problem["loc"] else None
+            flag = f"--{FLAG_DESTS[field].replace('_', '-')}: " if field in FLAG_DESTS else ""
+            reasons.append(f"{flag}{problem['msg']} (got {problem['input']!r})")
+        raise SystemExit(f"invalid engine settings: {'; '.join(reasons)}") from error
