@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "inflight"
@@ -49,6 +50,7 @@ class Import:
         return f"{self.source} -> {self.target} (line {self.line})"
 
 
+@cache
 def module_names() -> dict[str, Path]:
     modules = {}
     for path in ROOT.rglob("*.py"):
@@ -89,6 +91,7 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[Import]:
     return found
 
 
+@cache
 def import_graph() -> list[Import]:
     modules = module_names()
     found = {edge for name, path in modules.items() for edge in imports_of(name, path, modules)}
