@@ -1,0 +1,167 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template; JSON or SSE."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from inflight.engine.sequence import PositionLogprobs
+from inflight.server.context import Context, ServerContext
+from inflight.server.errors import bad_request, error_responses, not_supported
+from inflight.server.openai.common import (
+    CLIENT_CLOSED_REQUEST,
+    RunState,
+    chat_prompt,
+    check_prompts,
+    check_sampling,
+    collect,
+    include_usage,
+    sampling_params,
+    sse,
+    sse_stream,
+    submit,
+    token_text,
+)
+from inflight.server.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    now,
+)
+
+router = APIRouter(tags=["openai"])
+
+
+def _logprobs(
+    ctx: ServerContext, token_ids: list[int], positions: list[PositionLogprobs], top_n: int
+) -> ChatLogprobs:
+    content = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        chosen = position.get(token_id)
+        text = token_text(ctx, token_id, chosen)
+        top = [
+            TopLogprob(
+                token=token_text(ctx, tid, lp),
+                logprob=lp.logprob,
+                bytes=list(token_text(ctx, tid, lp).encode()),
+            )
+            for tid, lp in sorted(position.items(), key=lambda item: item[1].rank)
+            if lp.rank <= top_n
+        ][:top_n]
+        content.append(
+            TokenLogprob(
+                token=text,
+                logprob=chosen.logprob if chosen else float("-inf"),
+                bytes=list(text.encode()),
+                top_logprobs=top,
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def _check_unsupported_features(body: ChatCompletionRequest) -> None:
+    """Tool calling and structured output are not implemented: say so instead of ignoring them."""
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise not_supported(
+            f"response_format {body.response_format.type!r} (structured output) is not supported by this "
+            'server; only {"type": "text"}.',
+            "response_format",
+        )
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"},
+        **error_responses(429, 500),
+    },
+)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+    check_sampling(ctx, body)
+    _check_unsupported_features(body)
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
+    prompt = await ctx.off_loop(chat_prompt, ctx, body.messages)
+    check_prompts(ctx, [prompt], body.max_new_tokens, param="messages")
+    top_n = body.top_logprobs or 0
+    params = sampling_params(body)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request.state.request_id = request_id
+    run = RunState(
+        ctx, submit(ctx, request_id, [prompt], params), body.n, [prompt], keep_outputs=not body.stream
+    )
+    created = now()
+    model = ctx.settings.served_model_name
+
+    if body.stream:
+
+        async def chunks() -> AsyncIterator[str]:
+            with_usage = include_usage(body)
+            exclude = set() if with_usage else {"usage"}
+            for j in range(body.n):
+                first = ChatCompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))],
+                )
+                yield sse(first.model_dump_json(exclude=exclude))
+            async for choice, text, tokens, logprobs in run.updates():
+                if not text and not tokens and choice.finish_reason is None:
+                    continue
+                chunk = ChatCompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[
+                        ChatChunkChoice(
+                            index=choice.index,
+                            delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                            logprobs=_logprobs(ctx, tokens, logprobs, top_n) if body.logprobs else None,
+                            finish_reason=choice.finish_reason,
+                            stop_reason=choice.stop_reason,
+                        )
+                    ],
+                )
+                yield sse(chunk.model_dump_json(exclude=exclude))
+            if with_usage:
+                final = ChatCompletionChunk(
+                    id=request_id, created=created, model=model, choices=[], usage=run.usage()
+                )
+                yield sse(final.model_dump_json())
+
+        return sse_stream(run, request, chunks)
+
+    if not await collect(run, request):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    choices = [
+        ChatChoice(
+            index=index,
+            message=AssistantMessage(content=choice.text),
+            logprobs=_logprobs(ctx, choice.token_ids, choice.logprobs, top_n) if body.logprobs else None,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+        )
+        for index, choice in sorted(run.choices.items())
+    ]
+    response = ChatCompletionResponse(
+        id=request_id, created=created, model=model, choices=choices, usage=run.usage()
+    )
+    return JSONResponse(response.model_dump())
