@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -36,6 +37,7 @@ from inflight.server.openai.protocol import (
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
+    Usage,
     now,
 )
 
@@ -85,6 +87,68 @@ def _check_unsupported_features(body: ChatCompletionRequest) -> None:
         )
 
 
+@dataclass
+class _Chat:
+    """One submitted /v1/chat/completions request: its choices as JSON or as SSE chunks."""
+
+    ctx: ServerContext
+    body: ChatCompletionRequest
+    run: RunState
+    request_id: str
+    created: int = field(default_factory=now)
+
+    def logprobs(self, tokens: list[int], positions: list[PositionLogprobs]) -> ChatLogprobs | None:
+        top_n = self.body.top_logprobs or 0
+        return _logprobs(self.ctx, tokens, positions, top_n) if self.body.logprobs else None
+
+    def chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        model = self.ctx.settings.served_model_name
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=model, choices=choices, usage=usage
+        )
+
+    async def chunks(self) -> AsyncIterator[str]:
+        """A role-only first chunk per choice, then content deltas, then (if asked) the usage."""
+        with_usage = include_usage(self.body)
+        exclude = set() if with_usage else {"usage"}
+        for j in range(self.body.n):
+            role = ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+            yield sse(self.chunk([role]).model_dump_json(exclude=exclude))
+        async for choice, text, tokens, logprobs in self.run.updates():
+            if not text and not tokens and choice.finish_reason is None:
+                continue
+            delta = ChatChunkChoice(
+                index=choice.index,
+                delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                logprobs=self.logprobs(tokens, logprobs),
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+            )
+            yield sse(self.chunk([delta]).model_dump_json(exclude=exclude))
+        if with_usage:
+            yield sse(self.chunk([], usage=self.run.usage()).model_dump_json())
+
+    def json(self) -> JSONResponse:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=choice.text),
+                logprobs=self.logprobs(choice.token_ids, choice.logprobs),
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+            )
+            for index, choice in sorted(self.run.choices.items())
+        ]
+        response = ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.ctx.settings.served_model_name,
+            choices=choices,
+            usage=self.run.usage(),
+        )
+        return JSONResponse(response.model_dump())
+
+
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletionResponse,
@@ -100,68 +164,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
     prompt = await ctx.off_loop(chat_prompt, ctx, body.messages)
     check_prompts(ctx, [prompt], body.max_new_tokens, param="messages")
-    top_n = body.top_logprobs or 0
     params = sampling_params(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
     run = RunState(
         ctx, submit(ctx, request_id, [prompt], params), body.n, [prompt], keep_outputs=not body.stream
     )
-    created = now()
-    model = ctx.settings.served_model_name
-
+    chat = _Chat(ctx, body, run, request_id)
     if body.stream:
-
-        async def chunks() -> AsyncIterator[str]:
-            with_usage = include_usage(body)
-            exclude = set() if with_usage else {"usage"}
-            for j in range(body.n):
-                first = ChatCompletionChunk(
-                    id=request_id,
-                    created=created,
-                    model=model,
-                    choices=[ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))],
-                )
-                yield sse(first.model_dump_json(exclude=exclude))
-            async for choice, text, tokens, logprobs in run.updates():
-                if not text and not tokens and choice.finish_reason is None:
-                    continue
-                chunk = ChatCompletionChunk(
-                    id=request_id,
-                    created=created,
-                    model=model,
-                    choices=[
-                        ChatChunkChoice(
-                            index=choice.index,
-                            delta=DeltaMessage(content=text) if text else DeltaMessage(),
-                            logprobs=_logprobs(ctx, tokens, logprobs, top_n) if body.logprobs else None,
-                            finish_reason=choice.finish_reason,
-                            stop_reason=choice.stop_reason,
-                        )
-                    ],
-                )
-                yield sse(chunk.model_dump_json(exclude=exclude))
-            if with_usage:
-                final = ChatCompletionChunk(
-                    id=request_id, created=created, model=model, choices=[], usage=run.usage()
-                )
-                yield sse(final.model_dump_json())
-
-        return sse_stream(run, request, chunks)
-
+        return sse_stream(run, request, chat.chunks)
     if not await collect(run, request):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    choices = [
-        ChatChoice(
-            index=index,
-            message=AssistantMessage(content=choice.text),
-            logprobs=_logprobs(ctx, choice.token_ids, choice.logprobs, top_n) if body.logprobs else None,
-            finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
-        )
-        for index, choice in sorted(run.choices.items())
-    ]
-    response = ChatCompletionResponse(
-        id=request_id, created=created, model=model, choices=choices, usage=run.usage()
-    )
-    return JSONResponse(response.model_dump())
+    return chat.json()

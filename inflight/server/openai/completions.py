@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -32,6 +33,7 @@ from inflight.server.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    Usage,
     now,
 )
 
@@ -110,6 +112,97 @@ def _logprobs(
     return result
 
 
+@dataclass
+class _Completion:
+    """One submitted /v1/completions request: its choices as JSON or as SSE chunks."""
+
+    ctx: ServerContext
+    body: CompletionRequest
+    run: RunState
+    prompt_texts: list[str | None]
+    request_id: str
+    created: int = field(default_factory=now)
+    # choice index -> offsets of its generated tokens
+    generated_offsets: dict[int, TextOffsets] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.ctx.engine.tokenizer
+
+    def response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
+        model = self.ctx.settings.served_model_name
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=model, choices=choices, usage=usage
+        )
+
+    def echo_text(self, prompt_index: int) -> str:
+        text = self.prompt_texts[prompt_index]
+        return text if text is not None else self.tokenizer.decode(self.run.prompts[prompt_index])
+
+    def choice(
+        self,
+        choice: ChoiceState,
+        text: str,
+        tokens: list[int],
+        positions: Sequence[PositionLogprobs | None],
+        first: bool,
+    ) -> CompletionChoice:
+        """`first`: the choice's first (or only) answer, which carries the echoed prompt."""
+        echo = first and self.body.echo
+        return CompletionChoice(
+            index=choice.index,
+            text=(self.echo_text(choice.prompt_index) if echo else "") + text,
+            logprobs=None if self.body.logprobs is None else self.logprobs(choice, tokens, positions, echo),
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+        )
+
+    def logprobs(
+        self,
+        choice: ChoiceState,
+        tokens: list[int],
+        positions: Sequence[PositionLogprobs | None],
+        with_prompt: bool,
+    ) -> CompletionLogprobs:
+        top_n = self.body.logprobs or 0
+        prompt_ids = self.run.prompts[choice.prompt_index]
+        result = CompletionLogprobs()
+        if with_prompt:
+            prompt_positions = self.run.prompt_logprobs.get(choice.prompt_index) or [None] * len(prompt_ids)
+            result = _logprobs(
+                self.ctx, prompt_ids, prompt_positions, top_n, TextOffsets(self.tokenizer, (), 0)
+            )
+        if choice.index not in self.generated_offsets:
+            start = len(self.echo_text(choice.prompt_index)) if self.body.echo else 0
+            self.generated_offsets[choice.index] = TextOffsets(self.tokenizer, prompt_ids, start)
+        step = _logprobs(self.ctx, tokens, positions, top_n, self.generated_offsets[choice.index])
+        result.tokens += step.tokens
+        result.token_logprobs += step.token_logprobs
+        result.top_logprobs += step.top_logprobs
+        result.text_offset += step.text_offset
+        return result
+
+    async def chunks(self) -> AsyncIterator[str]:
+        with_usage = include_usage(self.body)
+        started: set[int] = set()  # choices that sent their first chunk
+        async for choice, text, tokens, logprobs in self.run.updates():
+            first = choice.index not in started
+            if not (first or text or tokens or choice.finish_reason):
+                continue
+            started.add(choice.index)
+            chunk = self.response([self.choice(choice, text, tokens, logprobs, first)], usage=None)
+            yield sse(chunk.model_dump_json(exclude=None if with_usage else {"usage"}))
+        if with_usage:
+            yield sse(self.response([], usage=self.run.usage()).model_dump_json())
+
+    def json(self) -> JSONResponse:
+        choices = [
+            self.choice(choice, choice.text, choice.token_ids, choice.logprobs, first=True)
+            for _, choice in sorted(self.run.choices.items())
+        ]
+        return JSONResponse(self.response(choices, usage=self.run.usage()).model_dump())
+
+
 @router.post(
     "/v1/completions",
     response_model=CompletionResponse,
@@ -133,91 +226,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Cont
     run = RunState(
         ctx, submit(ctx, request_id, prompts, params), body.n, prompts, keep_outputs=not body.stream
     )
-    created = now()
-    model = ctx.settings.served_model_name
-    tokenizer = ctx.engine.tokenizer
-
-    def echo_text(prompt_index: int) -> str:
-        text = prompt_texts[prompt_index]
-        return text if text is not None else tokenizer.decode(prompts[prompt_index])
-
-    generated_offsets: dict[int, TextOffsets] = {}  # choice index -> offsets of its generated tokens
-
-    def choice_logprobs(
-        choice: ChoiceState,
-        tokens: list[int],
-        positions: Sequence[PositionLogprobs | None],
-        with_prompt: bool,
-    ) -> CompletionLogprobs:
-        top_n = body.logprobs or 0
-        prompt_ids = prompts[choice.prompt_index]
-        result = CompletionLogprobs()
-        if with_prompt:
-            prompt_positions = run.prompt_logprobs.get(choice.prompt_index) or [None] * len(prompt_ids)
-            result = _logprobs(ctx, prompt_ids, prompt_positions, top_n, TextOffsets(tokenizer, (), 0))
-        if choice.index not in generated_offsets:
-            start = len(echo_text(choice.prompt_index)) if body.echo else 0
-            generated_offsets[choice.index] = TextOffsets(tokenizer, prompt_ids, start)
-        step = _logprobs(ctx, tokens, positions, top_n, generated_offsets[choice.index])
-        result.tokens += step.tokens
-        result.token_logprobs += step.token_logprobs
-        result.top_logprobs += step.top_logprobs
-        result.text_offset += step.text_offset
-        return result
-
+    completion = _Completion(ctx, body, run, prompt_texts, request_id)
     if body.stream:
-        with_usage = include_usage(body)
-
-        async def chunks() -> AsyncIterator[str]:
-            started: set[int] = set()  # choices that sent their first chunk
-            async for choice, text, tokens, logprobs in run.updates():
-                first = choice.index not in started
-                if not (first or text or tokens or choice.finish_reason):
-                    continue
-                started.add(choice.index)
-                prefix = echo_text(choice.prompt_index) if first and body.echo else ""
-                chunk = CompletionResponse(
-                    id=request_id,
-                    created=created,
-                    model=model,
-                    choices=[
-                        CompletionChoice(
-                            index=choice.index,
-                            text=prefix + text,
-                            logprobs=None
-                            if body.logprobs is None
-                            else choice_logprobs(choice, tokens, logprobs, first and body.echo),
-                            finish_reason=choice.finish_reason,
-                            stop_reason=choice.stop_reason,
-                        )
-                    ],
-                )
-                yield sse(chunk.model_dump_json(exclude=None if with_usage else {"usage"}))
-            if with_usage:
-                final = CompletionResponse(
-                    id=request_id, created=created, model=model, choices=[], usage=run.usage()
-                )
-                yield sse(final.model_dump_json())
-
-        return sse_stream(run, request, chunks)
-
+        return sse_stream(run, request, completion.chunks)
     if not await collect(run, request):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    choices = []
-    for index, choice in sorted(run.choices.items()):
-        prefix = echo_text(choice.prompt_index) if body.echo else ""
-        choices.append(
-            CompletionChoice(
-                index=index,
-                text=prefix + choice.text,
-                logprobs=None
-                if body.logprobs is None
-                else choice_logprobs(choice, choice.token_ids, choice.logprobs, body.echo),
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
-            )
-        )
-    response = CompletionResponse(
-        id=request_id, created=created, model=model, choices=choices, usage=run.usage()
-    )
-    return JSONResponse(response.model_dump())
+    return completion.json()
