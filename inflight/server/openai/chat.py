@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -11,19 +10,18 @@ from fastapi.responses import JSONResponse, Response
 
 from inflight.engine.sequence import PositionLogprobs
 from inflight.server.context import Context, ServerContext
-from inflight.server.errors import bad_request, error_responses, not_supported
+from inflight.server.errors import bad_request, not_supported
 from inflight.server.openai.common import (
-    CLIENT_CLOSED_REQUEST,
+    GENERATION_RESPONSES,
     RunState,
     chat_prompt,
     check_prompts,
     check_sampling,
-    collect,
     include_usage,
+    respond,
     sampling_params,
     sse,
-    sse_stream,
-    submit,
+    start_run,
     token_text,
 )
 from inflight.server.openai.protocol import (
@@ -94,7 +92,6 @@ class _Chat:
     ctx: ServerContext
     body: ChatCompletionRequest
     run: RunState
-    request_id: str
     created: int = field(default_factory=now)
 
     def logprobs(self, tokens: list[int], positions: list[PositionLogprobs]) -> ChatLogprobs | None:
@@ -104,7 +101,7 @@ class _Chat:
     def chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         model = self.ctx.settings.served_model_name
         return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=model, choices=choices, usage=usage
+            id=self.run.request_id, created=self.created, model=model, choices=choices, usage=usage
         )
 
     async def chunks(self) -> AsyncIterator[str]:
@@ -140,7 +137,7 @@ class _Chat:
             for index, choice in sorted(self.run.choices.items())
         ]
         response = ChatCompletionResponse(
-            id=self.request_id,
+            id=self.run.request_id,
             created=self.created,
             model=self.ctx.settings.served_model_name,
             choices=choices,
@@ -149,14 +146,7 @@ class _Chat:
         return JSONResponse(response.model_dump())
 
 
-@router.post(
-    "/v1/chat/completions",
-    response_model=ChatCompletionResponse,
-    responses={
-        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"},
-        **error_responses(429, 500),
-    },
-)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_sampling(ctx, body)
     _check_unsupported_features(body)
@@ -164,15 +154,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
     prompt = await ctx.off_loop(chat_prompt, ctx, body.messages)
     check_prompts(ctx, [prompt], body.max_new_tokens, param="messages")
-    params = sampling_params(body)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    request.state.request_id = request_id
-    run = RunState(
-        ctx, submit(ctx, request_id, [prompt], params), body.n, [prompt], keep_outputs=not body.stream
-    )
-    chat = _Chat(ctx, body, run, request_id)
-    if body.stream:
-        return sse_stream(run, request, chat.chunks)
-    if not await collect(run, request):
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return chat.json()
+    run = start_run(ctx, request, "chatcmpl", [prompt], sampling_params(body), body.stream)
+    chat = _Chat(ctx, body, run)
+    return await respond(run, request, body.stream, chat.chunks, chat.json)

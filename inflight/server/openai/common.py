@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inflight.engine.async_engine import (
     EngineUnavailableError,
@@ -29,7 +30,7 @@ from inflight.engine.async_engine import (
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 from inflight.engine.tokenizer import TokenizerError
 from inflight.server.context import ServerContext
-from inflight.server.errors import APIError, bad_request
+from inflight.server.errors import APIError, bad_request, error_responses
 from inflight.server.openai.protocol import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
     from inflight.engine.output_processor import CompletionOutput  # imports torch; the type only
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only the access log sees it
+
+# The OpenAPI `responses=` of a generating endpoint.
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"},
+    **error_responses(429, 500),
+}
 
 
 # ---------------------------------------------------------------- checks against the loaded model
@@ -138,7 +145,7 @@ def token_text(ctx: ServerContext, token_id: int, logprob: Logprob | None) -> st
 # ---------------------------------------------------------------- running
 
 
-def submit(
+def _submit(
     ctx: ServerContext, request_id: str, prompts: list[list[int]], params: SamplingParams
 ) -> Generation:
     requests = [GenerationRequest(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
@@ -150,6 +157,22 @@ def submit(
         ) from error
     except EngineUnavailableError as error:
         raise APIError(503, str(error), code="unavailable") from error
+
+
+def start_run(
+    ctx: ServerContext,
+    request: Request,
+    kind: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stream: bool,
+) -> RunState:
+    """Submit one engine request per prompt under a new request id `{kind}-{hex}` (noted for the access
+    log); 429 when the queue is full, 503 when the engine is not serving."""
+    request_id = f"{kind}-{uuid.uuid4().hex}"
+    request.state.request_id = request_id
+    generation = _submit(ctx, request_id, prompts, params)
+    return RunState(ctx, request_id, generation, params.n, prompts, keep_outputs=not stream)
 
 
 def _unfinished_reason(error: BaseException | None) -> str:
@@ -207,6 +230,7 @@ class RunState:
     """Per-HTTP-request bookkeeping shared by the JSON and SSE paths."""
 
     ctx: ServerContext
+    request_id: str
     generation: Generation
     n: int
     prompts: list[list[int]]
@@ -285,7 +309,7 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def collect(run: RunState, request: Request) -> bool:
+async def _collect(run: RunState, request: Request) -> bool:
     """Drain the generation into `run` and note its usage for the access log; False if the client went
     away first (the request is aborted)."""
 
@@ -317,7 +341,7 @@ def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def sse_stream(
+def _sse_stream(
     run: RunState, request: Request, chunks: Callable[[], AsyncIterator[str]]
 ) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
@@ -341,3 +365,18 @@ def sse_stream(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def respond(
+    run: RunState,
+    request: Request,
+    stream: bool,
+    chunks: Callable[[], AsyncIterator[str]],
+    answer: Callable[[], JSONResponse],
+) -> Response:
+    """The SSE stream of `chunks`, or (once every choice finished) the JSON `answer`."""
+    if stream:
+        return _sse_stream(run, request, chunks)
+    if not await _collect(run, request):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return answer()

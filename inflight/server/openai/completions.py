@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,19 +12,18 @@ from fastapi.responses import JSONResponse, Response
 from inflight.engine.sequence import PositionLogprobs
 from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from inflight.server.context import Context, ServerContext
-from inflight.server.errors import bad_request, error_responses
+from inflight.server.errors import bad_request
 from inflight.server.openai.common import (
-    CLIENT_CLOSED_REQUEST,
+    GENERATION_RESPONSES,
     ChoiceState,
     RunState,
     check_prompts,
     check_sampling,
-    collect,
     include_usage,
+    respond,
     sampling_params,
     sse,
-    sse_stream,
-    submit,
+    start_run,
     token_text,
 )
 from inflight.server.openai.protocol import (
@@ -120,7 +118,6 @@ class _Completion:
     body: CompletionRequest
     run: RunState
     prompt_texts: list[str | None]
-    request_id: str
     created: int = field(default_factory=now)
     # choice index -> offsets of its generated tokens
     generated_offsets: dict[int, TextOffsets] = field(default_factory=dict)
@@ -132,7 +129,7 @@ class _Completion:
     def response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         model = self.ctx.settings.served_model_name
         return CompletionResponse(
-            id=self.request_id, created=self.created, model=model, choices=choices, usage=usage
+            id=self.run.request_id, created=self.created, model=model, choices=choices, usage=usage
         )
 
     def echo_text(self, prompt_index: int) -> str:
@@ -203,14 +200,7 @@ class _Completion:
         return JSONResponse(self.response(choices, usage=self.run.usage()).model_dump())
 
 
-@router.post(
-    "/v1/completions",
-    response_model=CompletionResponse,
-    responses={
-        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"},
-        **error_responses(429, 500),
-    },
-)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request, ctx: Context) -> Response:
     check_sampling(ctx, body)
     if body.suffix is not None:
@@ -220,15 +210,6 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Cont
     _check_fits(ctx, len(body.prompt) if _is_prompt_list(body.prompt) else 1, body.n)
     prompts, prompt_texts = await ctx.off_loop(_prompts, ctx, body.prompt)
     check_prompts(ctx, prompts, body.max_tokens, param="prompt")
-    params = sampling_params(body)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    request.state.request_id = request_id
-    run = RunState(
-        ctx, submit(ctx, request_id, prompts, params), body.n, prompts, keep_outputs=not body.stream
-    )
-    completion = _Completion(ctx, body, run, prompt_texts, request_id)
-    if body.stream:
-        return sse_stream(run, request, completion.chunks)
-    if not await collect(run, request):
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return completion.json()
+    run = start_run(ctx, request, "cmpl", prompts, sampling_params(body), body.stream)
+    completion = _Completion(ctx, body, run, prompt_texts)
+    return await respond(run, request, body.stream, completion.chunks, completion.json)
