@@ -115,7 +115,7 @@ def _write_png(out: Path, slots: int, cost_model: CostModel) -> int:
 
 
 def _serve_demo(args: argparse.Namespace, cost_model: CostModel) -> int:
-    from inflight.server.app import ServerSettings
+    from inflight.server.context import ServerSettings
     from inflight.server.run import bind_socket, configure_logging, serve
 
     configure_logging(args.log_level)

@@ -78,8 +78,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from inflight.server.app import ServerSettings
     from inflight.server.auth import load_api_key
+    from inflight.server.context import ServerSettings
     from inflight.server.limits import ConnectionLimits
     from inflight.server.run import bind_socket, configure_logging, serve
 

@@ -24,7 +24,8 @@ import uvicorn
 from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
-from inflight.server.app import ServerSettings, create_app, model_loaded
+from inflight.server.app import create_app, model_loaded
+from inflight.server.context import ServerSettings
 from inflight.server.limits import DEFAULT_MAX_QUEUE, ConnectionLimits
 from inflight.server.transport import guarded_protocol
 

@@ -15,7 +15,8 @@ import uvicorn
 from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
-from inflight.server.app import ServerSettings, create_app
+from inflight.server.app import create_app
+from inflight.server.context import ServerSettings
 
 from support.demo_server import DemoServer
 from support.torch_threads import one_torch_thread
