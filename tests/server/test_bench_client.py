@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from inflight.bench.workload import BenchRequest
-from inflight.server.bench import (
+from inflight.bench.served import (
     RequestResult,
     _inflight_command,
     _vllm_command,
@@ -18,6 +17,7 @@ from inflight.server.bench import (
     summarize,
     time_per_output_token,
 )
+from inflight.bench.workload import BenchRequest
 
 
 def test_the_benchmark_client_measures_every_token(live: Any) -> None:
