@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from inflight.bench.workload import BenchRequest, load_workload
+from inflight.engine.cpu.isa import cpu_isa
 
 BLOCK_SIZE = 16
 READY_TIMEOUT_S = 600.0
@@ -529,6 +530,7 @@ def _run_rate(
         },
         "environment": {
             "cpus": os.cpu_count(),
+            "cpu": cpu_isa().describe(),
             "python": sys.version.split()[0],
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
