@@ -54,7 +54,7 @@ def _torch_capabilities() -> dict[str, object] | None:
     return capabilities if isinstance(capabilities, dict) else None
 
 
-def _proc_cpuinfo() -> tuple[str, set[str]]:
+def proc_cpuinfo() -> tuple[str, set[str]]:
     """(model name, flags) of the first CPU in /proc/cpuinfo; ("", empty) where there is none."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -73,7 +73,7 @@ def _proc_cpuinfo() -> tuple[str, set[str]]:
 def detect() -> CpuIsa:
     """Probe the CPU (not cached: tests call it directly; use `cpu_isa()` in the engine)."""
     capabilities = _torch_capabilities()
-    proc_name, proc_flags = _proc_cpuinfo()
+    proc_name, proc_flags = proc_cpuinfo()
     if capabilities is not None:
         found = {ours: bool(capabilities.get(key, False)) for ours, (key, _) in _FLAGS.items()}
         name = proc_name or str(capabilities.get("cpu_name") or "")
