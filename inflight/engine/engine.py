@@ -59,7 +59,11 @@ class LLMEngine:
         self.device = torch.device(
             config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.dtype: torch.dtype = getattr(torch, resolve_dtype_name(config.dtype, self.device.type == "cuda"))
+        on_cuda = self.device.type == "cuda"
+        native_bf16 = not on_cuda and cpu_isa().native_bfloat16
+        self.dtype: torch.dtype = getattr(
+            torch, resolve_dtype_name(config.dtype, on_cuda, native_cpu_bfloat16=native_bf16)
+        )
         if self.device.type == "cpu":
             logger.info("CPU %s; running in %s", cpu_isa().describe(), str(self.dtype).removeprefix("torch."))
         # Ranks 1..N-1 of a tensor-parallel engine (see parallel/group.py); None without.

@@ -174,7 +174,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
         "--dtype",
         default="auto",
         choices=DTYPE_CHOICES,
-        help="weights and KV cache (default: auto = float32 on CPU, bfloat16 on CUDA)",
+        help="weights and KV cache (default: auto = bfloat16 on CUDA and on CPUs with native bfloat16, "
+        "AVX512-BF16 or AMX; float32 on other CPUs)",
     )
     parser.add_argument("--max-slots", type=int, default=64, help="sequences running at once (default: 64)")
     parser.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: sized from memory)")

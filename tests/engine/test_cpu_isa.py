@@ -1,4 +1,4 @@
-"""Run-time detection of native bfloat16 (cpu/isa.py): torch's CPU probe, else /proc/cpuinfo."""
+"""Run-time detection of native bfloat16 (cpu/isa.py) and the `auto` dtype that follows from it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from inflight.engine.cpu import isa
+from inflight.engine.dtypes import DTYPE_NAMES, resolve_dtype_name
 
 
 def _probe(capabilities: dict[str, Any] | None) -> Any:
@@ -63,3 +64,33 @@ def test_proc_cpuinfo_parses_this_machine() -> None:
         # The two sources agree on this machine (torch's probe, when it has one, and the kernel's flags).
         found = isa.detect()
         assert found.avx512_bf16 == ("avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize(
+    ("on_cuda", "native", "expected"),
+    [
+        (False, False, "float32"),
+        (False, True, "bfloat16"),
+        (True, False, "bfloat16"),
+        (True, True, "bfloat16"),
+    ],
+)
+def test_auto_dtype_is_bfloat16_only_where_native(on_cuda: bool, native: bool, expected: str) -> None:
+    assert resolve_dtype_name("auto", on_cuda, native_cpu_bfloat16=native) == expected
+    for name in DTYPE_NAMES:  # an explicit choice is kept
+        assert resolve_dtype_name(name, on_cuda, native_cpu_bfloat16=native) == name
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
+        resolve_dtype_name("fp8", on_cuda, native_cpu_bfloat16=native)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_engine_resolves_auto_from_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, native: bool, tiny_llama_dir: Path
+) -> None:
+    from inflight.engine import engine as engine_module
+    from inflight.engine.config import EngineConfig
+
+    monkeypatch.setattr(engine_module, "cpu_isa", lambda: isa.CpuIsa("test CPU", native, False))
+    engine = engine_module.LLMEngine(tiny_llama_dir, EngineConfig(device="cpu", num_kv_blocks=16))
+    assert engine.dtype == (torch.bfloat16 if native else torch.float32)
+    assert engine.model.embed_tokens.weight.dtype == engine.dtype
