@@ -25,7 +25,7 @@ from inflight.engine.config import EngineConfig
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.dtypes import resolve_dtype_name
-from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
+from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.loader import load_model
@@ -37,7 +37,6 @@ from inflight.engine.scheduler import CapacityError, create_scheduler
 from inflight.engine.sequence import SamplingParams, Sequence
 from inflight.engine.stats import EngineStats
 from inflight.engine.tokenizer import Tokenizer
-from inflight.sizing import choose_num_kv_blocks
 
 logger = logging.getLogger("inflight.engine")
 
