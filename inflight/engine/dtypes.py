@@ -19,7 +19,7 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def resolve_dtype_name(dtype: str, on_cuda: bool, *, native_cpu_bfloat16: bool) -> DTypeName:
     """`auto` made concrete: bfloat16 on CUDA and on CPUs that run bfloat16 natively (AVX512-BF16 or
-    AMX-BF16: `engine.cpu.isa`; there the engine measured 1.2-1.5x float32's throughput, see
+    AMX-BF16: `engine.cpu.isa`; there the engine measured 1.2-1.3x float32's throughput, see
     docs/benchmarks.md), float32 on other CPUs (bfloat16 emulated is slower); a name is returned as it is."""
     if dtype == "auto":
         return "bfloat16" if on_cuda or native_cpu_bfloat16 else "float32"
