@@ -26,7 +26,7 @@ from typing import Any
 from inflight.engine.dtypes import DTYPE_BYTES, DTYPE_CHOICES
 from inflight.engine.kv_budget import kv_token_bytes
 from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
-from inflight.engine.parallel.layout import degree_error, valid_degrees
+from inflight.engine.model.shard_layout import degree_error, valid_degrees
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -94,7 +94,7 @@ class ModelShape:
         return self.num_layers * (attention + mlp) + embeddings + lm_head + self.replicated_parameter_count()
 
     def tensor_parallel_error(self, degree: int) -> str | None:
-        """Why `degree` GPUs cannot split this model (the engine's rule, engine/parallel/layout.py)."""
+        """Why `degree` GPUs cannot split this model (the engine's rule, engine/model/shard_layout.py)."""
         return degree_error(
             self.num_attention_heads, self.num_key_value_heads, self.intermediate_size, degree
         )

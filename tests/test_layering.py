@@ -6,8 +6,8 @@ function-local import and the CLI cannot slide back into a library package.
 - no module imports a module of a higher layer;
 - the top-level packages import each other without a circle (sim -> server -> sim would fail);
 - no module circle anywhere;
-- the circles between sibling subpackages (operator/children <-> operator/autoscaling, ...) are exactly
-  the known ones below: a new one fails, and a fixed one must leave the list.
+- no circle between sibling subpackages and modules either (operator/children <-> operator/autoscaling
+  would fail even when no two modules import each other).
 """
 
 from __future__ import annotations
@@ -27,16 +27,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("core", frozenset({"engine", "sizing", "checkpoints", PACKAGE})),
     ("services", frozenset({"sim", "server", "bench", "router", "operator"})),
     ("cli", frozenset({"cli"})),
-)
-
-# Circles between sibling subpackages (and the modules beside them) that the code has today, each a set
-# of the siblings' names inside its parent package. They are design debt (docs/architecture.md#layers).
-KNOWN_SUBPACKAGE_CIRCLES: frozenset[tuple[str, frozenset[str]]] = frozenset(
-    {
-        ("inflight.engine", frozenset({"gguf", "kv_budget", "model", "parallel", "runner"})),
-        ("inflight.operator", frozenset({"api", "kube"})),
-        ("inflight.operator", frozenset({"autoscaling", "children", "status"})),
-    }
 )
 
 
@@ -217,12 +207,9 @@ def sibling_circles(edges: list[Import]) -> set[tuple[str, frozenset[str]]]:
     }
 
 
-def test_subpackage_circles_are_only_the_known_ones() -> None:
-    found = sibling_circles(import_graph())
-    new = sorted((parent, sorted(names)) for parent, names in found - KNOWN_SUBPACKAGE_CIRCLES)
-    gone = sorted((parent, sorted(names)) for parent, names in KNOWN_SUBPACKAGE_CIRCLES - found)
-    assert new == [], f"new import circles between sibling subpackages: {new}"
-    assert gone == [], f"fixed: remove these from KNOWN_SUBPACKAGE_CIRCLES: {gone}"
+def test_sibling_subpackages_import_no_circle() -> None:
+    circles = sorted((parent, sorted(names)) for parent, names in sibling_circles(import_graph()))
+    assert circles == [], f"sibling subpackages (and modules) of one package import each other: {circles}"
 
 
 def test_the_reader_sees_function_local_and_relative_imports(tmp_path: Path) -> None:

@@ -27,8 +27,8 @@ from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
+from inflight.engine.loader import load_model
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.loader import load_model
 from inflight.engine.output_processor import OutputProcessor, RequestOutput
 from inflight.engine.parallel.group import TensorParallelGroup
 from inflight.engine.runner import ModelRunner, allocate_kv_caches
