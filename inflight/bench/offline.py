@@ -18,6 +18,7 @@ from typing import Any
 
 from inflight.bench import hf_continuous, hf_naive, hf_static, inflight_engine, vllm_cpu
 from inflight.bench.system import BenchSettings, System, SystemRun
+from inflight.engine.cpu.isa import cpu_isa
 
 SYSTEMS: dict[str, System] = {
     system.name: system
@@ -156,6 +157,7 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any) -> OfflineR
     }
     environment = {
         "cpus": os.cpu_count(),
+        "cpu": cpu_isa().describe(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": sys.version.split()[0],
@@ -182,6 +184,7 @@ def format_table(report: OfflineReport) -> str:
             f"{r.name:<22}{r.tokens_per_s:>10.1f}{r.seconds:>9.1f}{r.setup_seconds:>9.1f}"
             f"{r.generated_tokens:>8}{same:>12}{r.load_average:>6.1f}  {ratio}"
         )
+    lines.append(f"{report.workload['dtype']} on {report.environment.get('cpu', 'an unknown CPU')}")
     return "\n".join(lines)
 
 

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from inflight.bench.workload import BenchRequest, load_workload
+from inflight.engine.cpu.isa import cpu_isa
+from inflight.engine.dtypes import resolve_dtype_name
 
 BLOCK_SIZE = 16
 READY_TIMEOUT_S = 600.0
@@ -257,7 +259,7 @@ def _vllm_command(args: argparse.Namespace, model_dir: Path, port: int, longest:
     return [
         str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir.resolve()), "--port", str(port), "--served-model-name", "bench",
-        "--dtype", "float32" if args.dtype == "auto" else args.dtype, "--max-num-seqs", str(args.max_slots),
+        "--dtype", args.dtype, "--max-num-seqs", str(args.max_slots),
         "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, longest)),
         "--max-model-len", str(longest), "--seed", "0", "--disable-log-stats",
         "--uvicorn-log-level", "warning",
@@ -320,7 +322,7 @@ def _offline_tokens_per_s(
         model_dir=model_dir,
         requests=requests,
         max_slots=args.max_slots,
-        dtype="float32" if args.dtype == "auto" else args.dtype,
+        dtype=args.dtype,
         vllm_python=None,
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
@@ -425,6 +427,8 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
     from inflight.bench.checkpoint import bench_checkpoint
 
     rates = parse_rates(str(args.request_rate))
+    # One concrete dtype (the engine's `auto` rule on this CPU) for both servers and the offline engine.
+    args.dtype = resolve_dtype_name(args.dtype, False, native_cpu_bfloat16=cpu_isa().native_bfloat16)
     if min(args.num_requests, args.rounds, args.threads or 1) < 1:
         raise SystemExit("--num-requests, --rounds and --threads must be >= 1")
     compare = [name for name in (args.compare or "").split(",") if name.strip()]
@@ -544,6 +548,7 @@ def _run_rate(
         },
         "environment": {
             "cpus": os.cpu_count(),
+            "cpu": cpu_isa().describe(),
             "python": sys.version.split()[0],
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),

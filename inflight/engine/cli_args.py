@@ -27,7 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=_default("dtype"),
         choices=DTYPE_CHOICES,
-        help="weights and KV cache (default: auto = float32 on CPU, bfloat16 on CUDA)",
+        help="weights and KV cache (default: auto = bfloat16 on CUDA and on CPUs with native bfloat16, "
+        "AVX512-BF16 or AMX; float32 on other CPUs)",
     )
     engine.add_argument(
         "--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: auto = cuda if any)"

@@ -30,7 +30,11 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(default=None, ge=2, description="prompt + output cap per sequence")
     scheduler: SchedulerPolicy = "continuous"
     enable_prefix_caching: bool = True
-    dtype: DType = Field(default="auto", description="auto = float32 on CPU, bfloat16 on CUDA")
+    dtype: DType = Field(
+        default="auto",
+        description="auto = bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 / AMX), else "
+        "float32",
+    )
     device: str = Field(default="auto", description="auto = cuda if available, else cpu")
     kv_cache_memory_gib: float = Field(
         default=1.0, gt=0, description="KV pool size on CPU if num_kv_blocks unset"

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from inflight.engine.config import EngineConfig
+from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes
@@ -57,7 +58,13 @@ class LLMEngine:
         self.device = torch.device(
             config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.dtype: torch.dtype = getattr(torch, resolve_dtype_name(config.dtype, self.device.type == "cuda"))
+        on_cuda = self.device.type == "cuda"
+        native_bf16 = not on_cuda and cpu_isa().native_bfloat16
+        self.dtype: torch.dtype = getattr(
+            torch, resolve_dtype_name(config.dtype, on_cuda, native_cpu_bfloat16=native_bf16)
+        )
+        if self.device.type == "cpu":
+            logger.info("CPU %s; running in %s", cpu_isa().describe(), str(self.dtype).removeprefix("torch."))
         # Ranks 1..N-1 of a tensor-parallel engine (see parallel/group.py); None without.
         self.workers = (
             TensorParallelGroup.start(self.model_dir, config, self.dtype, self.device)

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from inflight.engine.cpu import linear as cpu_linear
+from inflight.engine.cpu.isa import CpuIsa, cpu_isa
 from inflight.engine.cpu.linear import PrepackedLinear, can_prepack, prepack_linears
 
 pytestmark = pytest.mark.skipif(
@@ -34,9 +36,28 @@ def test_prepack_replaces_every_linear_and_keeps_parameters() -> None:
     assert dict(model.named_parameters()) == names_before
 
 
-def test_only_float32_on_cpu() -> None:
-    assert not can_prepack(torch.device("cpu"), torch.bfloat16)
+@pytest.mark.parametrize("native", [False, True])
+def test_float32_on_cpu_and_bfloat16_only_where_native(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    isa = CpuIsa(name="test CPU", avx512_bf16=native, amx_bf16=False)
+    monkeypatch.setattr(cpu_linear, "cpu_isa", lambda: isa)
+    assert can_prepack(torch.device("cpu"), torch.float32)
+    assert can_prepack(torch.device("cpu"), torch.bfloat16) == native
+    assert not can_prepack(torch.device("cpu"), torch.float16)
     assert not can_prepack(torch.device("cuda"), torch.float32)
+    assert not can_prepack(torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.skipif(not cpu_isa().native_bfloat16, reason="bfloat16 is not native on this CPU: not prepacked")
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_prepacked_bfloat16_linear_within_rounding_of_nn_linear(rows: int) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    exact = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+    actual = PrepackedLinear(linear, batch_size_hint=64)(x)
+    assert actual.dtype == torch.bfloat16
+    # float32 accumulation, one bfloat16 rounding of the result (2^-8 relative).
+    torch.testing.assert_close(actual.double(), exact, rtol=2**-8, atol=1e-3)
 
 
 def test_engine_prepacks_on_cpu_and_still_matches_unpacked_greedy(tiny_llama_dir: Path) -> None:

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from inflight.engine.cpu.isa import cpu_isa
+from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.engine import LLMEngine
 from inflight.engine.sequence import SamplingParams
 
@@ -310,7 +312,8 @@ def test_metrics_count_exactly_what_was_served(live: LiveServer) -> None:
         assert f"\n{name}" in text, name
     assert live.metric("inflight:kv_cache_blocks_total") == 128
     assert live.metric("inflight:max_slots") == 8
-    assert 'inflight:engine_info{dtype="float32",tensor_parallel_size="1"} 1.0' in text
+    dtype = resolve_dtype_name("auto", False, native_cpu_bfloat16=cpu_isa().native_bfloat16)  # this CPU's
+    assert f'inflight:engine_info{{dtype="{dtype}",tensor_parallel_size="1"}} 1.0' in text
     hits = live.metric("inflight:prefix_cache_hits_total")
     assert live.metric("inflight:prefix_cache_queries_total") >= hits
 

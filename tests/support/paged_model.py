@@ -13,11 +13,13 @@ from inflight.engine.runner import allocate_kv_caches
 PAGED_BLOCK_SIZE = 8
 
 
-def paged_logits(model: LlamaForCausalLM, chunks: list[list[int]]) -> torch.Tensor:
+def paged_logits(
+    model: LlamaForCausalLM, chunks: list[list[int]], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Logits for one sequence fed as `chunks` (a prefill, then smaller steps) through a paged KV cache
-    with shuffled blocks."""
+    with shuffled blocks, in the model's `dtype`."""
     num_blocks = 64
-    caches = allocate_kv_caches(model.config, num_blocks, PAGED_BLOCK_SIZE, torch.float32, "cpu")
+    caches = allocate_kv_caches(model.config, num_blocks, PAGED_BLOCK_SIZE, dtype, "cpu")
     free = list(range(1, num_blocks))
     random.Random(0).shuffle(free)
     table: list[int] = []

@@ -5,11 +5,17 @@
  * without the last two gcc keeps float selects and sqrtf out of vector loops) and called through ctypes.
  * Element type: float32 (dtype 0) or bfloat16 (dtype 1); arithmetic is float32 either way.
  * Parallel loops use `num_threads` OpenMP threads (the OpenMP runtime torch already loaded).
+ * -march=native decides the instruction set when the library is built on the machine that runs it:
+ * bfloat16 rows are converted 16 at a time with AVX-512, rounded by the AVX512-BF16 instruction where the
+ * CPU has it; every path has a plain C version that the others must match.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
@@ -28,6 +34,51 @@ static inline uint16_t float_to_bf16(float f) {
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
 }
+
+/* ---- bfloat16 rows <-> float rows ---------------------------------------------------------------- */
+
+/* bfloat16 -> float is exact (the bits shifted into the high half): with AVX-512, 16 at a time. */
+static inline void bf16_to_float_n(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
+/* float -> bfloat16, round to nearest even like float_to_bf16. AVX512-BF16 does it in one instruction
+ * (which also treats float32 denormals, below 1.2e-38, as zero: a difference far below bfloat16's
+ * precision); plain AVX-512 does float_to_bf16's integer arithmetic 16 lanes at a time. */
+static inline void float_to_bf16_n(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#elif defined(__AVX512F__)
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x400000);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 f = _mm512_loadu_ps(src + i);
+        const __m512i bits = _mm512_castps_si512(f);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+        __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half, odd));
+        rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_or_si512(bits, quiet));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    }
+#endif
+    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+/* x rounded to bfloat16 and back, in place: where torch keeps an intermediate in bfloat16. */
+static inline void round_to_bf16_n(float *x, uint16_t *tmp, int64_t n) {
+    float_to_bf16_n(x, tmp, n);
+    bf16_to_float_n(tmp, x, n);
+}
+
+/* The elementwise kernels take bfloat16 rows TILE elements at a time through float buffers on the stack. */
+enum { TILE = 256 };
 
 /* ---- exp that vectorizes ------------------------------------------------------------------------ */
 
@@ -59,8 +110,7 @@ static inline float exp_approx(float x) {
 /* `n` elements at `offset` as floats: the memory itself for float32, converted into `tmp` for bfloat16. */
 static inline const float *row_as_float(const void *base, int64_t offset, int64_t n, int dtype, float *tmp) {
     if (dtype == DTYPE_FLOAT32) return (const float *)base + offset;
-    const uint16_t *src = (const uint16_t *)base + offset;
-    for (int64_t d = 0; d < n; d++) tmp[d] = bf16_to_float(src[d]);
+    bf16_to_float_n((const uint16_t *)base + offset, tmp, n);
     return tmp;
 }
 
@@ -69,8 +119,7 @@ static inline void store_row(void *base, int64_t offset, const float *src, int64
         float *dst = (float *)base + offset;
         for (int64_t d = 0; d < n; d++) dst[d] = src[d];
     } else {
-        uint16_t *dst = (uint16_t *)base + offset;
-        for (int64_t d = 0; d < n; d++) dst[d] = float_to_bf16(src[d]);
+        float_to_bf16_n(src, (uint16_t *)base + offset, n);
     }
 }
 
@@ -116,7 +165,6 @@ static PREFETCH_INLINE void prefetch_line(const char *p) {
 #if defined(__AVX2__) && defined(__FMA__)
 /* x86 with AVX2 + FMA: the micro-kernels below in intrinsics, since gcc's own vectorization of them
  * spills or falls back to scalar code. The plain C versions after the #else are the reference. */
-#include <immintrin.h>
 
 /* Sums of the 8 lanes of each of a, b, c, d. */
 static inline __m128 sum4_lanes(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -415,8 +463,7 @@ static inline int64_t chunk_rows(const struct item_ctx *c, const void *cache, in
     }
     const uint16_t *src = (const uint16_t *)cache + offset;
     for (int64_t j = 0; j < count; j++)
-        for (int64_t d = 0; d < c->head_dim; d++)
-            tmp[j * c->head_dim + d] = bf16_to_float(src[j * c->num_kv_heads * c->head_dim + d]);
+        bf16_to_float_n(src + j * c->num_kv_heads * c->head_dim, tmp + j * c->head_dim, c->head_dim);
     *rows = tmp;
     return c->head_dim;
 }
@@ -591,21 +638,35 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
         } else {
             const uint16_t *xr = (const uint16_t *)x + base;
             uint16_t *res = residual ? (uint16_t *)residual + base : NULL;
-            for (int64_t i = 0; i < hidden; i++) {
-                float v = bf16_to_float(xr[i]);
+            float a[TILE], b[TILE];
+            uint16_t tmp[TILE];
+            for (int64_t i0 = 0; i0 < hidden; i0 += TILE) {
+                const int64_t n = hidden - i0 < TILE ? hidden - i0 : TILE;
+                bf16_to_float_n(xr + i0, a, n);
                 if (res) {
-                    res[i] = float_to_bf16(v + bf16_to_float(res[i]));
-                    v = bf16_to_float(res[i]);
+                    bf16_to_float_n(res + i0, b, n);
+#pragma omp simd
+                    for (int64_t i = 0; i < n; i++) a[i] += b[i];
+                    float_to_bf16_n(a, res + i0, n);
+                    bf16_to_float_n(res + i0, a, n);
                 }
-                sum_sq += v * v;
+#pragma omp simd reduction(+ : sum_sq)
+                for (int64_t i = 0; i < n; i++) sum_sq += a[i] * a[i];
             }
             const uint16_t *src = res ? res : xr;
             const float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
             const uint16_t *w = (const uint16_t *)weight;
             uint16_t *o = (uint16_t *)out + base;
-            for (int64_t i = 0; i < hidden; i++) {
-                const float normed = bf16_to_float(float_to_bf16(bf16_to_float(src[i]) * inv));
-                o[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+            for (int64_t i0 = 0; i0 < hidden; i0 += TILE) {
+                const int64_t n = hidden - i0 < TILE ? hidden - i0 : TILE;
+                bf16_to_float_n(src + i0, a, n);
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) a[i] *= inv;
+                round_to_bf16_n(a, tmp, n);
+                bf16_to_float_n(w + i0, b, n);
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) a[i] *= b[i];
+                float_to_bf16_n(a, o + i0, n);
             }
         }
     }
@@ -623,10 +684,18 @@ void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, i
         } else {
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width, *u = g + width;
             uint16_t *o = (uint16_t *)out + r * width;
-            for (int64_t i = 0; i < width; i++) {
-                const float gi = bf16_to_float(g[i]);
-                const float act = bf16_to_float(float_to_bf16(gi / (1.0f + exp_approx(-gi))));
-                o[i] = float_to_bf16(act * bf16_to_float(u[i]));
+            float a[TILE], b[TILE];
+            uint16_t tmp[TILE];
+            for (int64_t i0 = 0; i0 < width; i0 += TILE) {
+                const int64_t n = width - i0 < TILE ? width - i0 : TILE;
+                bf16_to_float_n(g + i0, a, n);
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) a[i] = a[i] / (1.0f + exp_approx(-a[i]));
+                round_to_bf16_n(a, tmp, n); /* torch's silu output is bfloat16 */
+                bf16_to_float_n(u + i0, b, n);
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) a[i] *= b[i];
+                float_to_bf16_n(a, o + i0, n);
             }
         }
     }
@@ -653,10 +722,19 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
                 }
             } else {
                 uint16_t *a = (uint16_t *)x + base, *b = a + half;
-                for (int64_t i = 0; i < half; i++) {
-                    const float ai = bf16_to_float(a[i]), bi = bf16_to_float(b[i]);
-                    a[i] = float_to_bf16(ai * c[i] - bi * s[i]);
-                    b[i] = float_to_bf16(bi * c[i] + ai * s[i]);
+                float fa[TILE], fb[TILE], ra[TILE], rb[TILE];
+                for (int64_t i0 = 0; i0 < half; i0 += TILE) {
+                    const int64_t n = half - i0 < TILE ? half - i0 : TILE;
+                    const float *ci = c + i0, *si = s + i0;
+                    bf16_to_float_n(a + i0, fa, n);
+                    bf16_to_float_n(b + i0, fb, n);
+#pragma omp simd
+                    for (int64_t i = 0; i < n; i++) {
+                        ra[i] = fa[i] * ci[i] - fb[i] * si[i];
+                        rb[i] = fb[i] * ci[i] + fa[i] * si[i];
+                    }
+                    float_to_bf16_n(ra, a + i0, n);
+                    float_to_bf16_n(rb, b + i0, n);
                 }
             }
         }

@@ -11,6 +11,7 @@ import torch
 from inflight.engine.attention import cpu_paged, torch_paged
 from inflight.engine.attention.backend import get_attention_backend
 from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu.isa import proc_cpuinfo
 
 from support.paged_cases import dense_reference, make_case
 
@@ -149,13 +150,21 @@ def test_disabled_by_environment_or_missing_compiler_uses_the_torch_path(
 
 
 PORTABLE_FLAGS = tuple(flag for flag in cpu_kernels.COMPILE_FLAGS if flag != "-march=native")
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The kernels built without -march=native: the plain C path of CPUs without AVX2 + FMA (e.g. Arm)."""
-    out_dir = tmp_path_factory.mktemp("portable")
-    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, flags=PORTABLE_FLAGS))
+@pytest.fixture(scope="module", params=["portable", "avx512-without-bf16"])
+def portable_library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The kernels built without -march=native: the plain C path of CPUs without AVX2 + FMA (e.g. Arm),
+    and AVX-512 without AVX512-BF16 (Skylake-X / Ice Lake: bfloat16 rounded in integer arithmetic), which
+    CPUs that have it can run."""
+    flags = PORTABLE_FLAGS
+    if request.param == "avx512-without-bf16":
+        if not AVX512_FLAGS.issubset(proc_cpuinfo()[1]):
+            pytest.skip("this CPU cannot run AVX-512 code")
+        flags = (*PORTABLE_FLAGS, "-march=x86-64-v4")
+    out_dir = tmp_path_factory.mktemp(request.param)
+    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, flags=flags))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -200,3 +209,35 @@ def test_the_portable_c_path_matches_the_references(
         *zip(ops.split_qkv_with_rotary(qkv, *rope_args), expected_qkv, strict=True),
     ]:
         torch.testing.assert_close(actual.float(), wanted.float(), atol=tolerance, rtol=tolerance)
+
+
+def _assert_bfloat16_rounds_like_torch(library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotary with sin = 0 is one float product rounded to bfloat16 once: bit for bit what torch gives,
+    so this checks the kernels' float -> bfloat16 rounding exactly, ties to even included (a factor of
+    1 + 2^-8 puts many products exactly halfway between two bfloat16 values)."""
+    from inflight.engine.model import ops
+
+    gen = torch.Generator().manual_seed(3)
+    rows, num_heads, head_dim = 64, 3, 64  # and one KV head: q and k are the first 4 heads of a row
+    qkv = (torch.randn(rows, (num_heads + 2) * head_dim, generator=gen) * 10).to(torch.bfloat16)
+    cos = torch.randn(rows, 1, head_dim // 2, generator=gen)
+    cos[::2] = 1 + 2**-8
+    sin = torch.zeros_like(cos)
+    halves = qkv[:, : (num_heads + 1) * head_dim].float().view(rows, num_heads + 1, 2, head_dim // 2)
+    expected = (halves * cos.unsqueeze(2)).to(torch.bfloat16).view(rows, -1)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+    q, k, _ = ops.split_qkv_with_rotary(qkv, num_heads, 1, head_dim, cos, sin)
+    assert q.data_ptr() == qkv.data_ptr()  # the kernel ran (it rotates in place)
+    assert torch.equal(torch.cat([q.reshape(rows, -1), k.reshape(rows, -1)], dim=1), expected)
+
+
+def test_native_bfloat16_rounds_like_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    library = cpu_kernels.library()
+    assert library is not None
+    _assert_bfloat16_rounds_like_torch(library, monkeypatch)
+
+
+def test_portable_bfloat16_rounds_like_torch(
+    portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _assert_bfloat16_rounds_like_torch(portable_library, monkeypatch)
