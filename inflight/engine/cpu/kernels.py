@@ -68,6 +68,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "silu_and_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
     # x, row_stride, cos, sin, rows, heads, head_dim, dtype, num_threads
     "rotary": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
+    # k, v, row_stride (bytes), k_cache, v_cache, slots, rows, row_bytes
+    "write_kv": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64], None),
 }
 
 
