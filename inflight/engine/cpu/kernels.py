@@ -188,9 +188,10 @@ def unavailable_reason() -> str | None:
 
 def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The kernels, when they are available and can take these tensors (CPU, one supported dtype)."""
-    first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in DTYPE_CODES:
+    dtype = tensors[0].dtype
+    if dtype not in DTYPE_CODES:
         return None
-    if any(t.dtype != first.dtype or t.device.type != "cpu" for t in tensors[1:]):
-        return None
+    for tensor in tensors:  # a plain loop: this runs several times per layer and step
+        if tensor.dtype != dtype or not tensor.is_cpu:
+            return None
     return library()
