@@ -151,7 +151,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        num_full = (len(token_ids) - 1) // bs
+        num_full = max(len(token_ids) - 1, 0) // bs  # an empty query (a prompt-logprobs request) is 0
         self.prefix_cache_queries += num_full * bs
         parent = root
         for i in range(num_full):

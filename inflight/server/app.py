@@ -1,71 +1,33 @@
-"""The FastAPI app factory: `create_app(engine, settings)` wires routes, auth, errors, metrics and logging."""
+"""The FastAPI app factory: `create_app(engine, settings)` wires routes, auth, errors, metrics and logging.
+
+The app imports every router; no router imports the app (they share `context.py`).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI
 
 from inflight import __version__
 from inflight.engine.async_engine import AsyncEngine, EngineUnavailableError
 from inflight.server.access_log import AccessLogMiddleware
-from inflight.server.errors import install_error_handlers
-from inflight.server.limits import DEFAULT_MAX_BODY_BYTES
+from inflight.server.auth import require_api_key
+from inflight.server.context import ServerContext, ServerSettings
+from inflight.server.demo import demo_router
+from inflight.server.docs import docs_router
+from inflight.server.errors import error_responses, install_error_handlers
 from inflight.server.metrics import ResponseCountingMiddleware, ServerMetrics
+from inflight.server.openai import chat, completions, models, tokens
+from inflight.server.routes import info_router, probe_router, require_serving
 from inflight.server.transport import BodySizeLimitMiddleware
 
 logger = logging.getLogger("inflight.server")
-T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-
-
-TOKENIZER_THREADS = 2
-
-
-def tokenizer_pool() -> ThreadPoolExecutor:
-    """Worker threads for tokenizing and detokenizing requests, started now: a thread started on the
-    request path can stall the event loop (Thread.start waits for the new thread, which is already
-    inside a long encode)."""
-    pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="inflight-tokenize")
-    started = threading.Barrier(TOKENIZER_THREADS)
-    for future in [pool.submit(started.wait) for _ in range(TOKENIZER_THREADS)]:
-        future.result()
-    return pool
-
-
-@dataclass
-class ServerContext:
-    """What every route needs, kept on `app.state.ctx`."""
-
-    engine: AsyncEngine
-    settings: ServerSettings
-    metrics: ServerMetrics
-    tokenizer_pool: ThreadPoolExecutor = field(default_factory=tokenizer_pool)
-
-    async def off_loop(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a tokenizer call in the tokenizer threads, not on the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tokenizer_pool, partial(function, *args, **kwargs))
-
-
-async def get_context(request: Request) -> ServerContext:
-    """A FastAPI dependency (async, so FastAPI does not hop to a worker thread for it)."""
-    ctx: ServerContext = request.app.state.ctx
-    return ctx
+# Behind the API key (when set) and answered only while the engine serves (else 503).
+MODEL_ROUTERS = (info_router, models.router, completions.router, chat.router, tokens.router)
 
 
 def model_loaded(engine: AsyncEngine) -> bool:
@@ -91,9 +53,6 @@ def engine_info(engine: AsyncEngine) -> dict[str, str]:
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; the engine thread starts (load + warm-up) with the app's lifespan."""
-    from inflight.server.demo import demo_router
-    from inflight.server.docs import docs_router
-    from inflight.server.routes import api_router, probe_router
 
     @asynccontextmanager
     async def lifespan(application: FastAPI) -> AsyncIterator[None]:
@@ -126,7 +85,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(ResponseCountingMiddleware, metrics=metrics)
     app.add_middleware(AccessLogMiddleware)
     app.include_router(probe_router)
-    app.include_router(api_router)
+    for router in MODEL_ROUTERS:
+        app.include_router(
+            router,
+            dependencies=[Depends(require_api_key), Depends(require_serving)],
+            responses=error_responses(400, 401, 503),
+        )
     app.include_router(demo_router)
     app.include_router(docs_router)
     return app

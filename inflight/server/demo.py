@@ -20,15 +20,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from inflight.server.app import ServerContext, get_context
 from inflight.server.auth import require_api_key
-from inflight.server.errors import APIError
-from inflight.server.protocol import error_responses
+from inflight.server.context import Context
+from inflight.server.errors import APIError, error_responses
 from inflight.sim.comparison import DemoComparison
 from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
+from inflight.sim.live import run_live_demo
 from inflight.sim.simulator import MAX_SLOTS, MIN_SLOTS, simulate_demo
-
-Context = Annotated[ServerContext, Depends(get_context)]
 
 demo_router = APIRouter(tags=["demo"])
 _run_lock = threading.Lock()
@@ -77,8 +75,6 @@ async def run_endpoint(body: DemoRunRequest, ctx: Context) -> DemoComparison:
         raise APIError(
             503, f"The engine is {ctx.engine.state}; retry once it is ready.", headers={"Retry-After": "5"}
         )
-    from inflight.sim.live import run_live_demo
-
     if not _run_lock.acquire(blocking=False):
         raise APIError(
             429, "A demo run is already in progress; retry when it finishes.", headers={"Retry-After": "10"}

@@ -44,6 +44,16 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute() -> None
     kv.check_consistency()
 
 
+def test_an_empty_prefix_query_counts_no_queried_tokens() -> None:
+    """The scheduler queries with no tokens for a request that wants prompt logprobs (it skips the
+    cache): the queried-token counter, a Prometheus counter, must not go down."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.match_prefix("a", []) == 0
+    assert kv.stats().prefix_cache_queries == 0
+    assert kv.match_prefix("b", list(range(9))) == 0
+    assert kv.stats().prefix_cache_queries == 8
+
+
 def test_freed_cached_blocks_stay_reusable_until_evicted() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     prompt = [5, 6, 7, 8, 9]

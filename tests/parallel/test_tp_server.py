@@ -176,7 +176,8 @@ async def test_rank_dying_while_idle_fails_the_engine_and_health(tiny_llama_dir:
     from inflight.engine.async_engine import AsyncEngine
     from inflight.engine.config import EngineConfig
     from inflight.engine.engine import LLMEngine
-    from inflight.server.app import ServerSettings, create_app
+    from inflight.server.app import create_app
+    from inflight.server.context import ServerSettings
 
     config = EngineConfig(
         num_kv_blocks=32, max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2

@@ -20,7 +20,8 @@ from fastapi import FastAPI
 from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
-from inflight.server.app import ServerSettings, create_app
+from inflight.server.app import create_app
+from inflight.server.context import ServerSettings
 from inflight.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits
 from inflight.server.transport import guarded_protocol
 

@@ -212,6 +212,21 @@ def test_completion_logprobs_and_echo_with_prompt_logprobs(live: LiveServer) -> 
     assert streamed == lp["token_logprobs"]
 
 
+def test_a_streamed_echo_with_logprobs_reassembles_to_the_json_answer(live: LiveServer) -> None:
+    """Several prompts, n=2, several tokens: only each choice's first chunk carries the echoed prompt
+    and its logprobs, and the text offsets run on across chunks."""
+    body = {"prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0, "n": 2, "echo": True, "logprobs": 2}
+    whole = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()["choices"]
+    with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(e)["choices"][0] for e in sse_events(r)[:-1]]
+    for choice in whole:
+        parts = [c for c in chunks if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in parts) == choice["text"]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [v for c in parts for v in c["logprobs"][key]] == choice["logprobs"][key], key
+        assert parts[-1]["finish_reason"] == choice["finish_reason"] == "length"
+
+
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     response = client.chat.completions.create(
         model=MODEL_NAME,

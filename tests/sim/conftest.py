@@ -16,7 +16,8 @@ import uvicorn
 from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
-from inflight.server.app import ServerSettings, create_app
+from inflight.server.app import create_app
+from inflight.server.context import ServerSettings
 
 from support.demo_server import DemoServer
 

@@ -1,8 +1,9 @@
 """HTTP bodies of the OpenAI-compatible API (pydantic): requests are validated here, responses built here.
 
 Range checks that depend on the loaded model (context length, vocabulary, slot count) live in
-`serving.py`; everything a field can say about itself is said here, so FastAPI's OpenAPI schema
-documents it and a bad value becomes a 400 with the field named.
+`common.py`; everything a field can say about itself is said here, so FastAPI's OpenAPI schema
+documents it and a bad value becomes a 400 with the field named. A request turns itself into the
+engine's `SamplingParams` (`to_sampling_params()`), once, here.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from inflight.engine.sequence import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
+    SamplingParams,
 )
 
 MAX_N = 64
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_TOKEN_IDS = 256
-MAX_TOKENS_LIMIT = 2**31 - 1  # the context length is checked per model in serving.py; this bounds the type
+MAX_TOKENS_LIMIT = 2**31 - 1  # the context length is checked per model in common.py; this bounds the type
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -92,6 +94,30 @@ class SamplingFields(Strict):
     # Accepted for compatibility only when empty; anything else is a 400.
     logit_bias: dict[str, float] | None = None
 
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        """The engine's parameters from the shared fields; unset fields take the engine's "off" values.
+        Raises ValueError (SamplingParams' own checks)."""
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cache_salt=self.cache_salt,
+        )
+
 
 PromptType = Text | list[Text] | list[TokenId] | list[list[TokenId]]
 
@@ -105,6 +131,11 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="Top alternatives.")
     best_of: int | None = Field(default=None, ge=1, description="Only best_of == n is supported.")
     suffix: Text | None = Field(default=None, description="Not supported; must be null.")
+
+    def to_sampling_params(self) -> SamplingParams:
+        """With echo and logprobs, the prompt's logprobs too. Raises ValueError."""
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(Strict):
@@ -151,6 +182,16 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, Any] | None = Field(
         default=None, description='Not supported; "none" only.'
     )
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens; None = the rest of the context."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Raises ValueError."""
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(self.max_new_tokens, logprobs, None)
 
 
 class TokenizeRequest(Strict):
@@ -282,28 +323,3 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-class VersionResponse(BaseModel):
-    version: str
-
-
-class HealthResponse(BaseModel):
-    status: str
-    detail: str | None = None
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses=` entries for the given error statuses (for the docs and the schema fuzzer)."""
-    return {status: {"model": ErrorResponse} for status in statuses}
