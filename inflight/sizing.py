@@ -11,9 +11,9 @@ Per tensor-parallel shard (one GPU):
 A plan *fits* when the KV pool holds at least one sequence of `max_model_len` tokens: a server that
 cannot hold one full-length request is not a working server. When it does not fit, the plan names the
 smallest GPU count (tensor parallel, on one node) and the smallest catalog GPU type that would.
-The operator and the engine share this module (the engine sizes its KV pool with `kv_token_bytes` and
-`choose_num_kv_blocks`); the engine re-measures free memory at start and takes the smaller of the two
-plans.
+The operator plans with the engine's own formulas (engine/kv_budget.py's `kv_token_bytes`, the
+torch-free modules of the engine); the engine re-measures free memory at start and takes the smaller of
+the two plans.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from inflight.engine.dtypes import DTYPE_BYTES, DTYPE_CHOICES
+from inflight.engine.kv_budget import kv_token_bytes
 from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
-from inflight.engine.parallel.layout import degree_error, valid_degrees
+from inflight.engine.model.shard_layout import degree_error, valid_degrees
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -93,7 +94,7 @@ class ModelShape:
         return self.num_layers * (attention + mlp) + embeddings + lm_head + self.replicated_parameter_count()
 
     def tensor_parallel_error(self, degree: int) -> str | None:
-        """Why `degree` GPUs cannot split this model (the engine's rule, engine/parallel/layout.py)."""
+        """Why `degree` GPUs cannot split this model (the engine's rule, engine/model/shard_layout.py)."""
         return degree_error(
             self.num_attention_heads, self.num_key_value_heads, self.intermediate_size, degree
         )
@@ -342,20 +343,6 @@ def activation_reserve_bytes(
     activations = limits.max_batched_tokens * per_token * DTYPE_BYTES[dtype]
     logits = min(limits.max_slots, limits.max_batched_tokens) * shape.vocab_size * 4
     return activations + logits
-
-
-def kv_token_bytes(num_layers: int, kv_heads_per_gpu: int, head_dim: int, dtype: str) -> int:
-    """Bytes of one token's K and V over all layers on one GPU (the formula above; the engine sizes its
-    KV pool with it too)."""
-    return 2 * num_layers * kv_heads_per_gpu * head_dim * DTYPE_BYTES[dtype]
-
-
-def choose_num_kv_blocks(requested: int | None, fit: int, enough: int, measured: bool) -> int:
-    """Blocks for the engine's KV pool: the request if given (cut to `fit` when `fit` was measured on the
-    device), else what fits, capped at `enough` (every slot at full length)."""
-    if requested is None:
-        return min(fit, enough)
-    return min(requested, fit) if measured else requested
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel: int) -> int:

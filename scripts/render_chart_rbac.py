@@ -1,7 +1,7 @@
 """Render charts/inflight/templates/_rbac_rules.tpl from the operator's own list of API calls.
 
-`inflight.operator.api.rbac.PERMISSIONS` (from `kube.OPERATOR_ACCESS`, and `ROUTER_PERMISSIONS` from
-`kube.ROUTER_ACCESS`) names every API call the operator and the router make, with its scope and why.
+`inflight.operator.api.rbac.PERMISSIONS` (from `resources.OPERATOR_ACCESS`, and `ROUTER_PERMISSIONS` from
+`resources.ROUTER_ACCESS`) names every API call the operator and the router make, with its scope and why.
 This script turns each scope into a named Helm template of RBAC rules (each rule preceded by a comment
 that says why), which `templates/rbac.yaml` puts into the ClusterRole and Roles. With `--check` nothing
 is written: the exit status says whether the file on disk is current.

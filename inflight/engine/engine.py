@@ -24,10 +24,10 @@ import torch
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.dtypes import resolve_dtype_name
-from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
+from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
+from inflight.engine.loader import load_model
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.loader import load_model
 from inflight.engine.output_processor import OutputProcessor, RequestOutput
 from inflight.engine.parallel.group import TensorParallelGroup
 from inflight.engine.runner import ModelRunner, allocate_kv_caches
@@ -36,7 +36,6 @@ from inflight.engine.scheduler import CapacityError, create_scheduler
 from inflight.engine.sequence import SamplingParams, Sequence
 from inflight.engine.stats import EngineStats
 from inflight.engine.tokenizer import Tokenizer
-from inflight.sizing import choose_num_kv_blocks
 
 logger = logging.getLogger("inflight.engine")
 

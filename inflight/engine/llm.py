@@ -12,9 +12,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from inflight.engine.config import EngineConfig, SchedulerPolicy
-from inflight.engine.dtypes import DType
+from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.engine.output_processor import RequestOutput
 from inflight.engine.sequence import SamplingParams
@@ -29,35 +29,12 @@ class LLM:
     docs/tensor-parallel.md); `close()` stops them (they also stop when this process exits).
     """
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        max_slots: int = 64,
-        num_kv_blocks: int | None = None,
-        block_size: int = 16,
-        scheduler: SchedulerPolicy = "continuous",
-        dtype: DType = "auto",
-        device: str = "auto",
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-    ) -> None:
-        config = EngineConfig(
-            max_num_seqs=max_slots,
-            num_kv_blocks=num_kv_blocks,
-            block_size=block_size,
-            scheduler=scheduler,
-            dtype=dtype,
-            device=device,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-        )
+    def __init__(self, model: str | Path, *, max_slots: int | None = None, **settings: Any) -> None:
+        """`settings` are EngineConfig's fields, with its defaults (`max_slots` is its `max_num_seqs`);
+        a wrong name or value raises pydantic's ValidationError naming it."""
+        if max_slots is not None:
+            settings["max_num_seqs"] = max_slots
+        config = EngineConfig(**settings)
         self.engine = LLMEngine(model, config)
         self.tokenizer = self.engine.tokenizer
 

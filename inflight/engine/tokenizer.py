@@ -131,7 +131,8 @@ class Tokenizer:
             from inflight.engine.gguf.checkpoint import open_checkpoint
             from inflight.engine.gguf.tokenizer import tokenizer_from_gguf
 
-            return tokenizer_from_gguf(open_checkpoint(model))
+            parts = tokenizer_from_gguf(open_checkpoint(model))
+            return cls(parts.tokenizer, parts.config, parts.extra_eos_ids, parts.chat_template)
         return cls.from_dir(model)
 
     @classmethod

@@ -22,6 +22,7 @@ import httpx
 from pydantic import ValidationError
 
 from inflight.operator import kube
+from inflight.operator.api import resources
 from inflight.operator.api.types import HFTokenSecretRef, ModelServer, SecretKeyRef
 from inflight.operator.autoscaling.pod_metrics import PodSizing, ready_pod_endpoints, scrape_sizing
 from inflight.operator.children import server
@@ -114,7 +115,7 @@ class Controller:
 
     async def resync(self) -> None:
         """Reconcile every ModelServer once (repairs drift no watch event reported)."""
-        for body in await self.kube.list(kube.MODELSERVERS.path()):
+        for body in await self.kube.list(resources.MODELSERVERS.path()):
             meta = body.get("metadata", {})
             try:
                 await self.reconcile(meta.get("namespace", "default"), meta["name"])
@@ -137,7 +138,7 @@ class Controller:
                 self.metrics.reconciles.labels(result=result).inc()
 
     async def _read_and_reconcile(self, namespace: str, name: str) -> str | None:
-        body = await self.kube.get(kube.MODELSERVERS.path(namespace, name))
+        body = await self.kube.get(resources.MODELSERVERS.path(namespace, name))
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             self.metrics.forget(namespace, name)
             return None
@@ -145,7 +146,7 @@ class Controller:
 
     async def reconcile_cache_users(self, namespace: str, key: str) -> None:
         """Reconcile the ModelServers whose model cache is `key` (its download Job changed)."""
-        for body in await self.kube.list(kube.MODELSERVERS.path(namespace)):
+        for body in await self.kube.list(resources.MODELSERVERS.path(namespace)):
             try:
                 cache = cache_of(ModelServer.model_validate(body))
             except ValidationError:
@@ -172,7 +173,7 @@ class Controller:
         self._download_polls.clear()
 
     async def _read_or_create(
-        self, resource: kube.Resource, namespace: str, path: str, desired: dict[str, Any]
+        self, resource: resources.Resource, namespace: str, path: str, desired: dict[str, Any]
     ) -> tuple[dict[str, Any], bool]:
         """The live object at `path`, created from `desired` when there is none, and whether this call
         created it. A 409 (another writer created it first) reads it again."""
@@ -192,7 +193,7 @@ class Controller:
         return created, True
 
     async def _ensure_shared(
-        self, ms: ModelServer, resource: kube.Resource, desired: dict[str, Any]
+        self, ms: ModelServer, resource: resources.Resource, desired: dict[str, Any]
     ) -> dict[str, Any]:
         """Create a shared cache object, or add this ModelServer to the owners of the existing one."""
         path = resource.path(ms.metadata.namespace, desired["metadata"]["name"])
@@ -217,20 +218,24 @@ class Controller:
         """The cache's claim and Job, created or shared, and the download's state."""
         namespace = ms.metadata.namespace
         if cache.pvc is not None:
-            await self._ensure_shared(ms, kube.PERSISTENT_VOLUME_CLAIMS, claim(ms, cache))
-        elif await self.kube.get(kube.PERSISTENT_VOLUME_CLAIMS.path(namespace, cache.claim_name)) is None:
+            await self._ensure_shared(ms, resources.PERSISTENT_VOLUME_CLAIMS, claim(ms, cache))
+        elif (
+            await self.kube.get(resources.PERSISTENT_VOLUME_CLAIMS.path(namespace, cache.claim_name)) is None
+        ):
             return None, Problem(
                 "CacheClaimNotFound",
                 f"spec.model.cache.claimName: PersistentVolumeClaim {namespace}/{cache.claim_name} does not "
                 "exist; create it, or set model.cache.pvc to let the operator create one",
             )
-        job = await self._ensure_shared(ms, kube.JOBS, download_job(ms, cache))
-        pods = await self.kube.list(kube.PODS.path(namespace), {JOB_POD_LABEL: cache.job_name})
+        job = await self._ensure_shared(ms, resources.JOBS, download_job(ms, cache))
+        pods = await self.kube.list(resources.PODS.path(namespace), {JOB_POD_LABEL: cache.job_name})
         state = download_state(cache, job, pods, None)
         if state.phase == "Downloading" and (pod := newest_pod(pods)) is not None:
             try:
                 text = await self.kube.log(
-                    kube.PODS.path(namespace, pod["metadata"]["name"]), DOWNLOAD_CONTAINER, DOWNLOAD_LOG_LINES
+                    resources.PODS.path(namespace, pod["metadata"]["name"]),
+                    DOWNLOAD_CONTAINER,
+                    DOWNLOAD_LOG_LINES,
                 )
             except kube.KubeError as error:  # progress is for people; the phase does not depend on it
                 log.warning("reading the download log of %s/%s: %s", namespace, cache.job_name, error)
@@ -249,7 +254,7 @@ class Controller:
         drop it from their owners, and delete a claim or Job it was the last owner of. A claim still
         mounted by the old pods stays until they are gone (the API server's PVC protection)."""
         selector = cache_selector()
-        for resource in (kube.JOBS, kube.PERSISTENT_VOLUME_CLAIMS):
+        for resource in (resources.JOBS, resources.PERSISTENT_VOLUME_CLAIMS):
             for obj in await self.kube.list(resource.path(ms.metadata.namespace), selector):
                 meta = obj.get("metadata", {})
                 owners = meta.get("ownerReferences") or []
@@ -277,7 +282,7 @@ class Controller:
 
     async def _node_labels(self) -> list[dict[str, str]]:
         if self._nodes is None or time.monotonic() - self._nodes[0] > NODE_CACHE_SECONDS:
-            nodes = await self.kube.list(kube.NODES.path())
+            nodes = await self.kube.list(resources.NODES.path())
             self._nodes = (time.monotonic(), [n.get("metadata", {}).get("labels") or {} for n in nodes])
         return self._nodes[1]
 
@@ -298,7 +303,7 @@ class Controller:
         if ms.spec.model.hf_token_secret_ref is not None:
             refs.append(("model.hfTokenSecretRef", ms.spec.model.hf_token_secret_ref))
         for field, ref in refs:
-            secret = await self.kube.get(kube.SECRETS.path(ms.metadata.namespace, ref.name))
+            secret = await self.kube.get(resources.SECRETS.path(ms.metadata.namespace, ref.name))
             if secret is None:
                 return Problem(
                     "SecretNotFound",
@@ -313,7 +318,7 @@ class Controller:
         return None
 
     async def _ensure(
-        self, ms: ModelServer, resource: kube.Resource, desired: dict[str, Any]
+        self, ms: ModelServer, resource: resources.Resource, desired: dict[str, Any]
     ) -> tuple[dict[str, Any] | None, Problem | None]:
         """Create the child or patch it back to `desired`; a same-named object we do not own is a problem."""
         path = resource.path(ms.metadata.namespace, ms.metadata.name)
@@ -342,7 +347,7 @@ class Controller:
         except ValueError as error:
             return Problem("InvalidAutoscaling", str(error))
         keda = desired is not None and desired["kind"] == "ScaledObject"
-        resource = kube.SCALED_OBJECTS if keda else kube.HORIZONTAL_POD_AUTOSCALERS
+        resource = resources.SCALED_OBJECTS if keda else resources.HORIZONTAL_POD_AUTOSCALERS
         if ms.status.observed_generation != ms.metadata.generation:  # the spec changed: the actuator may have
             await self._remove_autoscalers(ms, keep=resource if desired is not None else None)
         if desired is None:
@@ -361,9 +366,9 @@ class Controller:
             )
         return problem
 
-    async def _remove_autoscalers(self, ms: ModelServer, keep: kube.Resource | None) -> None:
+    async def _remove_autoscalers(self, ms: ModelServer, keep: resources.Resource | None) -> None:
         """Delete our HPA / ScaledObject but `keep`: one left from an earlier actuator would scale on."""
-        for resource in (kube.HORIZONTAL_POD_AUTOSCALERS, kube.SCALED_OBJECTS):
+        for resource in (resources.HORIZONTAL_POD_AUTOSCALERS, resources.SCALED_OBJECTS):
             path = resource.path(ms.metadata.namespace, ms.metadata.name)
             if resource == keep:
                 continue
@@ -439,11 +444,13 @@ class Controller:
         if problem is None and placement is not None and (download is None or download.phase == "Ready"):
             desired = server.deployment(ms, placement, replicas)
             template_hash = server.template_hash(desired)
-            deployment, problem = await self._ensure(ms, kube.DEPLOYMENTS, desired)
+            deployment, problem = await self._ensure(ms, resources.DEPLOYMENTS, desired)
         else:
             # Leave a running Deployment as it is: the previous, working spec keeps serving.
-            deployment = await self.kube.get(kube.DEPLOYMENTS.path(ms.metadata.namespace, ms.metadata.name))
-        _, service_problem = await self._ensure(ms, kube.SERVICES, server.service(ms))
+            deployment = await self.kube.get(
+                resources.DEPLOYMENTS.path(ms.metadata.namespace, ms.metadata.name)
+            )
+        _, service_problem = await self._ensure(ms, resources.SERVICES, server.service(ms))
         problem = problem or service_problem or await self._ensure_autoscaler(ms)
 
         measured = await self._measure(ms, deployment, template_hash) if problem is None else {}
@@ -454,7 +461,8 @@ class Controller:
         patch = status_patch(current, status)
         if patch:
             await self.kube.merge_patch(
-                kube.MODELSERVERS.path(ms.metadata.namespace, ms.metadata.name, "status"), {"status": patch}
+                resources.MODELSERVERS.path(ms.metadata.namespace, ms.metadata.name, "status"),
+                {"status": patch},
             )
         self._post_transitions(body, current.get("conditions"), status["conditions"])
         return "degraded" if problem is not None else "ok"

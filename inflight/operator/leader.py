@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from inflight.operator import kube
+from inflight.operator.api import resources
 
 log = logging.getLogger("inflight.operator.leader")
 
@@ -56,7 +57,7 @@ class LeaderElector:
     async def try_acquire_or_renew(self) -> bool:
         """One attempt: True when this replica holds the Lease afterwards."""
         now = datetime.now(UTC)
-        path = kube.LEASES.path(self.namespace, self.name)
+        path = resources.LEASES.path(self.namespace, self.name)
         lease = await self.client.get(path)
         if lease is None:
             body = {
@@ -66,7 +67,7 @@ class LeaderElector:
                 "spec": self._lease_spec(now, acquired=True, transitions=0),
             }
             try:
-                await self.client.create(kube.LEASES.path(self.namespace), body)
+                await self.client.create(resources.LEASES.path(self.namespace), body)
             except kube.KubeError as error:
                 if error.status == 409:
                     return False

@@ -16,10 +16,11 @@ from typing import Any
 import kopf
 from aiohttp import web
 
-from inflight.operator.autoscaling.loop import BuiltinAutoscaling
+from inflight.operator.api.resources import EVENTS
+from inflight.operator.builtin_autoscaler import BuiltinAutoscaling
 from inflight.operator.controller import Controller
 from inflight.operator.handlers import build_registry
-from inflight.operator.kube import EVENTS, KubeClient, event_body, rfc3339
+from inflight.operator.kube import KubeClient, event_body, rfc3339
 from inflight.operator.leader import LeaderElector, default_identity
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
 

@@ -24,6 +24,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from inflight.operator import kube
+from inflight.operator.api import resources
 from inflight.operator.api.types import Actuator, ModelServer
 from inflight.operator.autoscaling.pod_metrics import ready_pod_endpoints
 from inflight.operator.children.server import LABEL_MODELSERVER, SERVER_CONTAINER
@@ -98,8 +99,8 @@ class KubernetesDiscovery:
 
         await asyncio.gather(
             when_listed(),
-            self._informer(kube.MODELSERVERS.path(self.namespace), None, on_modelserver, listed[0]),
-            self._informer(kube.PODS.path(self.namespace), SERVER_PODS, on_pod, listed[1]),
+            self._informer(resources.MODELSERVERS.path(self.namespace), None, on_modelserver, listed[0]),
+            self._informer(resources.PODS.path(self.namespace), SERVER_PODS, on_pod, listed[1]),
         )
 
     def apply(self, router: Router) -> None:
@@ -131,7 +132,7 @@ class KubernetesDiscovery:
                 self._woken_at[name] = now
                 patch = {"metadata": {"annotations": {WAKE_ANNOTATION: wake_requested_at(now)}}}
                 try:
-                    await self.client.merge_patch(kube.MODELSERVERS.path(self.namespace, name), patch)
+                    await self.client.merge_patch(resources.MODELSERVERS.path(self.namespace, name), patch)
                     log.info("asked the operator for a replica of ModelServer %s/%s", self.namespace, name)
                 except (kube.KubeError, aiohttp.ClientError, OSError, TimeoutError) as error:
                     log.warning("could not wake ModelServer %s/%s: %s", self.namespace, name, error)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Sequences that may wait for a slot beyond the engine's; more get 429.
+DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_HEADER_TIMEOUT = 10.0

@@ -1,4 +1,6 @@
-"""Run the app under uvicorn with a graceful drain on SIGTERM/SIGINT, and resolve `--model`.
+"""`serve()`: one model behind the OpenAI app under uvicorn, with a graceful drain on SIGTERM/SIGINT.
+
+`inflight serve` and `inflight demo` both start their server through `serve()`.
 
 On the first SIGTERM (or Ctrl-C): /ready turns 503 and every new API request gets 503 while in-flight
 requests finish, up to the drain timeout; whatever is left is then cut short, uvicorn closes its
@@ -10,38 +12,64 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import signal
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
-from inflight.builtin_models import BUILTIN_PREFIX, BuiltinModelError, builtin_model_path
 from inflight.engine.async_engine import AsyncEngine
-from inflight.engine.gguf import is_gguf
+from inflight.engine.config import EngineConfig
+from inflight.engine.engine import LLMEngine
+from inflight.server.app import create_app, model_loaded
+from inflight.server.context import ServerSettings
+from inflight.server.limits import DEFAULT_MAX_QUEUE, ConnectionLimits
+from inflight.server.transport import guarded_protocol
 
 logger = logging.getLogger("inflight.server")
 
 
-def resolve_model(model: str) -> Path:
-    """The checkpoint for `--model`: a folder, a .gguf file, or `builtin:NAME` (made once into the cache
-    dir, see inflight/builtin_models.py)."""
-    if model.startswith(BUILTIN_PREFIX):
-        try:
-            return builtin_model_path(model)
-        except BuiltinModelError as e:
-            raise SystemExit(f"inflight: --model {model}: {e}") from e
-    path = Path(model).expanduser()
-    if is_gguf(path):
-        return path
-    if not path.is_dir():
-        raise SystemExit(
-            f"--model {model}: no such directory or .gguf file (or use builtin:smollm2 / builtin:tiny)"
-        )
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {model}: no config.json there; expected a Hugging Face checkpoint")
-    return path
+def serve(
+    model_dir: Path,
+    config: EngineConfig,
+    settings: ServerSettings,
+    sock: socket.socket,
+    *,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    limits: ConnectionLimits | None = None,
+    drain_timeout: float,
+    app_state: Mapping[str, object] | None = None,
+) -> int:
+    """Serve `model_dir` on `sock` (from `bind_socket`) until a signal has drained it or the engine
+    failed; the process's exit code (1 if the engine failed). The model loads with the app's lifespan,
+    so probes answer while it loads. `app_state` goes onto `app.state` (the demo's step cost model)."""
+    engine = AsyncEngine(
+        lambda: LLMEngine(model_dir, config), max_slots=config.max_num_seqs, max_queue=max_queue
+    )
+    app = create_app(engine, settings)
+    for name, value in (app_state or {}).items():
+        setattr(app.state, name, value)
+    uvicorn_config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        http=guarded_protocol(limits or ConnectionLimits()),
+    )
+    server = DrainingServer(uvicorn_config, engine, drain_timeout=drain_timeout)
+    engine.on_fatal = server.stop_on_engine_failure
+    server.run(sockets=[sock])
+    code = 1 if engine.state == "failed" else 0
+    if not model_loaded(engine):
+        # Stopped during the load: its thread is inside the weights reader and cannot be joined or
+        # interrupted; a normal interpreter exit would abort under it. Leave now, logs flushed.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -58,9 +86,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
             if error.errno == errno.EADDRINUSE
             else "check --host and --port"
         )
-        raise SystemExit(
-            f"inflight serve: cannot listen on {host}:{port}: {error.strerror}; {hint}"
-        ) from None
+        raise SystemExit(f"inflight: cannot listen on {host}:{port}: {error.strerror}; {hint}") from None
     sock.set_inheritable(True)
     return sock
 

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
+from inflight.operator.api.resources import DEPLOYMENTS, MODELSERVERS
 from inflight.operator.api.types import ModelServer
-from inflight.operator.autoscaling.loop import BuiltinAutoscaling
+from inflight.operator.builtin_autoscaler import BuiltinAutoscaling
 from inflight.operator.controller import Controller
-from inflight.operator.kube import DEPLOYMENTS, MODELSERVERS
 from inflight.operator.metrics import OperatorMetrics
 from inflight.operator.status import desired_replicas
 

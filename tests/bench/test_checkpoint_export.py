@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from inflight.bench.checkpoint import export_gguf
-from inflight.engine.model.loader import load_model
+from inflight.engine.loader import load_model
 from inflight.engine.tokenizer import Tokenizer
 
 

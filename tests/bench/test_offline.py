@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from inflight.bench import offline
-from inflight.bench.commands import run_offline_command
 from inflight.bench.system import BenchSettings, System, SystemRun
 from inflight.bench.workload import BenchRequest, load_workload, make_workload
+from inflight.cli.bench import run_offline_command
 
 
 def settings_for(requests: list[BenchRequest], model_dir: Path = Path("unused")) -> BenchSettings:

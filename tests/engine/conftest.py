@@ -1,18 +1,5 @@
-"""Engine tests run torch single-threaded: on a shared, busy 2-core machine OpenMP threads that spin
-waiting for each other make tiny-model steps 10x slower, and one thread is plenty for these shapes."""
+"""Engine tests run torch single-threaded (support/torch_threads.py says why)."""
 
-from __future__ import annotations
+from support.torch_threads import one_torch_thread
 
-from collections.abc import Iterator
-
-import pytest
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_torch_thread() -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+__all__ = ["one_torch_thread"]

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from inflight.sizing import choose_num_kv_blocks
+from inflight.engine.kv_budget import choose_num_kv_blocks
 
 
 def test_requested_pool_is_cut_to_what_fits_on_a_measured_device() -> None:
@@ -21,7 +21,7 @@ def test_derived_pool_is_capped_at_every_slot_at_full_length() -> None:
 
 
 def test_sizing_and_the_engine_config_import_no_torch() -> None:
-    """The engine sizes its KV pool with sizing.py's formula; the operator imports sizing without torch."""
+    """The engine and sizing.py plan the KV pool with one formula; the operator imports sizing torch-free."""
     modules = "inflight.sizing, inflight.engine.config, inflight.engine.dtypes"
     code = f"import sys, {modules}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

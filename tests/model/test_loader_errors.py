@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from inflight.engine.loader import load_model
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
-from inflight.engine.model.loader import load_model
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from inflight.checkpoints.make import PRESETS, make_model
 from inflight.cli import main
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.make_model import PRESETS, make_model
 
 FILES = [
     "config.json",

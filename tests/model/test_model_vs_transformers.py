@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.loader import load_model
 from inflight.engine.model.llama import LlamaForCausalLM
-from inflight.engine.model.loader import load_model
 from inflight.engine.runner import allocate_kv_caches
 
 ARCHS = ["llama", "qwen2", "mistral"]

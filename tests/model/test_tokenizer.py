@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from inflight.engine.model.make_model import EOS, IM_END
+from inflight.checkpoints.make import EOS, IM_END
 from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = [

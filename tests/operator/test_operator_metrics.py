@@ -10,8 +10,8 @@ import kopf
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from inflight.operator.api.resources import MODELSERVERS as MODELSERVER_RESOURCE
 from inflight.operator.controller import Controller
-from inflight.operator.kube import MODELSERVERS as MODELSERVER_RESOURCE
 from inflight.operator.kube import KubeClient, KubeError
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
 

@@ -21,8 +21,8 @@ from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
+from inflight.engine.model.shard_layout import ShardLayout, valid_degrees
 from inflight.engine.output_processor import RequestOutput
-from inflight.engine.parallel.layout import ShardLayout, valid_degrees
 from inflight.engine.sequence import SamplingParams
 
 from support.models import cached_model

@@ -41,7 +41,7 @@ def test_only_float32_on_cpu() -> None:
 
 def test_engine_prepacks_on_cpu_and_still_matches_unpacked_greedy(tiny_llama_dir: Path) -> None:
     from inflight import LLM, SamplingParams
-    from inflight.engine.model.loader import load_model
+    from inflight.engine.loader import load_model
 
     llm = LLM(tiny_llama_dir, max_slots=4, num_kv_blocks=64, dtype="float32")
     assert any(isinstance(m, PrepackedLinear) for m in llm.engine.model.modules())

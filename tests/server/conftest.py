@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -24,6 +23,10 @@ from inflight.server.app import create_app
 from inflight.server.context import ServerSettings
 from inflight.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits
 from inflight.server.transport import guarded_protocol
+
+from support.torch_threads import one_torch_thread
+
+__all__ = ["one_torch_thread"]
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 256
@@ -199,16 +202,6 @@ def wait_for() -> Callable[..., None]:
 def start_server_factory() -> Callable[..., LiveServer]:
     """`start_server` for modules that need a server configured their own way (stop it yourself)."""
     return start_server
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread while these modules run: on a busy 2-core machine, OpenMP threads spinning
-    against each other make a tiny model's step ~20x slower. Restored afterwards for other test areas."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

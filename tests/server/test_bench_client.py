@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from inflight.bench.served import percentile, run_clients, summarize
 from inflight.bench.workload import BenchRequest
-from inflight.server.bench import percentile, run_clients, summarize
 
 
 def test_the_benchmark_client_measures_every_token(live: Any) -> None:

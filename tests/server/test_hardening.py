@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inflight.engine.model.make_model import IM_END, IM_START
+from inflight.checkpoints.make import IM_END, IM_START
 from inflight.server.auth import load_api_key
 from inflight.server.limits import ConnectionLimits
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from inflight.engine.async_engine import AsyncEngine
@@ -20,15 +19,9 @@ from inflight.server.app import create_app
 from inflight.server.context import ServerSettings
 
 from support.demo_server import DemoServer
+from support.torch_threads import one_torch_thread
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Test sessions share 2 cores here; more intra-op threads only contend. Restored for other areas.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+__all__ = ["one_torch_thread"]
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ MODEL_CACHE = REPO_ROOT / ".cache" / "models"
 
 
 def cached_model(preset: str, arch: str, seed: int = 0) -> Path:
-    from inflight.engine.model.make_model import fingerprint, make_model
+    from inflight.checkpoints.make import fingerprint, make_model
 
     final = MODEL_CACHE / f"{preset}-{arch}-{seed}-{fingerprint(preset)}"
     if (final / "config.json").is_file():

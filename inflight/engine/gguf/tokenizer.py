@@ -12,6 +12,7 @@ and in both, control tokens as special tokens and user-defined ones as added tok
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -20,7 +21,6 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint
-from inflight.engine.tokenizer import Tokenizer
 
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # llama.cpp's token types
 SPIECE_SPACE = "\u2581"
@@ -188,8 +188,19 @@ def _special_processor(
     )
 
 
-def tokenizer_from_gguf(checkpoint: GGUFCheckpoint) -> Tokenizer:
-    """Our Tokenizer (ids, text, special tokens, chat template) for the file's tokenizer.ggml.* metadata."""
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """What engine/tokenizer.py's Tokenizer is built from: the fast tokenizer, its special tokens
+    (tokenizer_config.json's keys), further end-of-generation ids and the chat template."""
+
+    tokenizer: HFTokenizer
+    config: dict[str, Any]
+    extra_eos_ids: list[int]
+    chat_template: str | None
+
+
+def tokenizer_from_gguf(checkpoint: GGUFCheckpoint) -> GGUFTokenizer:
+    """The tokenizer (ids, text, special tokens, chat template) of the file's tokenizer.ggml.* metadata."""
     meta = checkpoint.metadata
     kind = meta.get("tokenizer.ggml.model")
     tokens = checkpoint.array("tokenizer.ggml.tokens")
@@ -232,4 +243,4 @@ def tokenizer_from_gguf(checkpoint: GGUFCheckpoint) -> Tokenizer:
         if isinstance(meta.get(f"tokenizer.ggml.{key}"), int)
     ]
     template = meta.get("tokenizer.chat_template")
-    return Tokenizer(tokenizer, config, extra_eos, template if isinstance(template, str) else None)
+    return GGUFTokenizer(tokenizer, config, extra_eos, template if isinstance(template, str) else None)

@@ -5,7 +5,7 @@ step's new tokens. q/k/v and gate/up projections are fused into one matmul each;
 checkpoint's separate tensors into their row ranges (`weight_targets`).
 
 Tensor parallel: built with a `ShardLayout` of size N > 1, the model holds one rank's slices (see
-parallel/layout.py) and sums the partial outputs of o_proj, down_proj and the embedding over the ranks,
+model/shard_layout.py) and sums the partial outputs of o_proj, down_proj and the embedding over the ranks,
 and gathers the LM head's vocabulary slices; with size 1 (the default) no collective runs.
 
 On the hot path (the layer loop) submodules are called through `.forward()`: nn.Module.__call__'s hook
@@ -25,9 +25,9 @@ from torch import nn
 from inflight.engine.attention.backend import AttentionBackend
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.model import ops
+from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.parallel.comm import all_reduce_sum, gather_vocab
-from inflight.engine.parallel.layout import ShardLayout
+from inflight.engine.model.shard_layout import ShardLayout
 
 
 class RMSNorm(nn.Module):

@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.errors import EngineDeadError
+from inflight.engine.loader import read_config
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.llama import shard_layout
-from inflight.engine.model.loader import read_config
 from inflight.engine.parallel.worker import WorkerSpec
 from inflight.engine.runner import StepInputs
 

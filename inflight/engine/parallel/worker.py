@@ -73,7 +73,7 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
 
     from inflight.engine.cpu.linear import can_prepack, prepack_linears
     from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
-    from inflight.engine.model.loader import load_model
+    from inflight.engine.loader import load_model
     from inflight.engine.runner import allocate_kv_caches, run_model
 
     device = torch.device(spec.device)

@@ -1,5 +1,5 @@
-"""Every API call the operator and the router make (`kube.OPERATOR_ACCESS`, `kube.ROUTER_ACCESS`), as RBAC
-rules: the chart and docs/reference/rbac.md are built from them.
+"""Every API call the operator and the router make (`resources.OPERATOR_ACCESS`,
+`resources.ROUTER_ACCESS`), as RBAC rules: the chart and docs/reference/rbac.md are built from them.
 
 The operator gets, lists, watches, creates and merge-patches; it never PUTs (`update`). Children carry
 owner references and are garbage-collected with their ModelServer (the model cache's claim and Job with
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.operator.kube import OPERATOR_ACCESS, ROUTER_ACCESS, Access
+from inflight.operator.api.resources import OPERATOR_ACCESS, ROUTER_ACCESS, Access
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from gguf import quants as gguf_quants
 from safetensors.torch import load_file
 
 from inflight.engine.gguf.checkpoint import GGUF_ARCHITECTURES
+from inflight.engine.loader import load_model
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.loader import load_model
 
 from support.paged_model import paged_logits
 

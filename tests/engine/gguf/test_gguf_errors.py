@@ -10,8 +10,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint, unpermute_rows
+from inflight.engine.loader import load_model
 from inflight.engine.model.errors import ModelLoadError
-from inflight.engine.model.loader import load_model
 
 
 def _write(

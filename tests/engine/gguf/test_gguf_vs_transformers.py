@@ -13,8 +13,8 @@ import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
+from inflight.engine.loader import load_model
 from inflight.engine.model.llama import LlamaForCausalLM
-from inflight.engine.model.loader import load_model
 from inflight.engine.sequence import SamplingParams
 
 from support.paged_model import paged_logits

@@ -18,8 +18,7 @@ DESCRIPTION = (
 )
 
 
-def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    """Add `download` to `commands` (no benchmarks)."""
+def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "download",
         help="fetch a model's files from the Hugging Face Hub or S3 (resumable, verified)",

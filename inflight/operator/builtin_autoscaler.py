@@ -21,6 +21,7 @@ import httpx
 from pydantic import ValidationError
 
 from inflight.operator import kube
+from inflight.operator.api import resources
 from inflight.operator.api.types import Actuator, ModelServer
 from inflight.operator.autoscaling.actuator import AutoscalerState, autoscaling_status, evaluate, scaled
 from inflight.operator.autoscaling.decision import Direction
@@ -62,7 +63,7 @@ class BuiltinAutoscaling:
 
     async def round(self) -> None:
         """One decision for each builtin-autoscaled ModelServer (concurrently)."""
-        bodies = await self.kube.list(kube.MODELSERVERS.path())
+        bodies = await self.kube.list(resources.MODELSERVERS.path())
         active: list[tuple[dict[str, Any], ModelServer]] = []
         for body in bodies:
             try:
@@ -86,7 +87,7 @@ class BuiltinAutoscaling:
         autoscaling = ms.spec.autoscaling
         assert autoscaling is not None
         namespace, name = ms.metadata.namespace, ms.metadata.name
-        deployment = await self.kube.get(kube.DEPLOYMENTS.path(namespace, name))
+        deployment = await self.kube.get(resources.DEPLOYMENTS.path(namespace, name))
         if deployment is None:
             return  # not created yet (or the spec is Degraded): nothing to scale
         woken_from_zero = woken(ms) and desired_replicas(ms.spec, ms.status) == 0
@@ -105,7 +106,7 @@ class BuiltinAutoscaling:
             message = f"0 -> {replicas} replicas: a request is waiting in the router (scale from zero)"
             log.info("%s/%s: %s", namespace, name, message)
             event = kube.event_body(body, "Normal", "ScaledUp", message, state.last_scale_time)
-            await self.kube.create(kube.EVENTS.path(namespace), event)
+            await self.kube.create(resources.EVENTS.path(namespace), event)
         decision = await evaluate(
             state,
             autoscaling,
@@ -127,12 +128,12 @@ class BuiltinAutoscaling:
             reason = "ScaledUp" if decision.direction is Direction.UP else "ScaledDown"
             message = f"{replicas} -> {decision.desired} replicas: {decision.reason}"
             event = kube.event_body(body, "Normal", reason, message, state.last_scale_time)
-            await self.kube.create(kube.EVENTS.path(namespace), event)
+            await self.kube.create(resources.EVENTS.path(namespace), event)
         await self._patch_status(ms, autoscaling_status(decision, state.last_scale_time))
 
     async def _patch_status(self, ms: ModelServer, status: Mapping[str, Any] | None) -> None:
         current = ms.status.autoscaling.model_dump(by_alias=True) if ms.status.autoscaling else None
         if current == status:
             return
-        path = kube.MODELSERVERS.path(ms.metadata.namespace, ms.metadata.name, "status")
+        path = resources.MODELSERVERS.path(ms.metadata.namespace, ms.metadata.name, "status")
         await self.kube.merge_patch(path, {"status": {"autoscaling": status}})

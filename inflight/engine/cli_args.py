@@ -1,0 +1,122 @@
+"""The engine's command-line flags, defined once: `inflight serve`, `generate`, `demo` and `bench serve`
+take them all (the offline benchmark takes the batching and tensor-parallel ones). Every default is
+read from EngineConfig, so the flags and the Python API cannot disagree. No torch is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pydantic import ValidationError
+
+from inflight.engine.config import EngineConfig
+from inflight.engine.dtypes import DTYPE_CHOICES
+
+ArgumentTarget = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def _default(field: str) -> Any:
+    return EngineConfig.model_fields[field].default
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add every engine flag to `parser`, in an `engine` group; `engine_config_from_args` reads them."""
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--dtype",
+        default=_default("dtype"),
+        choices=DTYPE_CHOICES,
+        help="weights and KV cache (default: auto = float32 on CPU, bfloat16 on CUDA)",
+    )
+    engine.add_argument(
+        "--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: auto = cuda if any)"
+    )
+    add_batching_args(engine)
+    engine.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=_default("num_kv_blocks"),
+        help="KV cache blocks (default: sized from memory)",
+    )
+    block_size = _default("block_size")
+    engine.add_argument(
+        "--block-size", type=int, default=block_size, help=f"tokens per KV block (default: {block_size})"
+    )
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_default("max_model_len"),
+        help="prompt + output cap (default: the model's)",
+    )
+    engine.add_argument("--scheduler", choices=("continuous", "static"), default=_default("scheduler"))
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_default("enable_prefix_caching"),
+        help="share KV blocks of identical prompt prefixes (default: on)",
+    )
+    utilization = _default("gpu_memory_utilization")
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=utilization,
+        help=f"GPU memory share to use (default: {utilization})",
+    )
+    add_tensor_parallel_arg(engine)
+
+
+def add_batching_args(parser: ArgumentTarget) -> None:
+    """`--max-slots` and `--max-num-batched-tokens` (the offline benchmark passes them to every system)."""
+    slots, budget = _default("max_num_seqs"), _default("max_num_batched_tokens")
+    parser.add_argument(
+        "--max-slots", type=int, default=slots, help=f"sequences running at once (default: {slots})"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=budget,
+        help=f"token budget per step (default: {budget})",
+    )
+
+
+def add_tensor_parallel_arg(parser: ArgumentTarget) -> None:
+    """`--tensor-parallel-size` (vLLM's name)."""
+    size = _default("tensor_parallel_size")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=size,
+        help="ranks the model is split over (one GPU each on CUDA, processes on CPU); must divide the "
+        f"attention heads and the MLP's intermediate size (default: {size})",
+    )
+
+
+# EngineConfig's field -> the dest of its flag (the flag is `--` + the dest with dashes).
+FLAG_DESTS = {
+    "max_num_seqs": "max_slots",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "num_kv_blocks": "num_kv_blocks",
+    "block_size": "block_size",
+    "max_model_len": "max_model_len",
+    "scheduler": "scheduler",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "dtype": "dtype",
+    "device": "device",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "tensor_parallel_size": "tensor_parallel_size",
+}
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the flags `add_engine_args` added; SystemExit naming each flag that is wrong."""
+    try:
+        return EngineConfig(**{field: getattr(args, dest) for field, dest in FLAG_DESTS.items()})
+    except ValidationError as error:
+        reasons = []
+        for problem in error.errors():
+            field = problem["loc"][0] if problem["loc"] else None
+            flag = f"--{FLAG_DESTS[field].replace('_', '-')}: " if field in FLAG_DESTS else ""
+            reasons.append(f"{flag}{problem['msg']} (got {problem['input']!r})")
+        raise SystemExit(f"invalid engine settings: {'; '.join(reasons)}") from error
