@@ -31,7 +31,7 @@ TORCH_BACKEND = AttentionBackend(
 
 CPU_KERNEL_BACKEND = AttentionBackend(
     name="cpu-kernel",
-    write_kv_cache=torch_paged.write_kv_cache,
+    write_kv_cache=cpu_paged.write_kv_cache,
     paged_attention=cpu_paged.paged_attention,
 )
 

@@ -5,7 +5,9 @@ runs SDPA over it: on CPU that is two trips through memory for every key and val
 was a third of attention's time. The kernel scores, softmaxes and sums straight from the blocks, one work
 item per sequence (or per (sequence, KV head) when there are few sequences) over torch's threads.
 Prefill and chunked-prefill sequences keep the torch path (one SDPA each, where SDPA is at its best).
-Where the kernels are unavailable (see cpu/kernels.py) or cannot take the inputs, this is the torch path.
+New keys and values are stored with one C call per layer (a row copy per token) instead of two
+index_copy_ dispatches. Where the kernels are unavailable (see cpu/kernels.py) or cannot take the
+inputs, this is the torch path.
 """
 
 from __future__ import annotations
@@ -25,11 +27,49 @@ def kernel_available() -> bool:
 def _kernel_handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The layouts the kernel reads: query heads contiguous within a token's row (rows may be apart, as in
     a view into the fused q|k|v projection), whole caches."""
-    return (
-        query.stride(2) == 1
-        and query.stride(1) == query.shape[2]
+    return _rows_dense(query) and k_cache.is_contiguous() and v_cache.is_contiguous()
+
+
+def _rows_dense(rows: torch.Tensor) -> bool:
+    """[T, num_kv_heads, head_dim] whose heads are contiguous within a row (rows may be apart)."""
+    return rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same contract as torch_paged.write_kv_cache. The kernel trusts the slots (the engine's own, from its
+    block tables); the torch path, which checks them, is the reference."""
+    library = cpu_kernels.library_for(key, value, k_cache, v_cache)
+    usable = (
+        library is not None
+        and _rows_dense(key)
+        and _rows_dense(value)
+        and key.stride(0) == value.stride(0)
+        and key.shape[1:] == value.shape[1:] == k_cache.shape[2:]
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and slot_mapping.shape[0] == key.shape[0]
+    )
+    if library is None or not usable:
+        torch_paged.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    elem_size = key.element_size()
+    library.write_kv(
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(0) * elem_size,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        key.shape[0],
+        key.shape[1] * key.shape[2] * elem_size,
     )
 
 
@@ -46,16 +86,18 @@ def paged_attention(
         return torch_paged.paged_attention(query, k_cache, v_cache, meta, scale)
     out = query.new_empty(query.shape)
     if meta.is_decode_only:
-        seqs = list(range(meta.num_seqs))
-        rows = seqs
+        # Every layer of the step attends the same rows: their index tensor is made once per step.
+        rows_tensor = seqs_tensor = meta.sequence_indices
+        num_seqs, max_seq_len = meta.num_seqs, meta.max_seq_len
     else:
         seqs, rows = torch_paged.attend_prefills(out, query, k_cache, v_cache, meta, scale)
         if not seqs:
             return out
+        rows_tensor = torch.tensor(rows, dtype=torch.int64)
+        seqs_tensor = torch.tensor(seqs, dtype=torch.int64)
+        num_seqs, max_seq_len = len(seqs), max(meta.seq_lens_list[i] for i in seqs)
     block_tables = meta.block_tables.to(torch.int32).contiguous()
     seq_lens = meta.seq_lens.to(torch.int32).contiguous()
-    rows_tensor = torch.tensor(rows, dtype=torch.int64)
-    seqs_tensor = rows_tensor if rows is seqs else torch.tensor(seqs, dtype=torch.int64)
     failed = library.paged_decode(
         query.data_ptr(),
         query.stride(0),
@@ -66,7 +108,7 @@ def paged_attention(
         seq_lens.data_ptr(),
         rows_tensor.data_ptr(),
         seqs_tensor.data_ptr(),
-        len(seqs),
+        num_seqs,
         query.shape[1],
         k_cache.shape[2],
         query.shape[2],
@@ -75,7 +117,7 @@ def paged_attention(
         scale,
         cpu_kernels.DTYPE_CODES[query.dtype],
         out.data_ptr(),
-        max(meta.seq_lens_list[i] for i in seqs),
+        max_seq_len,
         torch.get_num_threads(),
     )
     if failed:

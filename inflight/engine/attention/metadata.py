@@ -15,6 +15,7 @@ its "slot" is block_id * block_size + offset.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -44,6 +45,12 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @cached_property
+    def sequence_indices(self) -> torch.Tensor:
+        """[num_seqs] int64 on the host: 0 .. num_seqs - 1 (in a decode-only step, also the query rows).
+        Made once per step (the metadata is the step's), not once per layer."""
+        return torch.arange(self.num_seqs, dtype=torch.int64)
 
     def last_rows(self, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """The query rows of the last new token of each of `seqs`, and metadata that attends only those rows:

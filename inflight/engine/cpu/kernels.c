@@ -740,3 +740,16 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
         }
     }
 }
+
+/* ---- the KV cache ------------------------------------------------------------------------------- */
+
+/* Store the step's new keys and values at their cache slots: row t of k and of v (`row_bytes` bytes each,
+ * rows `row_stride` bytes apart: views into the fused q|k|v projection) go to slot slots[t] of k_cache and
+ * v_cache ([slots, row_bytes]). One copy per row, no dtype conversion (the caller checks the dtypes). */
+void write_kv(const void *k, const void *v, int64_t row_stride, void *k_cache, void *v_cache, const int64_t *slots,
+              int64_t rows, int64_t row_bytes) {
+    for (int64_t t = 0; t < rows; t++) {
+        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * row_stride, (size_t)row_bytes);
+        memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * row_stride, (size_t)row_bytes);
+    }
+}

@@ -68,6 +68,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "silu_and_mul": ([_ptr, _ptr, _i64, _i64, _int, _int], None),
     # x, row_stride, cos, sin, rows, heads, head_dim, dtype, num_threads
     "rotary": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
+    # k, v, row_stride (bytes), k_cache, v_cache, slots, rows, row_bytes
+    "write_kv": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64], None),
 }
 
 
@@ -186,9 +188,10 @@ def unavailable_reason() -> str | None:
 
 def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The kernels, when they are available and can take these tensors (CPU, one supported dtype)."""
-    first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in DTYPE_CODES:
+    dtype = tensors[0].dtype
+    if dtype not in DTYPE_CODES:
         return None
-    if any(t.dtype != first.dtype or t.device.type != "cpu" for t in tensors[1:]):
-        return None
+    for tensor in tensors:  # a plain loop: this runs several times per layer and step
+        if tensor.dtype != dtype or not tensor.is_cpu:
+            return None
     return library()

@@ -107,10 +107,39 @@ def test_queries_may_be_rows_of_the_fused_qkv_projection(dtype: torch.dtype) -> 
     assert_close(out, dense_reference(case), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_from_the_fused_projection_equals_the_torch_path(dtype: torch.dtype) -> None:
+    # k and v as the model hands them over: row views into q|k|v, 3 KV heads, slots across blocks.
+    num_heads, num_kv_heads, head_dim, tokens = 9, 3, 16, 5
+    fused = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    key = fused[:, q_size : q_size + kv_size].view(tokens, num_kv_heads, head_dim)
+    value = fused[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
+    slots = torch.tensor([3, 15, 16, 40, 0])
+    caches = [torch.randn(4, 16, num_kv_heads, head_dim).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    torch_paged.write_kv_cache(key, value, *expected, slots)
+    cpu_paged.write_kv_cache(key, value, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_kv_write_the_kernel_cannot_take_falls_back_to_the_torch_path() -> None:
+    # Heads not contiguous within a row, and a float16 cache: the torch path stores them.
+    key = torch.randn(2, 8, 2).transpose(1, 2)
+    caches = [torch.zeros(2, 4, 2, 8) for _ in range(2)]
+    cpu_paged.write_kv_cache(key, -key, *caches, torch.tensor([1, 6]))
+    assert torch.equal(caches[0].view(-1, 2, 8)[[1, 6]], key)
+    assert torch.equal(caches[1].view(-1, 2, 8)[[1, 6]], -key)
+    half = [torch.zeros(2, 4, 2, 8, dtype=torch.float16) for _ in range(2)]
+    cpu_paged.write_kv_cache(key.half(), key.half(), *half, torch.tensor([7, 0]))
+    assert torch.equal(half[0].view(-1, 2, 8)[[7, 0]], key.half())
+
+
 def test_cpu_backend_is_the_kernel() -> None:
     backend = get_attention_backend(torch.device("cpu"))
     assert backend.name == "cpu-kernel"
     assert backend.paged_attention is cpu_paged.paged_attention
+    assert backend.write_kv_cache is cpu_paged.write_kv_cache
 
 
 def test_build_is_cached_per_source_and_names_a_missing_compiler(tmp_path: Path) -> None:
