@@ -6,8 +6,9 @@
  * Element type: float32 (dtype 0) or bfloat16 (dtype 1); arithmetic is float32 either way.
  * Parallel loops use `num_threads` OpenMP threads (the OpenMP runtime torch already loaded).
  * -march=native decides the instruction set when the library is built on the machine that runs it:
- * bfloat16 rows are converted 16 at a time with AVX-512, rounded by the AVX512-BF16 instruction where the
- * CPU has it; every path has a plain C version that the others must match.
+ * the decode attention micro-kernels have AVX-512, AVX2 + FMA and plain C versions (the first the
+ * compiler allows); bfloat16 rows are converted 16 at a time with AVX-512, rounded by the AVX512-BF16
+ * instruction where the CPU has it; every path has a plain C version that the others must match.
  */
 #include <math.h>
 #include <stdint.h>
@@ -162,7 +163,123 @@ static PREFETCH_INLINE void prefetch_line(const char *p) {
     (void)p;
 #endif
 }
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+/* x86 with AVX-512: the micro-kernels below take up to three query heads of a KV head at once (GQA
+ * groups of 3, as in SmolLM2, in one pass over the rows), 16 floats per instruction; a head_dim that is
+ * not a multiple of 16 ends with a masked step (masked-off lanes load as 0). The AVX2 and plain C
+ * versions after the #elif and #else compute the same sums in another order. */
+
+/* Lanes of head_dim from d on that one 16-wide step covers. */
+static inline __mmask16 lanes_from(int64_t d, int64_t head_dim) {
+    return head_dim - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - d)) - 1u);
+}
+
+/* Sums of the 16 lanes of each of a, b, c, d. */
+static inline __m128 sum4_lanes16(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define HALVES(x) _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(HALVES(a), HALVES(b)), _mm256_hadd_ps(HALVES(c), HALVES(d)));
+#undef HALVES
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* Scores of `count` key rows (row j at rows + j * stride) against `heads` (1 to 3, a constant where it is
+ * inlined) query heads q[h], into out[h][j]: 4 tokens x 3 heads = 12 running sums in registers, each key
+ * row loaded once for all heads. Past `count` the last real row is repeated (computed and discarded). */
+static inline __attribute__((always_inline)) void score_rows_n(const int heads, const float *const *q,
+                                                               const float *rows, int64_t stride, int64_t count,
+                                                               int64_t head_dim, float *const *out) {
+    for (int64_t j = 0; j < count; j += 4) {
+        const float *k[4];
+        for (int64_t i = 0; i < 4; i++) k[i] = rows + (j + i < count ? j + i : j) * stride;
+        __m512 s[3][4];
+        for (int h = 0; h < heads; h++)
+            for (int i = 0; i < 4; i++) s[h][i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            const __mmask16 m = lanes_from(d, head_dim);
+            __m512 kd[4];
+            for (int i = 0; i < 4; i++) kd[i] = _mm512_maskz_loadu_ps(m, k[i] + d);
+            for (int h = 0; h < heads; h++) {
+                const __m512 x = _mm512_maskz_loadu_ps(m, q[h] + d);
+                for (int i = 0; i < 4; i++) s[h][i] = _mm512_fmadd_ps(x, kd[i], s[h][i]);
+            }
+        }
+        for (int h = 0; h < heads; h++) {
+            float a[4];
+            _mm_storeu_ps(a, sum4_lanes16(s[h][0], s[h][1], s[h][2], s[h][3]));
+            for (int64_t i = 0; i < 4 && j + i < count; i++) out[h][j + i] = a[i];
+        }
+    }
+}
+
+/* acc[h] += sum_j p[h][j] * row j for `heads` (1 to 3) heads sharing the rows. A 64-wide strip of the
+ * accumulators stays in registers over all `count` rows: each row element is loaded once for all heads,
+ * and the accumulators are read and written once per call. */
+static inline __attribute__((always_inline)) void weigh_rows_n(const int heads, const float *const *p,
+                                                               const float *rows, int64_t stride, int64_t count,
+                                                               int64_t head_dim, float *const *acc) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        const int64_t width = head_dim - d0 < 64 ? head_dim - d0 : 64;
+        __mmask16 m[4];
+        for (int w = 0; w < 4; w++) m[w] = 16 * w < width ? lanes_from(d0 + 16 * w, head_dim) : 0;
+        __m512 a[3][4];
+        for (int h = 0; h < heads; h++)
+            for (int w = 0; w < 4; w++) a[h][w] = _mm512_maskz_loadu_ps(m[w], acc[h] + d0 + 16 * w);
+        for (int64_t j = 0; j < count; j++) {
+            const float *v = rows + j * stride + d0;
+            __m512 vw[4];
+            for (int w = 0; w < 4; w++) vw[w] = _mm512_maskz_loadu_ps(m[w], v + 16 * w);
+            for (int h = 0; h < heads; h++) {
+                const __m512 x = _mm512_set1_ps(p[h][j]);
+                for (int w = 0; w < 4; w++) a[h][w] = _mm512_fmadd_ps(x, vw[w], a[h][w]);
+            }
+        }
+        for (int h = 0; h < heads; h++)
+            for (int w = 0; w < 4; w++) _mm512_mask_storeu_ps(acc[h] + d0 + 16 * w, m[w], a[h][w]);
+    }
+}
+
+/* `heads` consecutive query heads (queries head_dim apart, scores `len` apart) against one chunk of rows:
+ * three at a time, then two or one. */
+static inline void score_heads(const float *queries, int64_t heads, const float *rows, int64_t stride,
+                               int64_t count, int64_t head_dim, float *scores, int64_t len) {
+    int64_t h = 0;
+    for (; h + 3 <= heads; h += 3) {
+        const float *q[3] = {queries + h * head_dim, queries + (h + 1) * head_dim, queries + (h + 2) * head_dim};
+        float *out[3] = {scores + h * len, scores + (h + 1) * len, scores + (h + 2) * len};
+        score_rows_n(3, q, rows, stride, count, head_dim, out);
+    }
+    if (heads - h == 2) {
+        const float *q[3] = {queries + h * head_dim, queries + (h + 1) * head_dim, NULL};
+        float *out[3] = {scores + h * len, scores + (h + 1) * len, NULL};
+        score_rows_n(2, q, rows, stride, count, head_dim, out);
+    } else if (heads - h == 1) {
+        const float *q[3] = {queries + h * head_dim, NULL, NULL};
+        float *out[3] = {scores + h * len, NULL, NULL};
+        score_rows_n(1, q, rows, stride, count, head_dim, out);
+    }
+}
+
+/* acc (head_dim apart) += the weighted rows for `heads` consecutive heads (weights `len` apart). */
+static inline void weigh_heads(const float *weights, int64_t len, int64_t heads, const float *rows, int64_t stride,
+                               int64_t count, int64_t head_dim, float *acc) {
+    int64_t h = 0;
+    for (; h + 3 <= heads; h += 3) {
+        const float *p[3] = {weights + h * len, weights + (h + 1) * len, weights + (h + 2) * len};
+        float *a[3] = {acc + h * head_dim, acc + (h + 1) * head_dim, acc + (h + 2) * head_dim};
+        weigh_rows_n(3, p, rows, stride, count, head_dim, a);
+    }
+    if (heads - h == 2) {
+        const float *p[3] = {weights + h * len, weights + (h + 1) * len, NULL};
+        float *a[3] = {acc + h * head_dim, acc + (h + 1) * head_dim, NULL};
+        weigh_rows_n(2, p, rows, stride, count, head_dim, a);
+    } else if (heads - h == 1) {
+        const float *p[3] = {weights + h * len, NULL, NULL};
+        float *a[3] = {acc + h * head_dim, NULL, NULL};
+        weigh_rows_n(1, p, rows, stride, count, head_dim, a);
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
 /* x86 with AVX2 + FMA: the micro-kernels below in intrinsics, since gcc's own vectorization of them
  * spills or falls back to scalar code. The plain C versions after the #else are the reference. */
 
@@ -403,6 +520,29 @@ static inline void weigh_rows(const float *p0, const float *p1, const float *row
 
 #endif
 
+#if !defined(__AVX512F__)
+/* `heads` consecutive query heads (queries head_dim apart, scores `len` apart) against one chunk of rows:
+ * two at a time, then one. */
+static inline void score_heads(const float *queries, int64_t heads, const float *rows, int64_t stride,
+                               int64_t count, int64_t head_dim, float *scores, int64_t len) {
+    int64_t h = 0;
+    for (; h + 2 <= heads; h += 2)
+        score_rows2(queries + h * head_dim, queries + (h + 1) * head_dim, rows, stride, count, head_dim,
+                    scores + h * len, scores + (h + 1) * len);
+    if (h < heads) score_rows1(queries + h * head_dim, rows, stride, count, head_dim, scores + h * len);
+}
+
+/* acc (head_dim apart) += the weighted rows for `heads` consecutive heads (weights `len` apart). */
+static inline void weigh_heads(const float *weights, int64_t len, int64_t heads, const float *rows, int64_t stride,
+                               int64_t count, int64_t head_dim, float *acc) {
+    for (int64_t h = 0; h < heads; h += 2) {
+        const int two = h + 1 < heads;
+        weigh_rows(weights + h * len, two ? weights + (h + 1) * len : NULL, rows, stride, count, head_dim,
+                   acc + h * head_dim, two ? acc + (h + 1) * head_dim : NULL);
+    }
+}
+#endif
+
 /* How many tokens from `t` on lie in one block and one chunk (and before `end`). */
 static inline int64_t chunk_count(int64_t t, int64_t end, int64_t block_size) {
     int64_t count = block_size - t % block_size;
@@ -504,13 +644,8 @@ static void decode_item(const void *q, int64_t q_row_stride, const void *k_cache
             prefetch_until(&c, &pf, t - first + ahead + (kv_head - head_begin + 1) * share);
             const float *rows;
             const int64_t stride = chunk_rows(&c, k_cache, slot, count, kv_head, tmp, &rows);
-            int64_t h = (kv_head - head_begin) * group;
-            const int64_t h_end = h + group;
-            for (; h + 2 <= h_end; h += 2)
-                score_rows2(queries + h * head_dim, queries + (h + 1) * head_dim, rows, stride, count, head_dim,
-                            scores + h * len + (t - first), scores + (h + 1) * len + (t - first));
-            if (h < h_end)
-                score_rows1(queries + h * head_dim, rows, stride, count, head_dim, scores + h * len + (t - first));
+            const int64_t h = (kv_head - head_begin) * group;
+            score_heads(queries + h * head_dim, group, rows, stride, count, head_dim, scores + h * len + (t - first), len);
         }
         t += count;
     }
@@ -538,13 +673,8 @@ static void decode_item(const void *q, int64_t q_row_stride, const void *k_cache
             prefetch_until(&c, &pf, len + t - first + ahead + (kv_head - head_begin + 1) * share);
             const float *rows;
             const int64_t stride = chunk_rows(&c, v_cache, slot, count, kv_head, tmp, &rows);
-            int64_t h = (kv_head - head_begin) * group;
-            const int64_t h_end = h + group;
-            for (; h < h_end; h += 2) {
-                const int two = h + 1 < h_end;
-                weigh_rows(scores + h * len + (t - first), two ? scores + (h + 1) * len + (t - first) : NULL,
-                           rows, stride, count, head_dim, acc + h * head_dim, two ? acc + (h + 1) * head_dim : NULL);
-            }
+            const int64_t h = (kv_head - head_begin) * group;
+            weigh_heads(scores + h * len + (t - first), len, group, rows, stride, count, head_dim, acc + h * head_dim);
         }
         t += count;
     }
