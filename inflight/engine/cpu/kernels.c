@@ -6,9 +6,8 @@
  * Element type: float32 (dtype 0) or bfloat16 (dtype 1); arithmetic is float32 either way.
  * Parallel loops use `num_threads` OpenMP threads (the OpenMP runtime torch already loaded).
  * -march=native decides the instruction set when the library is built on the machine that runs it:
- * the decode attention micro-kernels have AVX-512, AVX2 + FMA and plain C versions (the first the
- * compiler allows); bfloat16 rows are converted 16 at a time with AVX-512, rounded by the AVX512-BF16
- * instruction where the CPU has it; every path has a plain C version that the others must match.
+ * bfloat16 rows are converted 16 at a time with AVX-512, rounded by the AVX512-BF16 instruction where the
+ * CPU has it; every path has a plain C version that the others must match.
  */
 #include <math.h>
 #include <stdint.h>
@@ -163,149 +162,7 @@ static PREFETCH_INLINE void prefetch_line(const char *p) {
     (void)p;
 #endif
 }
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* x86 with AVX-512: the micro-kernels below take up to three query heads of a KV head at once (GQA
- * groups of 3, as in SmolLM2, in one pass over the rows), 16 floats per instruction; a head_dim that is
- * not a multiple of 16 ends with a masked step (masked-off lanes load as 0). They read bfloat16 rows in
- * place, converted as they are loaded. The AVX2 and plain C versions after the #elif and #else compute
- * the same sums in another order, from rows converted to float first. */
-#define DECODE_READS_BF16 1
-
-/* Lanes `m` of the 16 elements at p as floats: bfloat16 is exact in float32 (its bits shifted into the
- * high half). */
-static inline __attribute__((always_inline)) __m512 load_lanes(const char *p, __mmask16 m, const int bf16) {
-    if (bf16) {
-        const __m256i half = _mm256_maskz_loadu_epi16(m, p);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
-    return _mm512_maskz_loadu_ps(m, p);
-}
-
-/* Lanes of head_dim from d on that one 16-wide step covers. */
-static inline __mmask16 lanes_from(int64_t d, int64_t head_dim) {
-    return head_dim - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (head_dim - d)) - 1u);
-}
-
-/* Sums of the 16 lanes of each of a, b, c, d. */
-static inline __m128 sum4_lanes16(__m512 a, __m512 b, __m512 c, __m512 d) {
-#define HALVES(x) _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(HALVES(a), HALVES(b)), _mm256_hadd_ps(HALVES(c), HALVES(d)));
-#undef HALVES
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-/* Scores of `count` key rows (row j at element j * stride of rows, bfloat16 where bf16) against `heads`
- * (1 to 3; both are constants where this is inlined) query heads q[h], into out[h][j]: 4 tokens x 3 heads
- * = 12 running sums in registers, each key row loaded once for all heads. Past `count` the last real row
- * is repeated (computed and discarded). */
-static inline __attribute__((always_inline)) void score_rows_n(const int heads, const int bf16, const float *const *q,
-                                                               const void *rows, int64_t stride, int64_t count,
-                                                               int64_t head_dim, float *const *out) {
-    const int64_t size = bf16 ? 2 : 4; /* bytes per element */
-    for (int64_t j = 0; j < count; j += 4) {
-        const char *k[4];
-        for (int64_t i = 0; i < 4; i++) k[i] = (const char *)rows + (j + i < count ? j + i : j) * stride * size;
-        __m512 s[3][4];
-        for (int h = 0; h < heads; h++)
-            for (int i = 0; i < 4; i++) s[h][i] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < head_dim; d += 16) {
-            const __mmask16 m = lanes_from(d, head_dim);
-            __m512 kd[4];
-            for (int i = 0; i < 4; i++) kd[i] = load_lanes(k[i] + d * size, m, bf16);
-            for (int h = 0; h < heads; h++) {
-                const __m512 x = _mm512_maskz_loadu_ps(m, q[h] + d);
-                for (int i = 0; i < 4; i++) s[h][i] = _mm512_fmadd_ps(x, kd[i], s[h][i]);
-            }
-        }
-        for (int h = 0; h < heads; h++) {
-            float a[4];
-            _mm_storeu_ps(a, sum4_lanes16(s[h][0], s[h][1], s[h][2], s[h][3]));
-            for (int64_t i = 0; i < 4 && j + i < count; i++) out[h][j + i] = a[i];
-        }
-    }
-}
-
-/* acc[h] += sum_j p[h][j] * row j for `heads` (1 to 3) heads sharing the rows (as for score_rows_n). A 64-wide strip of the
- * accumulators stays in registers over all `count` rows: each row element is loaded once for all heads,
- * and the accumulators are read and written once per call. */
-static inline __attribute__((always_inline)) void weigh_rows_n(const int heads, const int bf16, const float *const *p,
-                                                               const void *rows, int64_t stride, int64_t count,
-                                                               int64_t head_dim, float *const *acc) {
-    const int64_t size = bf16 ? 2 : 4; /* bytes per element */
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-        const int64_t width = head_dim - d0 < 64 ? head_dim - d0 : 64;
-        __mmask16 m[4];
-        for (int w = 0; w < 4; w++) m[w] = 16 * w < width ? lanes_from(d0 + 16 * w, head_dim) : 0;
-        __m512 a[3][4];
-        for (int h = 0; h < heads; h++)
-            for (int w = 0; w < 4; w++) a[h][w] = _mm512_maskz_loadu_ps(m[w], acc[h] + d0 + 16 * w);
-        for (int64_t j = 0; j < count; j++) {
-            const char *v = (const char *)rows + (j * stride + d0) * size;
-            __m512 vw[4];
-            for (int w = 0; w < 4; w++) vw[w] = load_lanes(v + 16 * w * size, m[w], bf16);
-            for (int h = 0; h < heads; h++) {
-                const __m512 x = _mm512_set1_ps(p[h][j]);
-                for (int w = 0; w < 4; w++) a[h][w] = _mm512_fmadd_ps(x, vw[w], a[h][w]);
-            }
-        }
-        for (int h = 0; h < heads; h++)
-            for (int w = 0; w < 4; w++) _mm512_mask_storeu_ps(acc[h] + d0 + 16 * w, m[w], a[h][w]);
-    }
-}
-
-/* `heads` consecutive query heads (queries head_dim apart, scores `len` apart) against one chunk of rows
- * (bfloat16 read in place): three at a time, then two or one. Inlined, so that the kernels see constants. */
-static inline __attribute__((always_inline)) void score_heads(const float *queries, int64_t heads, const void *rows,
-                                                              int64_t stride, int64_t count, int64_t head_dim,
-                                                              float *scores, int64_t len, int dtype) {
-#define SCORE_ROWS(n, q, out)                                                                                 \
-    (dtype == DTYPE_BFLOAT16 ? score_rows_n(n, 1, q, rows, stride, count, head_dim, out)                        \
-                             : score_rows_n(n, 0, q, rows, stride, count, head_dim, out))
-    int64_t h = 0;
-    for (; h + 3 <= heads; h += 3) {
-        const float *q[3] = {queries + h * head_dim, queries + (h + 1) * head_dim, queries + (h + 2) * head_dim};
-        float *out[3] = {scores + h * len, scores + (h + 1) * len, scores + (h + 2) * len};
-        SCORE_ROWS(3, q, out);
-    }
-    if (heads - h == 2) {
-        const float *q[3] = {queries + h * head_dim, queries + (h + 1) * head_dim, NULL};
-        float *out[3] = {scores + h * len, scores + (h + 1) * len, NULL};
-        SCORE_ROWS(2, q, out);
-    } else if (heads - h == 1) {
-        const float *q[3] = {queries + h * head_dim, NULL, NULL};
-        float *out[3] = {scores + h * len, NULL, NULL};
-        SCORE_ROWS(1, q, out);
-    }
-#undef SCORE_ROWS
-}
-
-/* acc (head_dim apart) += the weighted rows for `heads` consecutive heads (weights `len` apart). */
-static inline __attribute__((always_inline)) void weigh_heads(const float *weights, int64_t len, int64_t heads,
-                                                              const void *rows, int64_t stride, int64_t count,
-                                                              int64_t head_dim, float *acc, int dtype) {
-#define WEIGH_ROWS(n, p, a)                                                                                   \
-    (dtype == DTYPE_BFLOAT16 ? weigh_rows_n(n, 1, p, rows, stride, count, head_dim, a)                          \
-                             : weigh_rows_n(n, 0, p, rows, stride, count, head_dim, a))
-    int64_t h = 0;
-    for (; h + 3 <= heads; h += 3) {
-        const float *p[3] = {weights + h * len, weights + (h + 1) * len, weights + (h + 2) * len};
-        float *a[3] = {acc + h * head_dim, acc + (h + 1) * head_dim, acc + (h + 2) * head_dim};
-        WEIGH_ROWS(3, p, a);
-    }
-    if (heads - h == 2) {
-        const float *p[3] = {weights + h * len, weights + (h + 1) * len, NULL};
-        float *a[3] = {acc + h * head_dim, acc + (h + 1) * head_dim, NULL};
-        WEIGH_ROWS(2, p, a);
-    } else if (heads - h == 1) {
-        const float *p[3] = {weights + h * len, NULL, NULL};
-        float *a[3] = {acc + h * head_dim, NULL, NULL};
-        WEIGH_ROWS(1, p, a);
-    }
-#undef WEIGH_ROWS
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-#define DECODE_READS_BF16 0
+#if defined(__AVX2__) && defined(__FMA__)
 /* x86 with AVX2 + FMA: the micro-kernels below in intrinsics, since gcc's own vectorization of them
  * spills or falls back to scalar code. The plain C versions after the #else are the reference. */
 
@@ -447,7 +304,6 @@ static inline void weigh_rows(const float *p0, const float *p1, const float *row
 }
 
 #else /* generic C */
-#define DECODE_READS_BF16 0
 
 /* Scores of `count` key rows (row j at rows + j * stride) against two query heads at once, so each key
  * row is loaded once for both: 4 tokens x 2 heads = 8 running sums, which fit the registers. Past `count`
@@ -547,33 +403,6 @@ static inline void weigh_rows(const float *p0, const float *p1, const float *row
 
 #endif
 
-#if !DECODE_READS_BF16
-/* `heads` consecutive query heads (queries head_dim apart, scores `len` apart) against one chunk of rows
- * (floats: bfloat16 rows are converted first): two at a time, then one. */
-static inline void score_heads(const float *queries, int64_t heads, const void *float_rows, int64_t stride,
-                               int64_t count, int64_t head_dim, float *scores, int64_t len, int dtype) {
-    const float *rows = (const float *)float_rows;
-    (void)dtype;
-    int64_t h = 0;
-    for (; h + 2 <= heads; h += 2)
-        score_rows2(queries + h * head_dim, queries + (h + 1) * head_dim, rows, stride, count, head_dim,
-                    scores + h * len, scores + (h + 1) * len);
-    if (h < heads) score_rows1(queries + h * head_dim, rows, stride, count, head_dim, scores + h * len);
-}
-
-/* acc (head_dim apart) += the weighted rows for `heads` consecutive heads (weights `len` apart). */
-static inline void weigh_heads(const float *weights, int64_t len, int64_t heads, const void *float_rows, int64_t stride,
-                               int64_t count, int64_t head_dim, float *acc, int dtype) {
-    const float *rows = (const float *)float_rows;
-    (void)dtype;
-    for (int64_t h = 0; h < heads; h += 2) {
-        const int two = h + 1 < heads;
-        weigh_rows(weights + h * len, two ? weights + (h + 1) * len : NULL, rows, stride, count, head_dim,
-                   acc + h * head_dim, two ? acc + (h + 1) * head_dim : NULL);
-    }
-}
-#endif
-
 /* How many tokens from `t` on lie in one block and one chunk (and before `end`). */
 static inline int64_t chunk_count(int64_t t, int64_t end, int64_t block_size) {
     int64_t count = block_size - t % block_size;
@@ -623,14 +452,13 @@ static PREFETCH_INLINE void prefetch_until(const struct item_ctx *c, struct pref
     }
 }
 
-/* Rows of the `count` tokens from cache slot `slot` on for `kv_head`: row j at element
- * j * (return value) of *rows. float32 is read in place, and so is bfloat16 where the micro-kernels
- * read it (DECODE_READS_BF16); otherwise bfloat16 is converted into tmp, as floats. */
+/* Rows of the `count` tokens from cache slot `slot` on for `kv_head` as floats: row j at
+ * *rows + j * (return value). float32 is read in place; bfloat16 is converted into tmp. */
 static inline int64_t chunk_rows(const struct item_ctx *c, const void *cache, int64_t slot, int64_t count,
-                                 int64_t kv_head, float *tmp, const void **rows) {
+                                 int64_t kv_head, float *tmp, const float **rows) {
     const int64_t offset = (slot * c->num_kv_heads + kv_head) * c->head_dim;
-    if (c->elem_size == 4 || DECODE_READS_BF16) {
-        *rows = (const char *)cache + offset * c->elem_size;
+    if (c->elem_size == 4) {
+        *rows = (const float *)cache + offset;
         return c->num_kv_heads * c->head_dim;
     }
     const uint16_t *src = (const uint16_t *)cache + offset;
@@ -674,10 +502,15 @@ static void decode_item(const void *q, int64_t q_row_stride, const void *k_cache
         const int64_t slot = first_slot(&c, t), share = (count + c.kv_heads - 1) / c.kv_heads;
         for (int64_t kv_head = head_begin; kv_head < head_end; kv_head++) {
             prefetch_until(&c, &pf, t - first + ahead + (kv_head - head_begin + 1) * share);
-            const void *rows;
+            const float *rows;
             const int64_t stride = chunk_rows(&c, k_cache, slot, count, kv_head, tmp, &rows);
-            const int64_t h = (kv_head - head_begin) * group;
-            score_heads(queries + h * head_dim, group, rows, stride, count, head_dim, scores + h * len + (t - first), len, dtype);
+            int64_t h = (kv_head - head_begin) * group;
+            const int64_t h_end = h + group;
+            for (; h + 2 <= h_end; h += 2)
+                score_rows2(queries + h * head_dim, queries + (h + 1) * head_dim, rows, stride, count, head_dim,
+                            scores + h * len + (t - first), scores + (h + 1) * len + (t - first));
+            if (h < h_end)
+                score_rows1(queries + h * head_dim, rows, stride, count, head_dim, scores + h * len + (t - first));
         }
         t += count;
     }
@@ -703,10 +536,15 @@ static void decode_item(const void *q, int64_t q_row_stride, const void *k_cache
         const int64_t slot = first_slot(&c, t), share = (count + c.kv_heads - 1) / c.kv_heads;
         for (int64_t kv_head = head_begin; kv_head < head_end; kv_head++) {
             prefetch_until(&c, &pf, len + t - first + ahead + (kv_head - head_begin + 1) * share);
-            const void *rows;
+            const float *rows;
             const int64_t stride = chunk_rows(&c, v_cache, slot, count, kv_head, tmp, &rows);
-            const int64_t h = (kv_head - head_begin) * group;
-            weigh_heads(scores + h * len + (t - first), len, group, rows, stride, count, head_dim, acc + h * head_dim, dtype);
+            int64_t h = (kv_head - head_begin) * group;
+            const int64_t h_end = h + group;
+            for (; h < h_end; h += 2) {
+                const int two = h + 1 < h_end;
+                weigh_rows(scores + h * len + (t - first), two ? scores + (h + 1) * len + (t - first) : NULL,
+                           rows, stride, count, head_dim, acc + h * head_dim, two ? acc + (h + 1) * head_dim : NULL);
+            }
         }
         t += count;
     }
