@@ -15,7 +15,7 @@ from inflight.operator.controller import Controller
 from inflight.operator.kube import KubeError
 
 from support.autoscale_harness import running_operator
-from support.emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
+from support.emulated import DEPLOYMENTS, MODELSERVERS, eventually, kubeconfig_cluster
 from support.kube_emulator import KubeEmulator
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,9 +29,8 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
-    async with emulated_cluster() as emulator:
+    async with kubeconfig_cluster(tmp_path, monkeypatch) as emulator:
         emulator.declare(HPAS, "HorizontalPodAutoscaler")
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
         yield emulator
 
 

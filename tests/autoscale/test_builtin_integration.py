@@ -26,15 +26,16 @@ import pytest
 
 from support.autoscale_harness import (
     background,
-    free_port,
     mark_ready,
+    pod_from_template,
     ready,
     report_deployment_status,
     running_operator,
     server_ready,
 )
-from support.emulated import DEPLOYMENTS, MODELSERVERS, emulated_cluster, eventually, write_kubeconfig
+from support.emulated import DEPLOYMENTS, MODELSERVERS, eventually, kubeconfig_cluster
 from support.kube_emulator import KubeEmulator
+from support.processes import free_port, stop_processes
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -75,21 +76,12 @@ def servers(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[Servers]:
                 processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
         yield Servers(ports, processes, tmp_path)
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(processes)
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
-    async with emulated_cluster() as emulator:
-        emulator.declare(PODS, "Pod")
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
+    async with kubeconfig_cluster(tmp_path, monkeypatch) as emulator:
         yield emulator
 
 
@@ -108,24 +100,6 @@ def served_port(pod: dict[str, Any]) -> int:
     return int(port)
 
 
-def pod_for(deployment: dict[str, Any], index: int, port: int) -> dict[str, Any]:
-    template = copy.deepcopy(deployment["spec"]["template"])
-    for container in template["spec"]["containers"]:
-        if container["name"] == "server":
-            container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": f"{NAME}-{index}", "labels": template["metadata"]["labels"]},
-        "spec": template["spec"],
-        "status": {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "False"}],
-        },
-    }
-
-
 async def play_controllers(cluster: KubeEmulator, servers: Servers) -> None:
     """The Deployment controller and kubelet: pods follow spec.replicas (pod i runs on server i), a pod is
     Ready once POD_STARTUP_S passed and its server answers /ready, status counts follow the pods."""
@@ -141,7 +115,7 @@ async def play_controllers(cluster: KubeEmulator, servers: Servers) -> None:
                 for index in range(wanted):
                     name, port = f"{NAME}-{index}", servers.ports[index]
                     if name not in live:
-                        response = await cluster.post(POD_URL, json=pod_for(deployment, index, port))
+                        response = await cluster.post(POD_URL, json=pod_from_template(deployment, name, port))
                         assert response.status in (200, 201), await response.text()
                         born[name] = time.monotonic()
                     elif (

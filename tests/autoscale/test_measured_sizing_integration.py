@@ -10,7 +10,6 @@ posted, and the operator's own /metrics reports the drift.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import subprocess
@@ -27,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.autoscale_harness import (
     MERGE,
     background,
-    free_port,
     mark_ready,
+    pod_from_template,
     ready,
     report_deployment_status,
     server_ready,
@@ -36,13 +35,13 @@ from support.autoscale_harness import (
 from support.emulated import (
     DEPLOYMENTS,
     MODELSERVERS,
-    emulated_cluster,
     eventually,
+    kubeconfig_cluster,
     posted_events,
     running_operator,
-    write_kubeconfig,
 )
 from support.kube_emulator import KubeEmulator
+from support.processes import free_port, stop_processes
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -66,9 +65,7 @@ MODELSERVER = {
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
-    async with emulated_cluster() as emulator:
-        emulator.declare(PODS, "Pod")
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
+    async with kubeconfig_cluster(tmp_path, monkeypatch) as emulator:
         yield emulator
 
 
@@ -76,14 +73,7 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
 def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
     yield started
-    for process in started:
-        process.terminate()
-    for process in started:
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_processes(started)
 
 
 def server_container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -119,25 +109,6 @@ def start_server(
                                 stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def pod_for(deployment: dict[str, Any], index: int, port: int) -> dict[str, Any]:
-    """Pod `tiny-index` from the template (labels and the template-hash annotation), serving on `port`."""
-    template = copy.deepcopy(deployment["spec"]["template"])
-    for container in template["spec"]["containers"]:
-        if container["name"] == "server":
-            container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": f"{NAME}-{index}", **template["metadata"]},
-        "spec": template["spec"],
-        "status": {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "False"}],
-        },
-    }
-
-
 def live_pods(cluster: KubeEmulator) -> dict[str, dict[str, Any]]:
     resource = kmock.resource(PODS)
     return {key[2]: obj.raw for key, obj in cluster.objects.items() if key[0] == resource and not obj.deleted}
@@ -154,7 +125,9 @@ async def play_kubelet(cluster: KubeEmulator, ports: list[int]) -> None:
             for index in range(min(int(deployment["spec"]["replicas"]), len(ports))):
                 name = f"{NAME}-{index}"
                 if name not in live:
-                    response = await cluster.post(POD_URL, json=pod_for(deployment, index, ports[index]))
+                    response = await cluster.post(
+                        POD_URL, json=pod_from_template(deployment, name, ports[index])
+                    )
                     assert response.status in (200, 201), await response.text()
                 elif not ready(live[name]) and await server_ready(http, ports[index]):
                     await mark_ready(cluster, f"{POD_URL}/{name}")

@@ -16,12 +16,7 @@ import pytest
 from inflight.operator import main
 from inflight.operator.main import OperatorOptions, serve_standby_health
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+from support.processes import free_port
 
 
 def port_is_free(port: int) -> bool:

@@ -30,6 +30,7 @@ from inflight.operator.placement import place
 from inflight.operator.status import Observed, build_status
 
 from support.monitoring_kit import PrometheusTools, alert_queries, dashboard_queries, selectors
+from support.processes import free_port, stop_processes
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,23 +39,6 @@ GRAFANA_VARIABLES = {"$namespace": ".*", "$modelserver": ".*", "$__rate_interval
 # Selectors that a healthy run legitimately never fills: only their metric and label names are checked.
 ABSENT_WHEN_HEALTHY = {("inflight:http_responses_total", '{status_code=~"5.."}')}
 DOCS = Path(__file__).parents[2] / "docs" / "monitoring.md"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture
@@ -79,7 +63,7 @@ def server(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[str]:
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        stop(process)
+        stop_processes([process])
 
 
 @pytest.fixture
@@ -146,7 +130,7 @@ def prometheus(
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        stop(process)
+        stop_processes([process])
 
 
 async def wait_for(check: Any, what: str, timeout: float = 90.0) -> Any:

@@ -30,11 +30,10 @@ from support.emulated import (
     JOBS,
     MODELSERVERS,
     PVCS,
-    emulated_cluster,
     eventually,
+    kubeconfig_cluster,
     posted_events,
     running_operator,
-    write_kubeconfig,
 )
 from support.kube_emulator import KubeEmulator
 
@@ -154,8 +153,7 @@ def test_without_a_cache_the_download_emptydir_is_bounded() -> None:
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
     monkeypatch.setattr(Controller, "download_poll_seconds", 0.2)
-    async with emulated_cluster() as emulator:
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
+    async with kubeconfig_cluster(tmp_path, monkeypatch) as emulator:
         yield emulator
 
 

@@ -14,11 +14,10 @@ from support.emulated import (
     DEPLOYMENTS,
     MODELSERVERS,
     SERVICES,
-    emulated_cluster,
     eventually,
+    kubeconfig_cluster,
     posted_events,
     running_operator,
-    write_kubeconfig,
 )
 from support.kube_emulator import KubeEmulator
 
@@ -35,8 +34,7 @@ H100 = {
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
-    async with emulated_cluster() as emulator:
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
+    async with kubeconfig_cluster(tmp_path, monkeypatch) as emulator:
         yield emulator
 
 

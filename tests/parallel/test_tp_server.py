@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,13 @@ from inflight.operator.api.types import ModelServer
 from inflight.operator.children import server as builders
 from inflight.operator.placement import place
 
+from support.processes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 H100_NODE = {"nvidia.com/gpu.memory": "81559", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 # Bounds for waiting on the server (a loaded 2-core machine is slow, but never this slow).
 START_TIMEOUT_S = 120
 EXIT_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def operator_args(model_dir: Path, port: int) -> list[str]:

@@ -28,10 +28,9 @@ from inflight.router.kubernetes import kubernetes_discovery
 from support.emulated import (
     DEPLOYMENTS,
     MODELSERVERS,
-    emulated_cluster,
     eventually,
+    kubeconfig_cluster,
     running_operator,
-    write_kubeconfig,
 )
 from support.kube_emulator import KubeEmulator
 from support.router_harness import MODEL, LiveRouter, ServerProcess, start_router, start_servers, stop_servers
@@ -52,9 +51,7 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture
 async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
-    async with emulated_cluster() as emulator:
-        emulator.declare(PODS, "Pod")
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))))
+    async with kubeconfig_cluster(tmp_path, monkeypatch) as emulator:
         yield emulator
 
 

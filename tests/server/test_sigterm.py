@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
+from support.processes import free_port
 
 HELD_CLI = Path(__file__).parents[1] / "support" / "held_cli.py"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,12 +19,6 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 
 def running_operator(autoscale_seconds: float = 1.0) -> contextlib.AbstractAsyncContextManager[Any]:
     return _running_operator(autoscale_seconds=autoscale_seconds, scrape_timeout_seconds=1.0)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.asynccontextmanager
@@ -76,3 +70,23 @@ async def report_deployment_status(
         url = f"/apis/apps/v1/namespaces/{meta['namespace']}/deployments/{meta['name']}/status"
         await cluster.patch(url, data=json.dumps({"status": counts}), headers=MERGE)
     return counts
+
+
+def pod_from_template(deployment: dict[str, Any], name: str, port: int) -> dict[str, Any]:
+    """Pod `name` as the Deployment controller makes it from the template (its labels and annotations),
+    running on this host and not Ready yet; its server container serves on `port`."""
+    template = copy.deepcopy(deployment["spec"]["template"])
+    for container in template["spec"]["containers"]:
+        if container["name"] == "server":
+            container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, **template["metadata"]},
+        "spec": template["spec"],
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "False"}],
+        },
+    }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from support.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO_ROOT / "test-artifacts"
@@ -29,13 +30,6 @@ CHROMIUM_ARGS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _ready(url: str) -> bool:
     try:
         return httpx.get(f"{url}/ready", timeout=5).status_code == 200
@@ -47,7 +41,7 @@ def _ready(url: str) -> bool:
 def running_demo(args: list[str], cache_dir: Path, log: Path) -> Iterator[str]:
     """`inflight demo ARGS` on a free port with $INFLIGHT_CACHE_DIR=cache_dir; yields its URL once ready,
     and checks it exits 0 on SIGTERM."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "INFLIGHT_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "inflight.cli", "demo", *args]
     command += ["--host", "127.0.0.1", "--port", str(port)]

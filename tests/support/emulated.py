@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import kmock
+import pytest
 
 from inflight.operator.main import OperatorOptions, run
 
@@ -41,6 +42,14 @@ async def emulated_cluster() -> AsyncIterator[KubeEmulator]:
         cluster.declare(
             "apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False
         )
+        yield cluster
+
+
+@contextlib.asynccontextmanager
+async def kubeconfig_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeEmulator]:
+    """An emulated cluster with $KUBECONFIG pointing at it, as the operator and the router find a cluster."""
+    async with emulated_cluster() as cluster:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(cluster.url))))
         yield cluster
 
 

@@ -16,16 +16,12 @@ import uvicorn
 
 from inflight.router.app import Discovery, Router, RouterApp, RouterSettings
 
+from support.processes import free_port, stop_processes
+
 MODEL = "tiny"
 # Per replica: room for what a third of the affinity workload keeps, not for all of it (a real pool is
 # finite, and round robin makes every replica cache every conversation).
 KV_BLOCKS = 384
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -76,15 +72,7 @@ def start_servers(model_dir: Path, count: int, logs: Path, *extra: str) -> list[
 
 
 def stop_servers(servers: list[ServerProcess]) -> None:
-    for server in servers:
-        if server.process.poll() is None:
-            server.process.terminate()
-    for server in servers:
-        try:
-            server.process.wait(10)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+    stop_processes(server.process for server in servers)
 
 
 @dataclass
