@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from inflight.server.context import ServerSettings
 from inflight.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits
 from inflight.server.transport import guarded_protocol
 
+from support.threaded_server import serve_in_thread, wait_ready
 from support.torch_threads import one_torch_thread
 
 __all__ = ["one_torch_thread"]
@@ -90,32 +90,10 @@ def start_server(
         served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes
     )
     app = create_app(engine, settings)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=2,
-            http=guarded_protocol(connection_limits or ConnectionLimits()),
-        )
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    live = LiveServer(f"http://127.0.0.1:{port}", app, engine, server, thread)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{live.url}/ready", timeout=5).status_code == 200:
-                return live
-        except httpx.TransportError:
-            pass
-        if engine.state == "failed":
-            break
-        time.sleep(0.1)
+    url, server, thread = serve_in_thread(app, http=guarded_protocol(connection_limits or ConnectionLimits()))
+    live = LiveServer(url, app, engine, server, thread)
+    if wait_ready(url, timeout=180, failed=lambda: engine.state == "failed"):
+        return live
     live.stop()
     raise RuntimeError(f"test server did not become ready (engine state {engine.state}: {engine.error})")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import uvicorn
 from inflight.router.app import Discovery, Router, RouterApp, RouterSettings
 
 from support.processes import free_port, stop_processes
+from support.threaded_server import serve_in_thread, wait_ready
 
 MODEL = "tiny"
 # Per replica: room for what a third of the affinity workload keeps, not for all of it (a real pool is
@@ -99,23 +99,9 @@ def start_router(discovery: Discovery, settings: RouterSettings | None = None) -
     """The router app on a real socket, in a thread with its own event loop."""
     router = Router(settings or RouterSettings(scrape_interval_s=0.5))
     app = RouterApp(router, discovery)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=2)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    live = LiveRouter(f"http://127.0.0.1:{port}", router, server, thread)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{live.url}/ready", timeout=2).status_code == 200:
-                return live
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
+    url, server, thread = serve_in_thread(app)
+    live = LiveRouter(url, router, server, thread)
+    if wait_ready(url, timeout=30):
+        return live
     live.stop()
     raise RuntimeError("the router did not become ready")
