@@ -27,8 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=_default("dtype"),
         choices=DTYPE_CHOICES,
-        help="weights and KV cache (default: auto = bfloat16 on CUDA and on CPUs with native bfloat16, "
-        "AVX512-BF16 or AMX; float32 on other CPUs)",
+        help=f"weights and KV cache (default: {EngineConfig.model_fields['dtype'].description})",
     )
     engine.add_argument(
         "--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: auto = cuda if any)"
