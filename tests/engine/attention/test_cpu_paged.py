@@ -180,18 +180,23 @@ def test_disabled_by_environment_or_missing_compiler_uses_the_torch_path(
 
 PORTABLE_FLAGS = tuple(flag for flag in cpu_kernels.COMPILE_FLAGS if flag != "-march=native")
 AVX512_FLAGS = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4
+# Each build's extra compiler flags and the CPU flags it needs to run.
+BUILDS: dict[str, tuple[tuple[str, ...], set[str]]] = {
+    "portable": ((), set()),
+    "avx2": (("-march=x86-64-v3",), {"avx2", "fma"}),
+    "avx512-without-bf16": (("-march=x86-64-v4",), AVX512_FLAGS),
+}
 
 
-@pytest.fixture(scope="module", params=["portable", "avx512-without-bf16"])
+@pytest.fixture(scope="module", params=list(BUILDS))
 def portable_library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """The kernels built without -march=native: the plain C path of CPUs without AVX2 + FMA (e.g. Arm),
-    and AVX-512 without AVX512-BF16 (Skylake-X / Ice Lake: bfloat16 rounded in integer arithmetic), which
-    CPUs that have it can run."""
-    flags = PORTABLE_FLAGS
-    if request.param == "avx512-without-bf16":
-        if not AVX512_FLAGS.issubset(proc_cpuinfo()[1]):
-            pytest.skip("this CPU cannot run AVX-512 code")
-        flags = (*PORTABLE_FLAGS, "-march=x86-64-v4")
+    the AVX2 path of CPUs without AVX-512 (Zen 1-3, most desktops), and AVX-512 without AVX512-BF16
+    (Skylake-X / Ice Lake: bfloat16 rounded in integer arithmetic), where this CPU can run them."""
+    extra_flags, cpu_flags = BUILDS[request.param]
+    if not cpu_flags.issubset(proc_cpuinfo()[1]):
+        pytest.skip(f"this CPU cannot run {request.param} code")
+    flags = (*PORTABLE_FLAGS, *extra_flags)
     out_dir = tmp_path_factory.mktemp(request.param)
     return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, flags=flags))
 
@@ -218,7 +223,7 @@ def test_the_portable_c_path_matches_the_references(
     monkeypatch.setattr(cpu_kernels, "library", lambda: portable_library)
     tolerance = 2 * TOLERANCE[dtype]
     for seq_lens, window in (([1, 16, 17, 32, 8, 9, 141], None), ([90, 45, 40, 3], 20)):
-        for num_heads, num_kv_heads, head_dim in ((8, 2, 32), (8, 1, 24), (6, 6, 40), (9, 3, 24)):
+        for num_heads, num_kv_heads, head_dim in ((8, 2, 32), (8, 1, 24), (6, 6, 40), (9, 3, 64), (10, 2, 48)):
             case = make_case(
                 seq_lens,
                 [1] * len(seq_lens),
