@@ -223,7 +223,8 @@ def test_the_portable_c_path_matches_the_references(
     monkeypatch.setattr(cpu_kernels, "library", lambda: portable_library)
     tolerance = 2 * TOLERANCE[dtype]
     for seq_lens, window in (([1, 16, 17, 32, 8, 9, 141], None), ([90, 45, 40, 3], 20)):
-        for num_heads, num_kv_heads, head_dim in ((8, 2, 32), (8, 1, 24), (6, 6, 40), (9, 3, 64), (10, 2, 48)):
+        shapes = ((8, 2, 32), (8, 1, 24), (6, 6, 40), (9, 3, 64), (10, 2, 48))
+        for num_heads, num_kv_heads, head_dim in shapes:
             case = make_case(
                 seq_lens,
                 [1] * len(seq_lens),
