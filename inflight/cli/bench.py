@@ -8,7 +8,8 @@ from pathlib import Path
 
 from inflight.cli.args import add_model_arg
 from inflight.engine.cli_args import add_batching_args, add_engine_args, add_tensor_parallel_arg
-from inflight.engine.dtypes import DTYPE_NAMES
+from inflight.engine.config import EngineConfig
+from inflight.engine.dtypes import DTYPE_CHOICES
 
 SYSTEM_NAMES = ("hf-naive", "hf-static", "hf-continuous", "vllm", "inflight-static", "inflight-continuous")
 DEFAULT_MODEL = Path(".cache/models/small-llama-seed0")
@@ -35,7 +36,7 @@ def _register_serve(benchmarks: argparse._SubParsersAction) -> None:
     )
     add_model_arg(parser, default="builtin:small")
     add_engine_args(parser)
-    parser.set_defaults(dtype="float32", enable_prefix_caching=False)
+    parser.set_defaults(enable_prefix_caching=False)
     parser.add_argument("--url", help="benchmark this running server instead of starting one")
     parser.add_argument(
         "--request-rate",
@@ -108,9 +109,10 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
     add_batching_args(parser)
     parser.add_argument(
         "--dtype",
-        choices=DTYPE_NAMES,
-        default="float32",
-        help="weights (default float32)",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="weights and KV cache of every system (default: auto, the engine's rule: "
+        f"{EngineConfig.model_fields['dtype'].description})",
     )
     parser.add_argument(
         "--vllm-python",
@@ -153,6 +155,8 @@ def run_offline_command(args: argparse.Namespace) -> int:
     from inflight.bench.offline import format_table, run_offline, write_outputs
     from inflight.bench.system import BenchSettings
     from inflight.bench.workload import load_workload
+    from inflight.engine.cpu.isa import cpu_isa
+    from inflight.engine.dtypes import resolve_dtype_name
 
     if args.model is None:
         model_dir = DEFAULT_MODEL
@@ -172,7 +176,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
         model_dir=model_dir,
         requests=load_workload(model_dir, args.num_requests, args.seed),
         max_slots=args.max_slots,
-        dtype=args.dtype,
+        dtype=resolve_dtype_name(args.dtype, False, native_cpu_bfloat16=cpu_isa().native_bfloat16),
         vllm_python=vllm_python,
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
