@@ -1,0 +1,110 @@
+"""The CPU decode-attention kernel as a decode step calls it: every layer's cache in turn, so its K/V come
+from memory, not from cache (a real model's caches together are far larger than L3).
+
+Builds kernels.c as it is in the working tree, and optionally another kernels.c (e.g. from
+`git show HEAD~1:inflight/engine/cpu/kernels.c > /tmp/old.c`), and times both on the same caches,
+alternating, so machine load hits both alike. Default shape: SmolLM2-135M's attention (30 layers,
+9 query / 3 KV heads, head_dim 64), 16-token blocks at shuffled addresses, contexts uniform in
+0.3-1.7x --context. Reports the median step time and the K/V bytes read per second.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/cpu_decode_attention.py [--compare /tmp/old.c]
+        [--dtype bfloat16|float32] [--seqs 64] [--context 250] [--threads 2] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from inflight.engine.cpu import kernels as cpu_kernels
+
+
+def build(source: Path, out_dir: Path) -> ctypes.CDLL:
+    """kernels.c from `source`, compiled with the engine's flags into its own folder."""
+    folder = out_dir / source.stem
+    folder.mkdir(parents=True)
+    shutil.copy(source, folder / "kernels.c")
+    command = ["cc", *cpu_kernels.COMPILE_FLAGS, str(folder / "kernels.c"), "-o", str(folder / "k.so"), "-lm"]
+    subprocess.run(command, check=True)
+    return cpu_kernels.load_library(folder / "k.so")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--compare", type=Path, help="another kernels.c to time against the working tree's")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=250)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    lens = [max(1, int(rng.uniform(0.3, 1.7) * args.context)) for _ in range(args.seqs)]
+    blocks_of = [-(-n // args.block_size) for n in lens]
+    order = list(range(sum(blocks_of)))
+    rng.shuffle(order)
+    tables = torch.zeros(args.seqs, max(blocks_of), dtype=torch.int32)
+    taken = 0
+    for i, count in enumerate(blocks_of):
+        tables[i, :count] = torch.tensor(order[taken : taken + count], dtype=torch.int32)
+        taken += count
+    shape = (len(order), args.block_size, args.kv_heads, args.head_dim)
+    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.layers)]
+    query = torch.randn(args.seqs, args.heads, args.head_dim).to(dtype)
+    out = torch.empty_like(query)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    rows = torch.arange(args.seqs, dtype=torch.int64)
+
+    def step(library: ctypes.CDLL) -> float:
+        start = time.perf_counter()
+        for k_cache, v_cache in caches:
+            failed = library.paged_decode(
+                query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), rows.data_ptr(),
+                args.seqs, args.heads, args.kv_heads, args.head_dim, args.block_size, 0,
+                args.head_dim**-0.5, cpu_kernels.DTYPE_CODES[dtype], out.data_ptr(), max(lens), args.threads,
+            )  # fmt: skip
+            assert failed == 0
+        return time.perf_counter() - start
+
+    with tempfile.TemporaryDirectory() as tmp:
+        libraries = {"working tree": build(cpu_kernels.SOURCE, Path(tmp))}
+        if args.compare is not None:
+            libraries[str(args.compare)] = build(args.compare, Path(tmp))
+        times: dict[str, list[float]] = {name: [] for name in libraries}
+        for library in libraries.values():
+            step(library)  # first touch
+        for _ in range(args.steps):
+            for name, library in libraries.items():
+                times[name].append(step(library))
+    kv_bytes = args.layers * 2 * sum(lens) * args.kv_heads * args.head_dim * query.element_size()
+    print(
+        f"{args.layers} layers, {args.seqs} sequences of {min(lens)}-{max(lens)} tokens, {args.heads}/"
+        f"{args.kv_heads} heads x {args.head_dim}, {args.dtype}, {args.threads} threads: "
+        f"{kv_bytes / 1e6:.0f} MB of K/V per step"
+    )
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        print(f"  {name}: median step {median * 1e3:.2f} ms, {kv_bytes / median / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
