@@ -141,16 +141,17 @@ enum { CHUNK = 4 };
  * rows). 8 KiB: 4-24 KiB measured within a few percent; more competes with the chunk for L1. */
 enum { PREFETCH_BYTES = 8192 };
 
-/* always_inline: otherwise gcc judges a function that only prefetches to be pure and drops its calls. */
+/* Forced inlining: for the micro-kernels, so constant arguments specialize them; and for the prefetching
+ * functions, which gcc otherwise judges pure (they only prefetch) and drops. */
 #if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH_INLINE inline __attribute__((always_inline))
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 #else
-#define PREFETCH_INLINE inline
+#define ALWAYS_INLINE inline
 #endif
 
 /* Non-temporal: the data will be evicted before anything reads it again, so it need not take space in
  * L2 / L3. */
-static PREFETCH_INLINE void prefetch_line(const char *p) {
+static ALWAYS_INLINE void prefetch_line(const char *p) {
 #if defined(__GNUC__) || defined(__clang__)
     __builtin_prefetch(p, 0, 0);
 #else
@@ -427,7 +428,7 @@ struct prefetcher {
 };
 
 /* Prefetch the rows of the item's KV heads (contiguous for one token) for stream positions up to `until`. */
-static PREFETCH_INLINE void prefetch_until(const struct item_ctx *c, struct prefetcher *pf, int64_t until) {
+static ALWAYS_INLINE void prefetch_until(const struct item_ctx *c, struct prefetcher *pf, int64_t until) {
     const int64_t bytes = c->kv_heads * c->head_dim * c->elem_size;
     if (until > 2 * c->len) until = 2 * c->len;
     for (; pf->v < until; pf->v++) {
@@ -516,76 +517,43 @@ static void store_outputs(void *out, int64_t offset, int64_t heads, int64_t head
     }
 }
 
-/* One item: KV heads [head_begin, head_end) of one sequence. For each chunk of tokens every head of the
- * range is done before the next chunk, so a block is read from memory once while it is hot. */
-static void decode_item(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *table,
-                        int64_t seq_len, int64_t row, int64_t head_begin, int64_t head_end, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                        float scale, int dtype, void *out, float *scratch) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t heads = (head_end - head_begin) * group; /* query heads of this item */
-    const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
-    const int64_t len = seq_len - first;
-    const struct item_buffers b = item_buffers(scratch, heads, len, head_dim);
-    const struct item_ctx c = {k_cache, v_cache, table, first, len, head_begin, head_end - head_begin,
-                               num_kv_heads, head_dim, block_size, dtype == DTYPE_FLOAT32 ? 4 : 2};
-    /* Prefetch `ahead` tokens ahead of the chunk being read, a share of a chunk before each KV head. */
-    const int64_t ahead = PREFETCH_BYTES / (c.kv_heads * head_dim * c.elem_size);
-    struct prefetcher pf = {0, first / block_size, first % block_size};
-    prefetch_until(&c, &pf, ahead);
-    load_queries(q, row * q_row_stride + head_begin * group * head_dim, heads, head_dim, scale, dtype, &b);
+/* The K chunk of one KV head: its query heads' scores of the chunk's `count` keys, into scores[h * len]. */
+static ALWAYS_INLINE void score_chunk(const struct item_ctx *c, const struct item_buffers *b, int64_t slot,
+                                      int64_t count, int64_t kv_head, int64_t group, float *scores) {
+    const float *rows;
+    const int64_t stride = chunk_rows(c, c->k_cache, slot, count, kv_head, b->tmp, &rows);
+    const int64_t head_dim = c->head_dim, len = c->len;
+    int64_t h = (kv_head - c->head_begin) * group;
+    const int64_t h_end = h + group;
+    for (; h + 2 <= h_end; h += 2)
+        score_rows2(b->queries + h * head_dim, b->queries + (h + 1) * head_dim, rows, stride, count, head_dim,
+                    scores + h * len, scores + (h + 1) * len);
+    if (h < h_end) score_rows1(b->queries + h * head_dim, rows, stride, count, head_dim, scores + h * len);
+}
 
-    for (int64_t t = first; t < seq_len;) {
-        const int64_t count = chunk_count(t, seq_len, block_size);
-        const int64_t slot = first_slot(&c, t), share = (count + c.kv_heads - 1) / c.kv_heads;
-        for (int64_t kv_head = head_begin; kv_head < head_end; kv_head++) {
-            prefetch_until(&c, &pf, t - first + ahead + (kv_head - head_begin + 1) * share);
-            const float *rows;
-            const int64_t stride = chunk_rows(&c, k_cache, slot, count, kv_head, b.tmp, &rows);
-            int64_t h = (kv_head - head_begin) * group;
-            const int64_t h_end = h + group;
-            for (; h + 2 <= h_end; h += 2)
-                score_rows2(b.queries + h * head_dim, b.queries + (h + 1) * head_dim, rows, stride, count, head_dim,
-                            b.scores + h * len + (t - first), b.scores + (h + 1) * len + (t - first));
-            if (h < h_end)
-                score_rows1(b.queries + h * head_dim, rows, stride, count, head_dim, b.scores + h * len + (t - first));
-        }
-        t += count;
+/* The V chunk of one KV head: its query heads' weighted sums += weights[h * len + j] * value row j. */
+static ALWAYS_INLINE void weigh_chunk(const struct item_ctx *c, const struct item_buffers *b, int64_t slot,
+                                      int64_t count, int64_t kv_head, int64_t group, const float *weights) {
+    const float *rows;
+    const int64_t stride = chunk_rows(c, c->v_cache, slot, count, kv_head, b->tmp, &rows);
+    const int64_t head_dim = c->head_dim, len = c->len;
+    int64_t h = (kv_head - c->head_begin) * group;
+    const int64_t h_end = h + group;
+    for (; h < h_end; h += 2) {
+        const int two = h + 1 < h_end;
+        weigh_rows(weights + h * len, two ? weights + (h + 1) * len : NULL, rows, stride, count, head_dim,
+                   b->acc + h * head_dim, two ? b->acc + (h + 1) * head_dim : NULL);
     }
-
-    softmax_rows(heads, len, &b);
-
-    memset(b.acc, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t t = first; t < seq_len;) {
-        const int64_t count = chunk_count(t, seq_len, block_size);
-        const int64_t slot = first_slot(&c, t), share = (count + c.kv_heads - 1) / c.kv_heads;
-        for (int64_t kv_head = head_begin; kv_head < head_end; kv_head++) {
-            prefetch_until(&c, &pf, len + t - first + ahead + (kv_head - head_begin + 1) * share);
-            const float *rows;
-            const int64_t stride = chunk_rows(&c, v_cache, slot, count, kv_head, b.tmp, &rows);
-            int64_t h = (kv_head - head_begin) * group;
-            const int64_t h_end = h + group;
-            for (; h < h_end; h += 2) {
-                const int two = h + 1 < h_end;
-                weigh_rows(b.scores + h * len + (t - first), two ? b.scores + (h + 1) * len + (t - first) : NULL,
-                           rows, stride, count, head_dim, b.acc + h * head_dim, two ? b.acc + (h + 1) * head_dim : NULL);
-            }
-        }
-        t += count;
-    }
-
-    store_outputs(out, (row * num_heads + head_begin * group) * head_dim, heads, head_dim, dtype, &b);
 }
 
 #if defined(__AVX512F__)
-/* ---- the AVX-512 decode item ---------------------------------------------------------------------
- * For head_dim a multiple of 16, the same chunks, prefetching and softmax as decode_item, with rows read
- * where they lie in the cache: bfloat16 is widened in registers (exact: its bits into a float's high half),
- * so a bfloat16 cache costs half float32's memory traffic and no conversion pass. Each K row is loaded
- * once for up to HEAD_BLOCK query heads of its GQA group, four tokens at a time (16 running sums in
- * registers); each V row once per HEAD_BLOCK heads. Measured on AMD EPYC (Zen 5), a decode step over 30
- * layers' bfloat16 caches: 1.4x faster than decode_item, float32 the same (docs/benchmarks.md). */
-#define ALWAYS_INLINE inline __attribute__((always_inline))
+/* ---- AVX-512 chunks ------------------------------------------------------------------------------
+ * For head_dim a multiple of 16, the chunks above with rows read where they lie in the cache: bfloat16
+ * is widened in registers (exact: its bits into a float's high half), so a bfloat16 cache costs half
+ * float32's memory traffic and no conversion pass. Each K row is loaded once for up to HEAD_BLOCK query
+ * heads of its GQA group, four tokens at a time (16 running sums in registers); each V row once per
+ * HEAD_BLOCK heads. Measured on AMD EPYC (Zen 5), a decode step over 30 layers' bfloat16 caches: 1.4x
+ * faster than the AVX2 chunks, float32 the same (docs/benchmarks.md). */
 enum { HEAD_BLOCK = 4 };
 
 /* 16 elements of a cache row from element i on, as floats. */
@@ -647,45 +615,77 @@ static ALWAYS_INLINE void weigh4(const float *p, int64_t len, int hn, const char
 }
 
 /* `call` with HN a compile-time constant equal to min(hn, HEAD_BLOCK), so its sums stay in registers. */
-#define WITH_CONSTANT_HN(hn, call)      \
-    switch ((hn) < HEAD_BLOCK ? (hn) : HEAD_BLOCK) { \
-    case 1: { enum { HN = 1 }; call; break; } \
-    case 2: { enum { HN = 2 }; call; break; } \
-    case 3: { enum { HN = 3 }; call; break; } \
-    default: { enum { HN = 4 }; call; break; } \
+#define WITH_CONSTANT_HN(hn, call)                       \
+    switch ((hn) < HEAD_BLOCK ? (hn) : HEAD_BLOCK) {     \
+    case 1: { enum { HN = 1 }; call; break; }            \
+    case 2: { enum { HN = 2 }; call; break; }            \
+    case 3: { enum { HN = 3 }; call; break; }            \
+    default: { enum { HN = 4 }; call; break; }           \
     }
 
-static ALWAYS_INLINE void decode_item_wide_as(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                                              const int32_t *table, int64_t seq_len, int64_t row, int64_t head_begin,
-                                              int64_t head_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                              int64_t block_size, int64_t window, float scale, void *out, float *scratch,
-                                              int bf16) {
-    const int dtype = bf16 ? DTYPE_BFLOAT16 : DTYPE_FLOAT32;
+/* Where token `slot`'s row of `kv_head` starts in `cache`, in bytes. */
+static ALWAYS_INLINE const char *row_at(const struct item_ctx *c, const void *cache, int64_t slot, int64_t kv_head) {
+    return (const char *)cache + (slot * c->num_kv_heads + kv_head) * c->head_dim * c->elem_size;
+}
+
+static ALWAYS_INLINE void score_chunk_wide(const struct item_ctx *c, const struct item_buffers *b, int64_t slot,
+                                           int64_t count, int64_t kv_head, int64_t group, float *scores, int bf16) {
+    const int64_t token_bytes = c->num_kv_heads * c->head_dim * c->elem_size;
+    const char *base = row_at(c, c->k_cache, slot, kv_head);
+    const void *rows[4];
+    for (int64_t j = 0; j < 4; j++) rows[j] = base + (j < count ? j : count - 1) * token_bytes;
+    const int64_t h_end = (kv_head - c->head_begin + 1) * group;
+    for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
+        WITH_CONSTANT_HN(h_end - h, score4(b->queries + h * c->head_dim, HN, rows, c->head_dim, bf16,
+                                           scores + h * c->len, c->len, count))
+}
+
+static ALWAYS_INLINE void weigh_chunk_wide(const struct item_ctx *c, const struct item_buffers *b, int64_t slot,
+                                           int64_t count, int64_t kv_head, int64_t group, const float *weights,
+                                           int bf16) {
+    const int64_t token_bytes = c->num_kv_heads * c->head_dim * c->elem_size;
+    const char *base = row_at(c, c->v_cache, slot, kv_head);
+    const int64_t h_end = (kv_head - c->head_begin + 1) * group;
+    for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
+        WITH_CONSTANT_HN(h_end - h, weigh4(weights + h * c->len, c->len, HN, base, token_bytes, count, c->head_dim,
+                                           bf16, b->acc + h * c->head_dim))
+}
+#endif
+
+/* One item: KV heads [head_begin, head_end) of one sequence. For each chunk of tokens every head of the
+ * range is done before the next chunk, so a block is read from memory once while it is hot; `wide`: the
+ * AVX-512 chunks (AVX-512 builds only), for `dtype` fixed at compile time. */
+static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                                         const int32_t *table, int64_t seq_len, int64_t row, int64_t head_begin,
+                                         int64_t head_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                         int64_t block_size, int64_t window, float scale, int dtype, void *out,
+                                         float *scratch, int wide) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t heads = (head_end - head_begin) * group;
+    const int64_t heads = (head_end - head_begin) * group; /* query heads of this item */
     const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
     const int64_t len = seq_len - first;
     const struct item_buffers b = item_buffers(scratch, heads, len, head_dim);
-    const int64_t elem = bf16 ? 2 : 4, token_bytes = num_kv_heads * head_dim * elem;
     const struct item_ctx c = {k_cache, v_cache, table, first, len, head_begin, head_end - head_begin,
-                               num_kv_heads, head_dim, block_size, elem};
-    const int64_t ahead = PREFETCH_BYTES / (c.kv_heads * head_dim * elem);
+                               num_kv_heads, head_dim, block_size, dtype == DTYPE_FLOAT32 ? 4 : 2};
+    /* Prefetch `ahead` tokens ahead of the chunk being read, a share of a chunk before each KV head. */
+    const int64_t ahead = PREFETCH_BYTES / (c.kv_heads * head_dim * c.elem_size);
     struct prefetcher pf = {0, first / block_size, first % block_size};
     prefetch_until(&c, &pf, ahead);
     load_queries(q, row * q_row_stride + head_begin * group * head_dim, heads, head_dim, scale, dtype, &b);
+    (void)wide;
 
     for (int64_t t = first; t < seq_len;) {
         const int64_t count = chunk_count(t, seq_len, block_size);
         const int64_t slot = first_slot(&c, t), share = (count + c.kv_heads - 1) / c.kv_heads;
         for (int64_t kv_head = head_begin; kv_head < head_end; kv_head++) {
             prefetch_until(&c, &pf, t - first + ahead + (kv_head - head_begin + 1) * share);
-            const char *base = (const char *)k_cache + slot * token_bytes + kv_head * head_dim * elem;
-            const void *rows[4];
-            for (int64_t j = 0; j < 4; j++) rows[j] = base + (j < count ? j : count - 1) * token_bytes;
-            const int64_t h_end = (kv_head - head_begin + 1) * group;
-            for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
-                WITH_CONSTANT_HN(h_end - h, score4(b.queries + h * head_dim, HN, rows, head_dim, bf16,
-                                                   b.scores + h * len + (t - first), len, count))
+#if defined(__AVX512F__)
+            if (wide) {
+                score_chunk_wide(&c, &b, slot, count, kv_head, group, b.scores + (t - first), dtype == DTYPE_BFLOAT16);
+                continue;
+            }
+#endif
+            score_chunk(&c, &b, slot, count, kv_head, group, b.scores + (t - first));
         }
         t += count;
     }
@@ -698,11 +698,13 @@ static ALWAYS_INLINE void decode_item_wide_as(const void *q, int64_t q_row_strid
         const int64_t slot = first_slot(&c, t), share = (count + c.kv_heads - 1) / c.kv_heads;
         for (int64_t kv_head = head_begin; kv_head < head_end; kv_head++) {
             prefetch_until(&c, &pf, len + t - first + ahead + (kv_head - head_begin + 1) * share);
-            const char *base = (const char *)v_cache + slot * token_bytes + kv_head * head_dim * elem;
-            const int64_t h_end = (kv_head - head_begin + 1) * group;
-            for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
-                WITH_CONSTANT_HN(h_end - h, weigh4(b.scores + h * len + (t - first), len, HN, base, token_bytes, count,
-                                                   head_dim, bf16, b.acc + h * head_dim))
+#if defined(__AVX512F__)
+            if (wide) {
+                weigh_chunk_wide(&c, &b, slot, count, kv_head, group, b.scores + (t - first), dtype == DTYPE_BFLOAT16);
+                continue;
+            }
+#endif
+            weigh_chunk(&c, &b, slot, count, kv_head, group, b.scores + (t - first));
         }
         t += count;
     }
@@ -710,19 +712,38 @@ static ALWAYS_INLINE void decode_item_wide_as(const void *q, int64_t q_row_strid
     store_outputs(out, (row * num_heads + head_begin * group) * head_dim, heads, head_dim, dtype, &b);
 }
 
-/* decode_item_wide_as compiled once per element type. */
-static void decode_item_wide(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *table,
-                             int64_t seq_len, int64_t row, int64_t head_begin, int64_t head_end, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                             int dtype, void *out, float *scratch) {
-    if (dtype == DTYPE_BFLOAT16)
-        decode_item_wide_as(q, q_row_stride, k_cache, v_cache, table, seq_len, row, head_begin, head_end, num_heads,
-                            num_kv_heads, head_dim, block_size, window, scale, out, scratch, 1);
-    else
-        decode_item_wide_as(q, q_row_stride, k_cache, v_cache, table, seq_len, row, head_begin, head_end, num_heads,
-                            num_kv_heads, head_dim, block_size, window, scale, out, scratch, 0);
+/* decode_item_as compiled for each case: the portable / AVX2 chunks (either dtype), and the AVX-512 chunks
+ * for float32 and for bfloat16. */
+#define DECODE_ITEM_PARAMS                                                                                           \
+    const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *table,             \
+        int64_t seq_len, int64_t row, int64_t head_begin, int64_t head_end, int64_t num_heads, int64_t num_kv_heads, \
+        int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, void *out, float *scratch
+#define DECODE_ITEM_ARGS                                                                                             \
+    q, q_row_stride, k_cache, v_cache, table, seq_len, row, head_begin, head_end, num_heads, num_kv_heads, head_dim, \
+        block_size, window, scale
+typedef void (*decode_item_fn)(DECODE_ITEM_PARAMS);
+
+static void decode_item(DECODE_ITEM_PARAMS) { decode_item_as(DECODE_ITEM_ARGS, dtype, out, scratch, 0); }
+#if defined(__AVX512F__)
+static void decode_item_wide_float32(DECODE_ITEM_PARAMS) {
+    (void)dtype;
+    decode_item_as(DECODE_ITEM_ARGS, DTYPE_FLOAT32, out, scratch, 1);
+}
+static void decode_item_wide_bfloat16(DECODE_ITEM_PARAMS) {
+    (void)dtype;
+    decode_item_as(DECODE_ITEM_ARGS, DTYPE_BFLOAT16, out, scratch, 1);
 }
 #endif
+
+/* The item function for these inputs. */
+static decode_item_fn pick_decode_item(int64_t head_dim, int dtype) {
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0) return dtype == DTYPE_BFLOAT16 ? decode_item_wide_bfloat16 : decode_item_wide_float32;
+#endif
+    (void)head_dim;
+    (void)dtype;
+    return decode_item;
+}
 
 /* Decode attention for n sequences with one new token each.
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart); item i reads and writes row rows[i]
@@ -741,14 +762,7 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t query_heads = heads_per_item * (num_heads / num_kv_heads);
     const size_t scratch_floats = (size_t)(query_heads * (max_seq_len + 2 * head_dim) + CHUNK * head_dim);
-#if defined(__AVX512F__)
-    void (*const item_fn)(const void *, int64_t, const void *, const void *, const int32_t *, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, void *, float *) =
-        head_dim % 16 == 0 ? decode_item_wide : decode_item;
-#else
-    void (*const item_fn)(const void *, int64_t, const void *, const void *, const int32_t *, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, void *, float *) = decode_item;
-#endif
+    const decode_item_fn item_fn = pick_decode_item(head_dim, dtype);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
