@@ -3,8 +3,10 @@
 The torch path (torch_paged.py) gathers every decode sequence's blocks into a contiguous buffer and then
 runs SDPA over it: on CPU that is two trips through memory for every key and value, and the gather alone
 was a third of attention's time. The kernel scores, softmaxes and sums straight from the blocks, one work
-item per sequence (or per (sequence, KV head) when there are few sequences) over torch's threads.
-Prefill and chunked-prefill sequences keep the torch path (one SDPA each, where SDPA is at its best).
+item per query row (or per (row, KV head) when there are few rows) over torch's threads. A prompt's rows
+go through it too, each row a causal "decode" over the keys before it (the prompt's K/V, just written,
+is in cache): at prompt lengths up to KERNEL_PREFILL_MAX_LEN that is faster than gathering the blocks
+and calling SDPA per prompt; longer prompts keep SDPA, whose tiles amortize better as a prompt grows.
 New keys and values are stored with one C call per layer (a row copy per token) instead of two
 index_copy_ dispatches. Where the kernels are unavailable (see cpu/kernels.py) or cannot take the
 inputs, this is the torch path.
@@ -17,6 +19,11 @@ import torch
 from inflight.engine.attention import torch_paged
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
+
+# Prompts (prefill and chunked-prefill sequences) with at most this many keys are attended by the kernel
+# row by row; longer ones by SDPA. Measured at SmolLM2's attention shape in bfloat16 (docs/benchmarks.md):
+# the kernel ahead at 150 keys, SDPA at 512.
+KERNEL_PREFILL_MAX_LEN = 256
 
 
 def kernel_available() -> bool:
@@ -85,19 +92,28 @@ def paged_attention(
     if library is None or not _kernel_handles(query, k_cache, v_cache):
         return torch_paged.paged_attention(query, k_cache, v_cache, meta, scale)
     out = query.new_empty(query.shape)
+    # Every layer of the step attends the same rows: their index tensors are made once per step.
     if meta.is_decode_only:
-        # Every layer of the step attends the same rows: their index tensor is made once per step.
         rows_tensor = seqs_tensor = meta.sequence_indices
-        num_seqs, max_seq_len = meta.num_seqs, meta.max_seq_len
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        max_len = meta.max_seq_len
     else:
-        seqs, rows = torch_paged.attend_prefills(out, query, k_cache, v_cache, meta, scale)
-        if not seqs:
-            return out
-        rows_tensor = torch.tensor(rows, dtype=torch.int64)
-        seqs_tensor = torch.tensor(seqs, dtype=torch.int64)
-        num_seqs, max_seq_len = len(seqs), max(meta.seq_lens_list[i] for i in seqs)
+        seqs_tensor, lens = meta.query_rows
+        rows_tensor = torch.arange(query.shape[0], dtype=torch.int64)
+        max_len = meta.max_seq_len
+        lengths = zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+        long_prompts = [
+            i
+            for i, (query_len, seq_len) in enumerate(lengths)
+            if query_len > 1 and seq_len > KERNEL_PREFILL_MAX_LEN
+        ]
+        if long_prompts:
+            rows_tensor, seqs_tensor, lens, max_len = _attend_long_prompts(
+                out, query, k_cache, v_cache, meta, scale, long_prompts
+            )
+            if rows_tensor.numel() == 0:
+                return out
     block_tables = meta.block_tables.to(torch.int32).contiguous()
-    seq_lens = meta.seq_lens.to(torch.int32).contiguous()
     failed = library.paged_decode(
         query.data_ptr(),
         query.stride(0),
@@ -105,10 +121,10 @@ def paged_attention(
         v_cache.data_ptr(),
         block_tables.data_ptr(),
         block_tables.stride(0),
-        seq_lens.data_ptr(),
+        lens.data_ptr(),
         rows_tensor.data_ptr(),
         seqs_tensor.data_ptr(),
-        num_seqs,
+        rows_tensor.numel(),
         query.shape[1],
         k_cache.shape[2],
         query.shape[2],
@@ -117,9 +133,40 @@ def paged_attention(
         scale,
         cpu_kernels.DTYPE_CODES[query.dtype],
         out.data_ptr(),
-        max_seq_len,
+        max_len,
         torch.get_num_threads(),
     )
     if failed:
         raise MemoryError("CPU paged attention: could not allocate the kernel's scratch memory")
     return out
+
+
+def _attend_long_prompts(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    long_prompts: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """SDPA for the rows of `long_prompts` (written into `out`); the other rows for the kernel:
+    (rows, their sequences, their key counts, the largest count)."""
+    starts = meta.query_start_loc.tolist()
+    for i in long_prompts:
+        out[starts[i] : starts[i + 1]] = torch_paged.prefill(
+            query[starts[i] : starts[i + 1]],
+            k_cache,
+            v_cache,
+            meta.block_tables[i],
+            meta.seq_lens_list[i],
+            meta.sliding_window,
+            scale,
+        )
+    sequences, lens = meta.query_rows
+    keep = torch.ones(query.shape[0], dtype=torch.bool)
+    for i in long_prompts:
+        keep[starts[i] : starts[i + 1]] = False
+    rows = keep.nonzero().flatten()
+    kept_lens = lens[rows].contiguous()
+    return rows, sequences[rows].contiguous(), kept_lens, int(kept_lens.max()) if rows.numel() else 0

@@ -52,6 +52,19 @@ class AttentionMetadata:
         Made once per step (the metadata is the step's), not once per layer."""
         return torch.arange(self.num_seqs, dtype=torch.int64)
 
+    @cached_property
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T] int64, [T] int32) on the host: each query row's sequence index and how many keys it attends
+        (its position + 1: causal), decode rows and prompt rows alike. Made once per step."""
+        query_lens = torch.tensor(self.query_lens_list, dtype=torch.int64)
+        sequences = torch.repeat_interleave(torch.arange(self.num_seqs, dtype=torch.int64), query_lens)
+        seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int64)
+        # Row j of a sequence with Q new tokens and length L sits at position L - Q + j.
+        ends = torch.cumsum(query_lens, 0)
+        rows = torch.arange(int(ends[-1]) if self.num_seqs else 0, dtype=torch.int64)
+        context = seq_lens[sequences] - (ends[sequences] - 1 - rows)
+        return sequences, context.to(torch.int32)
+
     def last_rows(self, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """The query rows of the last new token of each of `seqs`, and metadata that attends only those rows:
         each is a one-token query over its sequence's whole context, as in a decode step.

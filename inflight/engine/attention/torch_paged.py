@@ -66,7 +66,7 @@ def attend_prefills(
             decode_seqs.append(i)
             decode_rows.append(start)
         else:
-            out[start : start + query_len] = _prefill(
+            out[start : start + query_len] = prefill(
                 query[start : start + query_len],
                 k_cache,
                 v_cache,
@@ -176,7 +176,7 @@ def _decode(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _prefill(
+def prefill(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

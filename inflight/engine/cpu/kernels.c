@@ -745,17 +745,18 @@ static decode_item_fn pick_decode_item(int64_t head_dim, int dtype) {
     return decode_item;
 }
 
-/* Decode attention for n sequences with one new token each.
+/* Attention of n query rows, each over its own sequence's keys 0 .. lens[i] - 1: a decode token (lens[i]
+ * = its sequence's length), or one row of a prompt (lens[i] = its position + 1: causal).
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart); item i reads and writes row rows[i]
- *   seqs[i]     item i's index into block_tables and seq_lens
+ *   seqs[i]     item i's row of block_tables
+ *   lens[i]     how many keys item i attends (before the sliding window)
  *   window      keys older than `window` positions are skipped (0 = no sliding window)
- *   max_seq_len the longest seq_lens[seqs[i]] (sizes the per-thread scratch)
- * A work item is a whole sequence when there are enough of them to keep every thread busy, else one
- * KV head of a sequence. Returns 0, or 1 when scratch memory could not be allocated (out is then
- * incomplete).
+ *   max_seq_len the longest lens[i] (sizes the per-thread scratch)
+ * A work item is a whole row when there are enough of them to keep every thread busy, else one KV head
+ * of a row. Returns 0, or 1 when scratch memory could not be allocated (out is then incomplete).
  */
 int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-                 int64_t table_stride, const int32_t *seq_lens, const int64_t *rows, const int64_t *seqs,
+                 int64_t table_stride, const int32_t *lens, const int64_t *rows, const int64_t *seqs,
                  int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t window, float scale, int dtype, void *out, int64_t max_seq_len, int num_threads) {
     const int64_t heads_per_item = n >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
@@ -776,7 +777,7 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
             if (scratch == NULL) continue;
             const int64_t i = item / items_per_seq;
             const int64_t head_begin = (item % items_per_seq) * heads_per_item;
-            item_fn(q, q_row_stride, k_cache, v_cache, block_tables + seqs[i] * table_stride, seq_lens[seqs[i]], rows[i],
+            item_fn(q, q_row_stride, k_cache, v_cache, block_tables + seqs[i] * table_stride, lens[i], rows[i],
                     head_begin, head_begin + heads_per_item, num_heads, num_kv_heads, head_dim, block_size, window, scale,
                     dtype, out, scratch);
         }

@@ -54,7 +54,7 @@ _int: _CType = ctypes.c_int
 _float: _CType = ctypes.c_float
 # Every exported function and its C signature (argument types, return type or None for void).
 SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
-    # q, q_row_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, seqs, n, num_heads,
+    # q, q_row_stride, k_cache, v_cache, block_tables, table_stride, lens, rows, seqs, n, num_heads,
     # num_kv_heads, head_dim, block_size, window, scale, dtype, out, max_seq_len, num_threads
     "paged_decode": (
         [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]

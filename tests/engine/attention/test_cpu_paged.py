@@ -69,6 +69,18 @@ def test_mixed_batch_decode_rows_use_the_kernel_prefills_the_torch_path(dtype: t
     assert_close(out, torch_paged.paged_attention(*args).double(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_longer_than_the_kernel_limit_take_sdpa_and_the_rest_the_kernel(dtype: torch.dtype) -> None:
+    # A prompt past KERNEL_PREFILL_MAX_LEN (SDPA), a chunk after a cached prefix and a whole short prompt
+    # (the kernel, row by row), two decodes (the kernel).
+    long = cpu_paged.KERNEL_PREFILL_MAX_LEN + 40
+    case = make_case(
+        [60, long, 50, 33, 120], [1, long, 20, 33, 1], num_heads=9, num_kv_heads=3, dtype=dtype, seed=6
+    )
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), dtype)
+
+
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [9, 1, 30]])
 def test_sliding_window_masks_old_keys(query_lens: list[int]) -> None:
     case = make_case([90, 45, 40], query_lens, num_heads=4, num_kv_heads=2, sliding_window=20, seed=2)
