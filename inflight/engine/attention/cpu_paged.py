@@ -87,20 +87,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Same contract as torch_paged.paged_attention; decode rows go through the C kernel."""
+    """Same contract as torch_paged.paged_attention; decode rows, and the rows of prompts with at most
+    KERNEL_PREFILL_MAX_LEN keys, go through the C kernel."""
     library = cpu_kernels.library_for(query, k_cache, v_cache)
     if library is None or not _kernel_handles(query, k_cache, v_cache):
         return torch_paged.paged_attention(query, k_cache, v_cache, meta, scale)
     out = query.new_empty(query.shape)
     # Every layer of the step attends the same rows: their index tensors are made once per step.
-    if meta.is_decode_only:
-        rows_tensor = seqs_tensor = meta.sequence_indices
-        lens = meta.seq_lens.to(torch.int32).contiguous()
-        max_len = meta.max_seq_len
-    else:
-        seqs_tensor, lens = meta.query_rows
-        rows_tensor = torch.arange(query.shape[0], dtype=torch.int64)
-        max_len = meta.max_seq_len
+    rows_tensor, seqs_tensor, lens = meta.query_rows
+    max_len = meta.max_seq_len
+    if not meta.is_decode_only:
         lengths = zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
         long_prompts = [
             i
@@ -153,20 +149,13 @@ def _attend_long_prompts(
     """SDPA for the rows of `long_prompts` (written into `out`); the other rows for the kernel:
     (rows, their sequences, their key counts, the largest count)."""
     starts = meta.query_start_loc.tolist()
-    for i in long_prompts:
-        out[starts[i] : starts[i + 1]] = torch_paged.prefill(
-            query[starts[i] : starts[i + 1]],
-            k_cache,
-            v_cache,
-            meta.block_tables[i],
-            meta.seq_lens_list[i],
-            meta.sliding_window,
-            scale,
-        )
-    sequences, lens = meta.query_rows
+    all_rows, sequences, lens = meta.query_rows
     keep = torch.ones(query.shape[0], dtype=torch.bool)
     for i in long_prompts:
+        torch_paged.attend_prompt(
+            out, query, k_cache, v_cache, meta, scale, i, slice(starts[i], starts[i + 1])
+        )
         keep[starts[i] : starts[i + 1]] = False
-    rows = keep.nonzero().flatten()
+    rows = all_rows[keep]
     kept_lens = lens[rows].contiguous()
     return rows, sequences[rows].contiguous(), kept_lens, int(kept_lens.max()) if rows.numel() else 0

@@ -47,15 +47,10 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @cached_property
-    def sequence_indices(self) -> torch.Tensor:
-        """[num_seqs] int64 on the host: 0 .. num_seqs - 1 (in a decode-only step, also the query rows).
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([T] int64, [T] int64, [T] int32) on the host: the query rows 0 .. T - 1, each row's sequence
+        index and how many keys it attends (its position + 1: causal), decode rows and prompt rows alike.
         Made once per step (the metadata is the step's), not once per layer."""
-        return torch.arange(self.num_seqs, dtype=torch.int64)
-
-    @cached_property
-    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([T] int64, [T] int32) on the host: each query row's sequence index and how many keys it attends
-        (its position + 1: causal), decode rows and prompt rows alike. Made once per step."""
         query_lens = torch.tensor(self.query_lens_list, dtype=torch.int64)
         sequences = torch.repeat_interleave(torch.arange(self.num_seqs, dtype=torch.int64), query_lens)
         seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int64)
@@ -63,7 +58,7 @@ class AttentionMetadata:
         ends = torch.cumsum(query_lens, 0)
         rows = torch.arange(int(ends[-1]) if self.num_seqs else 0, dtype=torch.int64)
         context = seq_lens[sequences] - (ends[sequences] - 1 - rows)
-        return sequences, context.to(torch.int32)
+        return rows, sequences, context.to(torch.int32)
 
     def last_rows(self, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """The query rows of the last new token of each of `seqs`, and metadata that attends only those rows:

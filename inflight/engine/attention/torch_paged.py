@@ -61,22 +61,36 @@ def attend_prefills(
     decode_seqs: list[int] = []
     decode_rows: list[int] = []
     start = 0
-    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
+    for i, query_len in enumerate(meta.query_lens_list):
         if query_len == 1:
             decode_seqs.append(i)
             decode_rows.append(start)
         else:
-            out[start : start + query_len] = prefill(
-                query[start : start + query_len],
-                k_cache,
-                v_cache,
-                meta.block_tables[i],
-                seq_len,
-                meta.sliding_window,
-                scale,
-            )
+            attend_prompt(out, query, k_cache, v_cache, meta, scale, i, slice(start, start + query_len))
         start += query_len
     return decode_seqs, decode_rows
+
+
+def attend_prompt(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seq: int,
+    rows: slice,
+) -> None:
+    """Write into out[rows] the attention of sequence `seq`'s new tokens, query[rows] (one SDPA)."""
+    out[rows] = prefill(
+        query[rows],
+        k_cache,
+        v_cache,
+        meta.block_tables[seq],
+        meta.seq_lens_list[seq],
+        meta.sliding_window,
+        scale,
+    )
 
 
 # Decode sequences are attended in groups of this many with similar context lengths, so each group's
