@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inflight.cli import main
+from inflight.cli import OPENMP_SPIN_COUNT, configure_openmp, main
 
 
 def test_generate_prints_completions_as_json(
@@ -36,3 +36,16 @@ def test_generate_text_output_with_n_and_chat(
 def test_generate_reports_bad_input_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--model", str(tmp_path / "missing"), "x"]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        ({"GOMP_SPINCOUNT": "0"}, {"GOMP_SPINCOUNT": "0"}),
+    ],
+)
+def test_openmp_spins_briefly_unless_user_chose(environ: dict[str, str], expected: dict[str, str]) -> None:
+    configure_openmp(environ)
+    assert environ == expected
