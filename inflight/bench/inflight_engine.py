@@ -10,7 +10,6 @@ from inflight.bench.system import BenchSettings, System, SystemRun
 from inflight.engine.config import SchedulerPolicy
 
 BLOCK_SIZE = 16
-WARMUP_TOKENS = 4
 
 
 def _available(settings: BenchSettings) -> str | None:
@@ -20,6 +19,7 @@ def _available(settings: BenchSettings) -> str | None:
 def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
     def run(settings: BenchSettings) -> SystemRun:
         from inflight import LLM, SamplingParams
+        from inflight.engine.warmup import warm_up
 
         longest = max(len(r.prompt_token_ids) + r.output_len for r in settings.requests)
         # Enough blocks for every slot's longest request: the comparison is of batching, not of preemption.
@@ -35,8 +35,8 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             tensor_parallel_size=settings.tensor_parallel_size,
         )
-        warmup = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
-        llm.generate([settings.requests[0].prompt_token_ids] * 2, warmup)
+        # The server's warm-up (a full prefill step, then a decode step), untimed.
+        warm_up(llm.engine)
         setup = time.perf_counter() - start
 
         params = [
