@@ -652,6 +652,39 @@ static ALWAYS_INLINE void weigh_chunk_wide(const struct item_ctx *c, const struc
 }
 #endif
 
+/* One pass over the item's keys, a chunk at a time, every KV head of the chunk before the next chunk:
+ * `values` 0 scores the K rows into b->scores, 1 adds the V rows weighted by b->scores into b->acc. The
+ * prefetch stream runs `ahead` tokens in front (K rows first, then V rows), a share of a chunk before each
+ * KV head. */
+static ALWAYS_INLINE void visit_chunks(const struct item_ctx *c, const struct item_buffers *b, struct prefetcher *pf,
+                                       int64_t ahead, int64_t group, int values, int wide, int bf16) {
+    const int64_t end = c->first + c->len, stream = values ? c->len : 0;
+    for (int64_t t = c->first; t < end;) {
+        const int64_t count = chunk_count(t, end, c->block_size);
+        const int64_t slot = first_slot(c, t), share = (count + c->kv_heads - 1) / c->kv_heads;
+        float *scores = b->scores + (t - c->first);
+        for (int64_t kv_head = c->head_begin; kv_head < c->head_begin + c->kv_heads; kv_head++) {
+            prefetch_until(c, pf, stream + t - c->first + ahead + (kv_head - c->head_begin + 1) * share);
+#if defined(__AVX512F__)
+            if (wide) {
+                if (values)
+                    weigh_chunk_wide(c, b, slot, count, kv_head, group, scores, bf16);
+                else
+                    score_chunk_wide(c, b, slot, count, kv_head, group, scores, bf16);
+                continue;
+            }
+#endif
+            if (values)
+                weigh_chunk(c, b, slot, count, kv_head, group, scores);
+            else
+                score_chunk(c, b, slot, count, kv_head, group, scores);
+        }
+        t += count;
+    }
+    (void)wide;
+    (void)bf16;
+}
+
 /* One item: KV heads [head_begin, head_end) of one sequence. For each chunk of tokens every head of the
  * range is done before the next chunk, so a block is read from memory once while it is hot; `wide`: the
  * AVX-512 chunks (AVX-512 builds only), for `dtype` fixed at compile time. */
@@ -672,42 +705,10 @@ static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, co
     struct prefetcher pf = {0, first / block_size, first % block_size};
     prefetch_until(&c, &pf, ahead);
     load_queries(q, row * q_row_stride + head_begin * group * head_dim, heads, head_dim, scale, dtype, &b);
-    (void)wide;
-
-    for (int64_t t = first; t < seq_len;) {
-        const int64_t count = chunk_count(t, seq_len, block_size);
-        const int64_t slot = first_slot(&c, t), share = (count + c.kv_heads - 1) / c.kv_heads;
-        for (int64_t kv_head = head_begin; kv_head < head_end; kv_head++) {
-            prefetch_until(&c, &pf, t - first + ahead + (kv_head - head_begin + 1) * share);
-#if defined(__AVX512F__)
-            if (wide) {
-                score_chunk_wide(&c, &b, slot, count, kv_head, group, b.scores + (t - first), dtype == DTYPE_BFLOAT16);
-                continue;
-            }
-#endif
-            score_chunk(&c, &b, slot, count, kv_head, group, b.scores + (t - first));
-        }
-        t += count;
-    }
-
+    visit_chunks(&c, &b, &pf, ahead, group, 0, wide, dtype == DTYPE_BFLOAT16);
     softmax_rows(heads, len, &b);
-
     memset(b.acc, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t t = first; t < seq_len;) {
-        const int64_t count = chunk_count(t, seq_len, block_size);
-        const int64_t slot = first_slot(&c, t), share = (count + c.kv_heads - 1) / c.kv_heads;
-        for (int64_t kv_head = head_begin; kv_head < head_end; kv_head++) {
-            prefetch_until(&c, &pf, len + t - first + ahead + (kv_head - head_begin + 1) * share);
-#if defined(__AVX512F__)
-            if (wide) {
-                weigh_chunk_wide(&c, &b, slot, count, kv_head, group, b.scores + (t - first), dtype == DTYPE_BFLOAT16);
-                continue;
-            }
-#endif
-            weigh_chunk(&c, &b, slot, count, kv_head, group, b.scores + (t - first));
-        }
-        t += count;
-    }
+    visit_chunks(&c, &b, &pf, ahead, group, 1, wide, dtype == DTYPE_BFLOAT16);
 
     store_outputs(out, (row * num_heads + head_begin * group) * head_dim, heads, head_dim, dtype, &b);
 }
