@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from inflight.engine.config import EngineConfig
+from inflight.engine.cpu.allocator import retain_freed_memory
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.dtypes import resolve_dtype_name
@@ -65,6 +66,7 @@ class LLMEngine:
         )
         if self.device.type == "cpu":
             logger.info("CPU %s; running in %s", cpu_isa().describe(), str(self.dtype).removeprefix("torch."))
+            retain_freed_memory()
         # Ranks 1..N-1 of a tensor-parallel engine (see parallel/group.py); None without.
         self.workers = (
             TensorParallelGroup.start(self.model_dir, config, self.dtype, self.device)

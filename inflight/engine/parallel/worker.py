@@ -71,6 +71,7 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
     import torch
     import torch.distributed as dist
 
+    from inflight.engine.cpu.allocator import retain_freed_memory
     from inflight.engine.cpu.linear import can_prepack, prepack_linears
     from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
     from inflight.engine.loader import load_model
@@ -82,6 +83,7 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(spec.threads)
+        retain_freed_memory()
     pipe.send(("started",))
     dist.init_process_group(
         spec.backend,
