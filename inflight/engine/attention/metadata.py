@@ -47,18 +47,27 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @cached_property
-    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """([T] int64, [T] int64, [T] int32) on the host: the query rows 0 .. T - 1, each row's sequence
-        index and how many keys it attends (its position + 1: causal), decode rows and prompt rows alike.
-        Made once per step (the metadata is the step's), not once per layer."""
-        query_lens = torch.tensor(self.query_lens_list, dtype=torch.int64)
-        sequences = torch.repeat_interleave(torch.arange(self.num_seqs, dtype=torch.int64), query_lens)
-        seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int64)
-        # Row j of a sequence with Q new tokens and length L sits at position L - Q + j.
-        ends = torch.cumsum(query_lens, 0)
-        rows = torch.arange(int(ends[-1]) if self.num_seqs else 0, dtype=torch.int64)
-        context = seq_lens[sequences] - (ends[sequences] - 1 - rows)
-        return rows, sequences, context.to(torch.int32)
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([D] int64, [D] int64, [D] int32) on the host, for the D sequences with one new token: its query
+        row, the sequence's index and how many keys it attends (the sequence's length). Made once per step
+        (the metadata is the step's), not once per layer."""
+        decode = [i for i, query_len in enumerate(self.query_lens_list) if query_len == 1]
+        starts = self.query_start_loc.tolist()
+        rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64)
+        lens = torch.tensor([self.seq_lens_list[i] for i in decode], dtype=torch.int32)
+        return rows, torch.tensor(decode, dtype=torch.int64), lens
+
+    @cached_property
+    def prompts(self) -> torch.Tensor:
+        """[P, 4] int64 on the host, for the P sequences with more than one new token (prefill, chunked
+        prefill): the sequence's index, its first query row, query_len, seq_len. Made once per step."""
+        starts = self.query_start_loc.tolist()
+        table = [
+            [i, starts[i], query_len, self.seq_lens_list[i]]
+            for i, query_len in enumerate(self.query_lens_list)
+            if query_len > 1
+        ]
+        return torch.tensor(table, dtype=torch.int64).reshape(-1, 4)
 
     def last_rows(self, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
         """The query rows of the last new token of each of `seqs`, and metadata that attends only those rows:

@@ -41,14 +41,14 @@ def paged_attention(
         everyone = list(range(meta.num_seqs))
         return _decode_grouped(query, k_cache, v_cache, meta, everyone, everyone, scale)
     out = torch.empty_like(query)
-    decode_seqs, decode_rows = attend_prefills(out, query, k_cache, v_cache, meta, scale)
+    decode_seqs, decode_rows = _attend_prefills(out, query, k_cache, v_cache, meta, scale)
     if decode_seqs:
         rows = torch.tensor(decode_rows, device=query.device)
         out[rows] = _decode_grouped(query, k_cache, v_cache, meta, decode_seqs, decode_rows, scale)
     return out
 
 
-def attend_prefills(
+def _attend_prefills(
     out: torch.Tensor,
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -66,31 +66,18 @@ def attend_prefills(
             decode_seqs.append(i)
             decode_rows.append(start)
         else:
-            attend_prompt(out, query, k_cache, v_cache, meta, scale, i, slice(start, start + query_len))
+            rows = slice(start, start + query_len)
+            out[rows] = prefill(
+                query[rows],
+                k_cache,
+                v_cache,
+                meta.block_tables[i],
+                meta.seq_lens_list[i],
+                meta.sliding_window,
+                scale,
+            )
         start += query_len
     return decode_seqs, decode_rows
-
-
-def attend_prompt(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    seq: int,
-    rows: slice,
-) -> None:
-    """Write into out[rows] the attention of sequence `seq`'s new tokens, query[rows] (one SDPA)."""
-    out[rows] = prefill(
-        query[rows],
-        k_cache,
-        v_cache,
-        meta.block_tables[seq],
-        meta.seq_lens_list[seq],
-        meta.sliding_window,
-        scale,
-    )
 
 
 # Decode sequences are attended in groups of this many with similar context lengths, so each group's

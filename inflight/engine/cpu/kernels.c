@@ -114,6 +114,14 @@ static inline const float *row_as_float(const void *base, int64_t offset, int64_
     return tmp;
 }
 
+/* `n` elements at `offset` as floats, copied into dst. */
+static inline void load_as_float(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
+    if (dtype == DTYPE_FLOAT32)
+        memcpy(dst, (const float *)base + offset, sizeof(float) * (size_t)n);
+    else
+        bf16_to_float_n((const uint16_t *)base + offset, dst, n);
+}
+
 static inline void store_row(void *base, int64_t offset, const float *src, int64_t n, int dtype) {
     if (dtype == DTYPE_FLOAT32) {
         float *dst = (float *)base + offset;
@@ -784,6 +792,256 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
         }
         free(scratch);
     }
+    return failed;
+}
+
+/* ---- paged prefill attention -------------------------------------------------------------------
+ * The new rows of prompts (prefill, chunked prefill): each attends causally to its sequence's keys up to
+ * its own position. A work item is PREFILL_ROWS consecutive rows of one prompt and one KV head. The item
+ * converts the keys its rows attend into float tiles once, K transposed ([head_dim][keys]) and V as rows,
+ * and every query head of the KV head's group, for every row of the item, scores and weighs against those
+ * tiles: the scores are rank-1 updates over 16 keys at a time (no horizontal sums), the weighted sums
+ * rank-1 updates over 16 dimensions. Query vectors are ordered row by row, each row's group heads together.
+ * 32 rows: the keys of a long prompt are converted once per 32 rows instead of once per 16 (1.2-1.5x the
+ * 16-row items' speed on a 2048-token step of SmolLM2 prompts; 64 rows measured the same as 32). */
+enum { PREFILL_ROWS = 32, KEY_PAD = 16 };
+
+/* A prompt as the kernel reads it: [table row, first query row, query_len, seq_len] (int64 each). */
+enum { PROMPT_FIELDS = 4 };
+
+/* An item's float tiles, carved from its thread's scratch. */
+struct prefill_tiles {
+    float *kt;      /* [head_dim][stride]: keys klo .. klo + n - 1, zero past n */
+    float *v;       /* [n][head_dim] */
+    float *queries; /* [vectors][head_dim], scaled */
+    float *scores;  /* [vectors][stride]: scores, then softmax weights (zero outside each row's keys) */
+    float *inv;     /* [vectors]: 1 / sum of each vector's weights */
+    int64_t stride; /* n rounded up to KEY_PAD */
+};
+
+/* Query vectors of an item, rounded up to whole blocks of the score micro-kernel (padding vectors are
+ * zero). */
+static inline int64_t padded_vectors(int64_t rows, int64_t group) { return (rows * group + 7) / 8 * 8; }
+
+static size_t prefill_scratch_floats(int64_t max_keys, int64_t group, int64_t head_dim) {
+    const int64_t stride = (max_keys + KEY_PAD - 1) / KEY_PAD * KEY_PAD, vectors = padded_vectors(PREFILL_ROWS, group);
+    return (size_t)(2 * head_dim * stride + vectors * (head_dim + stride + 1));
+}
+
+#if defined(__AVX512F__)
+/* Scores of 8 query vectors against keys [0, keys) of the transposed tile (keys a multiple of 16):
+ * 8 x 32 running sums in registers, two K loads per 16 broadcast multiply-adds. */
+static ALWAYS_INLINE void prefill_scores8(const float *queries, const float *kt, int64_t stride, int64_t keys,
+                                          int64_t head_dim, float *scores) {
+    for (int64_t j = 0; j < keys; j += 32) {
+        const int two = j + 16 < keys;
+        __m512 a[8][2];
+        for (int i = 0; i < 8; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d++) {
+            const __m512 k0 = _mm512_loadu_ps(kt + d * stride + j);
+            const __m512 k1 = two ? _mm512_loadu_ps(kt + d * stride + j + 16) : k0;
+            for (int i = 0; i < 8; i++) {
+                const __m512 x = _mm512_set1_ps(queries[i * head_dim + d]);
+                a[i][0] = _mm512_fmadd_ps(x, k0, a[i][0]);
+                a[i][1] = _mm512_fmadd_ps(x, k1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(scores + i * stride + j, a[i][0]);
+            if (two) _mm512_storeu_ps(scores + i * stride + j + 16, a[i][1]);
+        }
+    }
+}
+
+/* out[i] = sum over keys [from, to) of weights[i][j] * v row j for 4 vectors, 64 dimensions at a time
+ * (head_dim a multiple of 64): 4 x 64 running sums in registers, four V loads per 16 multiply-adds. */
+static ALWAYS_INLINE void prefill_weigh4(const float *weights, int64_t stride, const float *v, int64_t from,
+                                         int64_t to, int64_t head_dim, float *out) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        __m512 a[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_ps();
+        for (int64_t j = from; j < to; j++) {
+            __m512 x[4];
+            for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(v + j * head_dim + d0 + 16 * c);
+            for (int i = 0; i < 4; i++) {
+                const __m512 p = _mm512_set1_ps(weights[i * stride + j]);
+                for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(p, x[c], a[i][c]);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + i * head_dim + d0 + 16 * c, a[i][c]);
+    }
+}
+#endif
+
+/* The same in plain C, any head_dim. */
+static void prefill_scores_c(const float *queries, int64_t m, const float *kt, int64_t stride, int64_t keys,
+                             int64_t head_dim, float *scores) {
+    for (int64_t i = 0; i < m; i++) {
+        float *s = scores + i * stride;
+        for (int64_t j = 0; j < keys; j++) s[j] = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const float x = queries[i * head_dim + d];
+            const float *k = kt + d * stride;
+#pragma omp simd
+            for (int64_t j = 0; j < keys; j++) s[j] += x * k[j];
+        }
+    }
+}
+
+static void prefill_weigh_c(const float *weights, int64_t m, int64_t stride, const float *v, int64_t from, int64_t to,
+                            int64_t head_dim, float *out) {
+    for (int64_t i = 0; i < m; i++) {
+        float *o = out + i * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) o[d] = 0.0f;
+        for (int64_t j = from; j < to; j++) {
+            const float p = weights[i * stride + j];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[j * head_dim + d];
+        }
+    }
+}
+
+/* Rows [r0, r1) of a prompt, one KV head. Row r sits at position ctx + r and attends keys
+ * [key_lo(r), ctx + r + 1), key_lo = 0 or the start of the sliding window. */
+static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                         const int32_t *table, int64_t first_row, int64_t ctx, int64_t r0, int64_t r1, int64_t kv_head,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+                         float scale, int dtype, void *out, float *scratch) {
+    const int64_t group = num_heads / num_kv_heads, vectors = (r1 - r0) * group;
+    const int64_t padded = padded_vectors(r1 - r0, group);
+    const int64_t klo = (window > 0 && ctx + r0 + 1 > window) ? ctx + r0 + 1 - window : 0;
+    const int64_t n = ctx + r1 - klo;
+    struct prefill_tiles t;
+    t.stride = (n + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
+    t.kt = scratch;
+    t.v = t.kt + head_dim * t.stride;
+    t.queries = t.v + head_dim * t.stride;
+    t.scores = t.queries + padded * head_dim;
+    t.inv = t.scores + padded * t.stride;
+    /* The keys and values, converted once: each V row into place, each K row into its column of the
+     * transposed tile (bfloat16 through the query buffer, free until the queries are loaded). */
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t key = klo + j;
+        const int64_t slot = (int64_t)table[key / block_size] * block_size + key % block_size;
+        const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
+        const float *k = row_as_float(k_cache, offset, head_dim, dtype, t.queries);
+        for (int64_t d = 0; d < head_dim; d++) t.kt[d * t.stride + j] = k[d];
+        load_as_float(v_cache, offset, head_dim, dtype, t.v + j * head_dim);
+    }
+    for (int64_t d = 0; d < head_dim; d++)
+        for (int64_t j = n; j < t.stride; j++) t.kt[d * t.stride + j] = 0.0f;
+    for (int64_t i = 0; i < padded; i++) {
+        float *x = t.queries + i * head_dim;
+        if (i < vectors) {
+            const int64_t r = r0 + i / group, h = kv_head * group + i % group;
+            load_as_float(q, (first_row + r) * q_row_stride + h * head_dim, head_dim, dtype, x);
+            for (int64_t d = 0; d < head_dim; d++) x[d] *= scale;
+        } else {
+            memset(x, 0, sizeof(float) * (size_t)head_dim);
+        }
+    }
+    /* Scores, 8 vectors at a time, over the keys the block's last row attends. */
+    for (int64_t i0 = 0; i0 < vectors; i0 += 8) {
+        const int64_t last = i0 + 8 < vectors ? i0 + 7 : vectors - 1;
+        const int64_t keys = (ctx + r0 + last / group + 1 - klo + 15) / 16 * 16;
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0) {
+            prefill_scores8(t.queries + i0 * head_dim, t.kt, t.stride, keys, head_dim, t.scores + i0 * t.stride);
+            continue;
+        }
+#endif
+        prefill_scores_c(t.queries + i0 * head_dim, 8, t.kt, t.stride, keys, head_dim, t.scores + i0 * t.stride);
+    }
+    /* Exact softmax of each vector over its row's keys; weights outside them are zero. */
+    for (int64_t i = 0; i < vectors; i++) {
+        const int64_t r = r0 + i / group, end = ctx + r + 1 - klo;
+        const int64_t begin = (window > 0 && ctx + r + 1 > window) ? ctx + r + 1 - window - klo : 0;
+        float *s = t.scores + i * t.stride;
+        float peak = -INFINITY;
+#pragma omp simd reduction(max : peak)
+        for (int64_t j = begin; j < end; j++) peak = s[j] > peak ? s[j] : peak;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < begin; j++) s[j] = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = begin; j < end; j++) {
+            s[j] = exp_approx(s[j] - peak);
+            sum += s[j];
+        }
+        for (int64_t j = end; j < t.stride; j++) s[j] = 0.0f;
+        t.inv[i] = 1.0f / sum;
+    }
+    /* Weighted sums, 4 vectors at a time over the keys any of them attends; then out. */
+    float *acc = t.queries; /* the queries are no longer needed: [vectors][head_dim] */
+    for (int64_t i0 = 0; i0 < vectors; i0 += 4) {
+        const int64_t last = i0 + 4 < vectors ? i0 + 3 : vectors - 1;
+        const int64_t r_first = r0 + i0 / group, r_last = r0 + last / group;
+        const int64_t from = (window > 0 && ctx + r_first + 1 > window) ? ctx + r_first + 1 - window - klo : 0;
+        const int64_t to = ctx + r_last + 1 - klo;
+#if defined(__AVX512F__)
+        if (head_dim % 64 == 0) {
+            prefill_weigh4(t.scores + i0 * t.stride, t.stride, t.v, from, to, head_dim, acc + i0 * head_dim);
+            continue;
+        }
+#endif
+        prefill_weigh_c(t.scores + i0 * t.stride, last - i0 + 1, t.stride, t.v, from, to, head_dim, acc + i0 * head_dim);
+    }
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t h = 0; h < group; h++) {
+            const int64_t i = (r - r0) * group + h;
+            float *a = acc + i * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) a[d] *= t.inv[i];
+            store_row(out, ((first_row + r) * num_heads + kv_head * group + h) * head_dim, a, head_dim, dtype);
+        }
+}
+
+/* Attention of the new rows of n prompts (query_len > 1), each over its own keys, causally.
+ *   prompts     [n, PROMPT_FIELDS]: block table row, first row in q / out, query_len, seq_len
+ *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart)
+ *   window      keys older than `window` positions are skipped (0 = no sliding window)
+ *   max_seq_len the longest seq_len (sizes the per-thread scratch)
+ * Returns 0, or 1 when scratch memory could not be allocated (out is then incomplete). */
+int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                  int64_t table_stride, const int64_t *prompts, int64_t n, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, void *out,
+                  int64_t max_seq_len, int num_threads) {
+    /* Item k of prompt i is tile k / num_kv_heads, KV head k % num_kv_heads; item_starts: prefix sums. */
+    int64_t *item_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (item_starts == NULL) return 1;
+    item_starts[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t tiles = (prompts[i * PROMPT_FIELDS + 2] + PREFILL_ROWS - 1) / PREFILL_ROWS;
+        item_starts[i + 1] = item_starts[i] + tiles * num_kv_heads;
+    }
+    const int64_t items = item_starts[n];
+    const int64_t max_keys = window > 0 && window + PREFILL_ROWS < max_seq_len ? window + PREFILL_ROWS : max_seq_len;
+    const size_t scratch_floats = prefill_scratch_floats(max_keys, num_heads / num_kv_heads, head_dim);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Last items first: a prompt's last tiles attend the most keys. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = items - 1; k >= 0; k--) {
+            if (scratch == NULL) continue;
+            int64_t i = 0;
+            while (item_starts[i + 1] <= k) i++;
+            const int64_t *p = prompts + i * PROMPT_FIELDS;
+            const int64_t local = k - item_starts[i], tile = local / num_kv_heads, kv_head = local % num_kv_heads;
+            const int64_t query_len = p[2], seq_len = p[3];
+            const int64_t r0 = tile * PREFILL_ROWS, r1 = r0 + PREFILL_ROWS < query_len ? r0 + PREFILL_ROWS : query_len;
+            prefill_item(q, q_row_stride, k_cache, v_cache, block_tables + p[0] * table_stride, p[1],
+                         seq_len - query_len, r0, r1, kv_head, num_heads, num_kv_heads, head_dim, block_size, window,
+                         scale, dtype, out, scratch);
+        }
+        free(scratch);
+    }
+    free(item_starts);
     return failed;
 }
 

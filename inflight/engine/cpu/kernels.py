@@ -62,6 +62,12 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
         + [_float, _int, _ptr, _i64, _int],
         _int,
     ),
+    # q, q_row_stride, k_cache, v_cache, block_tables, table_stride, prompts, n, num_heads, num_kv_heads,
+    # head_dim, block_size, window, scale, dtype, out, max_seq_len, num_threads
+    "paged_prefill": (
+        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 6 + [_float, _int, _ptr, _i64, _int],
+        _int,
+    ),
     # x, residual (or NULL), weight, out, rows, hidden, eps, dtype, num_threads
     "rms_norm": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int, _int], None),
     # gate_up, out, rows, width, dtype, num_threads

@@ -1,4 +1,4 @@
-"""The C paged-decode kernel for CPU against a dense float64 reference and against the torch path."""
+"""The C paged-attention kernels for CPU (decode, prefill) against a dense float64 reference and torch."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_long_contexts_across_many_blocks(dtype: torch.dtype, torch_threads: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_decode_rows_use_the_kernel_prefills_the_torch_path(dtype: torch.dtype) -> None:
+def test_mixed_batch_equals_the_reference_and_the_torch_path(dtype: torch.dtype) -> None:
     # A decode, a chunk after a cached prefix ending mid-block, a whole prompt, a 1-token prompt, a decode.
     case = make_case([40, 37, 70, 1, 90], [1, 13, 70, 1, 1], num_heads=8, num_kv_heads=2, dtype=dtype, seed=1)
     args = (case.query, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -70,18 +70,34 @@ def test_mixed_batch_decode_rows_use_the_kernel_prefills_the_torch_path(dtype: t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompts_longer_than_the_kernel_limit_take_sdpa_and_the_rest_the_kernel(dtype: torch.dtype) -> None:
-    # A prompt past KERNEL_PREFILL_MAX_LEN (SDPA), a chunk after a cached prefix and a whole short prompt
-    # (the kernel, row by row), two decodes (the kernel).
-    long = cpu_paged.KERNEL_PREFILL_MAX_LEN + 40
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (10, 2, 48), (6, 3, 24)]
+)
+def test_prompts_across_row_tiles_and_blocks(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, torch_threads: int
+) -> None:
+    # The prefill kernel takes 32 rows of a prompt per work item: prompts of 2 rows, one short of a tile,
+    # exactly one, one past, a chunk of 70 rows after a 20-token prefix, 300 rows; among two decodes.
+    seq_lens = [2, 31, 32, 33, 90, 50, 300]
+    query_lens = [2, 31, 32, 33, 70, 1, 300]
     case = make_case(
-        [60, long, 50, 33, 120], [1, long, 20, 33, 1], num_heads=9, num_kv_heads=3, dtype=dtype, seed=6
+        seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )
     out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
     assert_close(out, dense_reference(case), dtype)
 
 
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [9, 1, 30]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prompts_and_a_chunk_after_a_long_prefix(dtype: torch.dtype) -> None:
+    # Past the old SDPA cut-over (256 keys): a 600-token prompt, a 300-token chunk after 1,800 cached tokens.
+    case = make_case(
+        [600, 2100, 70], [600, 300, 1], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=6
+    )
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), dtype)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [9, 1, 30], [70, 1, 40]])
 def test_sliding_window_masks_old_keys(query_lens: list[int]) -> None:
     case = make_case([90, 45, 40], query_lens, num_heads=4, num_kv_heads=2, sliding_window=20, seed=2)
     out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -234,12 +250,17 @@ def test_the_portable_c_path_matches_the_references(
 
     monkeypatch.setattr(cpu_kernels, "library", lambda: portable_library)
     tolerance = 2 * TOLERANCE[dtype]
-    for seq_lens, window in (([1, 16, 17, 32, 8, 9, 141], None), ([90, 45, 40, 3], 20)):
+    for seq_lens, query_lens, window in (
+        ([1, 16, 17, 32, 8, 9, 141], [1] * 7, None),
+        ([1, 16, 17, 32, 8, 9, 141], [1, 16, 5, 32, 1, 9, 70], None),
+        ([90, 45, 40, 3], [1] * 4, 20),
+        ([90, 45, 40, 3], [40, 1, 40, 3], 20),
+    ):
         shapes = ((8, 2, 32), (8, 1, 24), (6, 6, 40), (9, 3, 64), (10, 2, 48))
         for num_heads, num_kv_heads, head_dim in shapes:
             case = make_case(
                 seq_lens,
-                [1] * len(seq_lens),
+                query_lens,
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
