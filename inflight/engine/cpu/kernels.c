@@ -476,6 +476,8 @@ static inline int64_t chunk_rows(const struct item_ctx *c, const void *cache, in
 struct item_buffers {
     float *scores;  /* [heads, len] */
     float *queries; /* [heads, head_dim], scaled; then each head's 1 / sum of its softmax weights */
+    const uint16_t *raw_queries; /* bfloat16 items: the same heads as they lie in q (unscaled) */
+    float scale;
     float *acc;     /* [heads, head_dim] */
     float *tmp;     /* [CHUNK, head_dim]: converted bfloat16 rows */
 };
@@ -561,7 +563,8 @@ static ALWAYS_INLINE void weigh_chunk(const struct item_ctx *c, const struct ite
  * float32's memory traffic and no conversion pass. Each K row is loaded once for up to HEAD_BLOCK query
  * heads of its GQA group, four tokens at a time (16 running sums in registers); each V row once per
  * HEAD_BLOCK heads. Measured on AMD EPYC (Zen 5), a decode step over 30 layers' bfloat16 caches: 1.4x
- * faster than the AVX2 chunks, float32 the same (docs/benchmarks.md). */
+ * faster than the AVX2 chunks, float32 the same (docs/benchmarks.md). Where the CPU has AVX512-BF16, bfloat16
+ * scores take its dot product instead (score4_bf16: 1.15-1.2x the widening score4's attention). */
 enum { HEAD_BLOCK = 4 };
 
 /* 16 elements of a cache row from element i on, as floats. */
@@ -608,6 +611,31 @@ static ALWAYS_INLINE void score4(const float *queries, int hn, const void *const
     }
 }
 
+#if defined(__AVX512BF16__)
+/* score4 for bfloat16 rows and queries (head_dim a multiple of 32), with the AVX512-BF16 dot product: 32
+ * products a step, each exact in float32 and summed in float32 as score4 does, no widening of the rows;
+ * the sums are scaled afterwards. */
+static ALWAYS_INLINE void score4_bf16(const uint16_t *queries, int hn, const void *const rows[4], int64_t head_dim,
+                                      float scale, float *out, int64_t len, int64_t count) {
+    __m512 acc[HEAD_BLOCK][4];
+    for (int i = 0; i < HEAD_BLOCK; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 32) {
+        __m512bh k[4];
+        for (int j = 0; j < 4; j++) k[j] = (__m512bh)_mm512_loadu_si512((const uint16_t *)rows[j] + d);
+        for (int i = 0; i < hn; i++) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(queries + i * head_dim + d);
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x, k[j]);
+        }
+    }
+    for (int i = 0; i < hn; i++) {
+        float s[4];
+        _mm_storeu_ps(s, _mm_mul_ps(sum4_lanes16(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), _mm_set1_ps(scale)));
+        for (int64_t j = 0; j < count; j++) out[i * len + j] = s[j];
+    }
+}
+#endif
+
 /* acc[i] += sum_j p[i * len + j] * row j for `hn` (<= HEAD_BLOCK) heads; row j at `rows` + j * stride bytes. */
 static ALWAYS_INLINE void weigh4(const float *p, int64_t len, int hn, const char *rows, int64_t stride, int64_t count,
                                  int64_t head_dim, int bf16, float *acc) {
@@ -643,6 +671,14 @@ static ALWAYS_INLINE void score_chunk_wide(const struct item_ctx *c, const struc
     const void *rows[4];
     for (int64_t j = 0; j < 4; j++) rows[j] = base + (j < count ? j : count - 1) * token_bytes;
     const int64_t h_end = (kv_head - c->head_begin + 1) * group;
+#if defined(__AVX512BF16__)
+    if (bf16 && c->head_dim % 32 == 0) {
+        for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
+            WITH_CONSTANT_HN(h_end - h, score4_bf16(b->raw_queries + h * c->head_dim, HN, rows, c->head_dim, b->scale,
+                                                    scores + h * c->len, c->len, count))
+        return;
+    }
+#endif
     for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
         WITH_CONSTANT_HN(h_end - h, score4(b->queries + h * c->head_dim, HN, rows, c->head_dim, bf16,
                                            scores + h * c->len, c->len, count))
@@ -705,14 +741,17 @@ static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, co
     const int64_t heads = (head_end - head_begin) * group; /* query heads of this item */
     const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
     const int64_t len = seq_len - first;
-    const struct item_buffers b = item_buffers(scratch, heads, len, head_dim);
+    struct item_buffers b = item_buffers(scratch, heads, len, head_dim);
+    const int64_t query_offset = row * q_row_stride + head_begin * group * head_dim;
+    b.raw_queries = dtype == DTYPE_BFLOAT16 ? (const uint16_t *)q + query_offset : NULL;
+    b.scale = scale;
     const struct item_ctx c = {k_cache, v_cache, table, first, len, head_begin, head_end - head_begin,
                                num_kv_heads, head_dim, block_size, dtype == DTYPE_FLOAT32 ? 4 : 2};
     /* Prefetch `ahead` tokens ahead of the chunk being read, a share of a chunk before each KV head. */
     const int64_t ahead = PREFETCH_BYTES / (c.kv_heads * head_dim * c.elem_size);
     struct prefetcher pf = {0, first / block_size, first % block_size};
     prefetch_until(&c, &pf, ahead);
-    load_queries(q, row * q_row_stride + head_begin * group * head_dim, heads, head_dim, scale, dtype, &b);
+    load_queries(q, query_offset, heads, head_dim, scale, dtype, &b);
     visit_chunks(&c, &b, &pf, ahead, group, 0, wide, dtype == DTYPE_BFLOAT16);
     softmax_rows(heads, len, &b);
     memset(b.acc, 0, sizeof(float) * (size_t)(heads * head_dim));
