@@ -89,48 +89,27 @@ def paged_attention(
         return torch_paged.paged_attention(query, k_cache, v_cache, meta, scale)
     out = query.new_empty(query.shape)
     block_tables = meta.block_tables.to(torch.int32).contiguous()
+    # Both kernels take (q, its row stride, the caches, the block tables, their stride, <their rows>, the
+    # attention shape, scale, dtype, out, the longest context, threads).
+    tensors = (
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+    )
     shape = (query.shape[1], k_cache.shape[2], query.shape[2], k_cache.shape[1], meta.sliding_window or 0)
     dtype = cpu_kernels.DTYPE_CODES[query.dtype]
-    threads = torch.get_num_threads()
+    rest = (*shape, scale, dtype, out.data_ptr(), meta.max_seq_len, torch.get_num_threads())
     failed = 0
     rows, seqs, lens = meta.decode_rows
     if rows.numel():
-        failed |= library.paged_decode(
-            query.data_ptr(),
-            query.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.stride(0),
-            lens.data_ptr(),
-            rows.data_ptr(),
-            seqs.data_ptr(),
-            rows.numel(),
-            *shape,
-            scale,
-            dtype,
-            out.data_ptr(),
-            meta.max_seq_len,
-            threads,
-        )
+        rows_args = (lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), rows.numel())
+        failed |= library.paged_decode(*tensors, *rows_args, *rest)
     prompts = meta.prompts
     if prompts.shape[0]:
-        failed |= library.paged_prefill(
-            query.data_ptr(),
-            query.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.stride(0),
-            prompts.data_ptr(),
-            prompts.shape[0],
-            *shape,
-            scale,
-            dtype,
-            out.data_ptr(),
-            meta.max_seq_len,
-            threads,
-        )
+        failed |= library.paged_prefill(*tensors, prompts.data_ptr(), prompts.shape[0], *rest)
     if failed:
         raise MemoryError("CPU paged attention: could not allocate the kernel's scratch memory")
     return out

@@ -793,6 +793,50 @@ static decode_item_fn pick_decode_item(int64_t head_dim, int dtype) {
     return decode_item;
 }
 
+/* Runs work items 0 .. items - 1 on num_threads OpenMP threads, handed out one at a time, each thread with a
+ * scratch buffer of its own (scratch_floats floats): run(context, item, scratch). Returns 0, or 1 when a
+ * thread's scratch could not be allocated (its items are then skipped). */
+typedef void (*item_runner)(const void *context, int64_t item, float *scratch);
+
+static int run_items(int64_t items, size_t scratch_floats, int num_threads, item_runner run, const void *context) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++)
+            if (scratch != NULL) run(context, item, scratch);
+        free(scratch);
+    }
+    return failed;
+}
+
+/* paged_decode's arguments, for its items. */
+struct decode_call {
+    const void *q, *k_cache, *v_cache;
+    const int32_t *block_tables, *lens;
+    const int64_t *rows, *seqs;
+    int64_t q_row_stride, table_stride, num_heads, num_kv_heads, head_dim, block_size, window;
+    int64_t items_per_seq, heads_per_item;
+    float scale;
+    int dtype;
+    void *out;
+    decode_item_fn item_fn;
+};
+
+static void run_decode_item(const void *context, int64_t item, float *scratch) {
+    const struct decode_call *c = (const struct decode_call *)context;
+    const int64_t i = item / c->items_per_seq;
+    const int64_t head_begin = (item % c->items_per_seq) * c->heads_per_item;
+    c->item_fn(c->q, c->q_row_stride, c->k_cache, c->v_cache, c->block_tables + c->seqs[i] * c->table_stride, c->lens[i],
+               c->rows[i], head_begin, head_begin + c->heads_per_item, c->num_heads, c->num_kv_heads, c->head_dim,
+               c->block_size, c->window, c->scale, c->dtype, c->out, scratch);
+}
+
 /* Attention of n query rows, each over its own sequence's keys 0 .. lens[i] - 1: a decode token (lens[i]
  * = its sequence's length), or one row of a prompt (lens[i] = its position + 1: causal).
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart); item i reads and writes row rows[i]
@@ -811,27 +855,13 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t query_heads = heads_per_item * (num_heads / num_kv_heads);
     const size_t scratch_floats = (size_t)(query_heads * (max_seq_len + 2 * head_dim) + CHUNK * head_dim);
-    const decode_item_fn item_fn = pick_decode_item(head_dim, dtype);
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n * items_per_seq; item++) {
-            if (scratch == NULL) continue;
-            const int64_t i = item / items_per_seq;
-            const int64_t head_begin = (item % items_per_seq) * heads_per_item;
-            item_fn(q, q_row_stride, k_cache, v_cache, block_tables + seqs[i] * table_stride, lens[i], rows[i],
-                    head_begin, head_begin + heads_per_item, num_heads, num_kv_heads, head_dim, block_size, window, scale,
-                    dtype, out, scratch);
-        }
-        free(scratch);
-    }
-    return failed;
+    const struct decode_call call = {
+        .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .lens = lens, .rows = rows,
+        .seqs = seqs, .q_row_stride = q_row_stride, .table_stride = table_stride, .num_heads = num_heads,
+        .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size, .window = window,
+        .items_per_seq = items_per_seq, .heads_per_item = heads_per_item, .scale = scale, .dtype = dtype,
+        .out = out, .item_fn = pick_decode_item(head_dim, dtype)};
+    return run_items(n * items_per_seq, scratch_floats, num_threads, run_decode_item, &call);
 }
 
 /* ---- paged prefill attention -------------------------------------------------------------------
@@ -1097,6 +1127,32 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
         }
 }
 
+/* paged_prefill's arguments, for its items. */
+struct prefill_call {
+    const void *q, *k_cache, *v_cache;
+    const int32_t *block_tables;
+    const int64_t *prompts, *item_starts;
+    int64_t items, q_row_stride, table_stride, num_heads, num_kv_heads, head_dim, block_size, window;
+    float scale;
+    int dtype;
+    void *out;
+};
+
+/* Item `item` counted from the last: a prompt's last tiles attend the most keys, so they go first. */
+static void run_prefill_item(const void *context, int64_t item, float *scratch) {
+    const struct prefill_call *c = (const struct prefill_call *)context;
+    const int64_t k = c->items - 1 - item;
+    int64_t i = 0;
+    while (c->item_starts[i + 1] <= k) i++;
+    const int64_t *p = c->prompts + i * PROMPT_FIELDS;
+    const int64_t local = k - c->item_starts[i], tile = local / c->num_kv_heads, kv_head = local % c->num_kv_heads;
+    const int64_t query_len = p[2], seq_len = p[3];
+    const int64_t r0 = tile * PREFILL_ROWS, r1 = r0 + PREFILL_ROWS < query_len ? r0 + PREFILL_ROWS : query_len;
+    prefill_item(c->q, c->q_row_stride, c->k_cache, c->v_cache, c->block_tables + p[0] * c->table_stride, p[1],
+                 seq_len - query_len, r0, r1, kv_head, c->num_heads, c->num_kv_heads, c->head_dim, c->block_size,
+                 c->window, c->scale, c->dtype, c->out, scratch);
+}
+
 /* Attention of the new rows of n prompts (query_len > 1), each over its own keys, causally.
  *   prompts     [n, PROMPT_FIELDS]: block table row, first row in q / out, query_len, seq_len
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart)
@@ -1115,33 +1171,14 @@ int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, cons
         const int64_t tiles = (prompts[i * PROMPT_FIELDS + 2] + PREFILL_ROWS - 1) / PREFILL_ROWS;
         item_starts[i + 1] = item_starts[i] + tiles * num_kv_heads;
     }
-    const int64_t items = item_starts[n];
     const int64_t max_keys = window > 0 && window + PREFILL_ROWS < max_seq_len ? window + PREFILL_ROWS : max_seq_len;
-    const size_t scratch_floats = prefill_scratch_floats(max_keys, num_heads / num_kv_heads, head_dim);
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* Last items first: a prompt's last tiles attend the most keys. */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t k = items - 1; k >= 0; k--) {
-            if (scratch == NULL) continue;
-            int64_t i = 0;
-            while (item_starts[i + 1] <= k) i++;
-            const int64_t *p = prompts + i * PROMPT_FIELDS;
-            const int64_t local = k - item_starts[i], tile = local / num_kv_heads, kv_head = local % num_kv_heads;
-            const int64_t query_len = p[2], seq_len = p[3];
-            const int64_t r0 = tile * PREFILL_ROWS, r1 = r0 + PREFILL_ROWS < query_len ? r0 + PREFILL_ROWS : query_len;
-            prefill_item(q, q_row_stride, k_cache, v_cache, block_tables + p[0] * table_stride, p[1],
-                         seq_len - query_len, r0, r1, kv_head, num_heads, num_kv_heads, head_dim, block_size, window,
-                         scale, dtype, out, scratch);
-        }
-        free(scratch);
-    }
+    const struct prefill_call call = {
+        .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .prompts = prompts,
+        .item_starts = item_starts, .items = item_starts[n], .q_row_stride = q_row_stride,
+        .table_stride = table_stride, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+        .block_size = block_size, .window = window, .scale = scale, .dtype = dtype, .out = out};
+    const int failed = run_items(item_starts[n], prefill_scratch_floats(max_keys, num_heads / num_kv_heads, head_dim),
+                                 num_threads, run_prefill_item, &call);
     free(item_starts);
     return failed;
 }
