@@ -3,12 +3,17 @@
 tokens/s = generated tokens / wall time of the timed region (all requests submitted at once, until the
 last finishes). Model load and a short warm-up request are done first and not counted. Every system
 must generate exactly the requested number of tokens for every request, or its result is marked invalid.
+With several rounds the systems alternate (the order reversed every other round, so that no system always
+runs after the same one) and each system's median round is reported, with every round's tokens/s and the
+ratios of the runs of the same round: a machine whose speed drifts by the minute moves those less than a
+single pair.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -51,6 +56,8 @@ class SystemResult:
     # The machine's 1-minute load average when the system started (others' work skews shared-CPU figures).
     load_average: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
+    # tokens/s of every round, in order (the result is the median round's); one entry for one round.
+    rounds_tokens_per_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -58,8 +65,11 @@ class OfflineReport:
     workload: dict[str, Any]
     environment: dict[str, Any]
     results: list[SystemResult]
-    # "A/B": tokens/s of A divided by tokens/s of B, for our continuous engine against every other system.
+    # "A/B": tokens/s of A divided by tokens/s of B, for our continuous engine against every other system
+    # (of the median rounds).
     ratios: dict[str, float]
+    # The same ratios round by round (runs of the same round; a system is "ok" only if every round was).
+    round_ratios: dict[str, list[float]] = field(default_factory=dict)
 
 
 def check_lengths(run: SystemRun, settings: BenchSettings) -> str:
@@ -113,21 +123,27 @@ def run_system(system: System, settings: BenchSettings, say: Any) -> tuple[Syste
     return result, run
 
 
-def run_offline(names: list[str], settings: BenchSettings, say: Any) -> OfflineReport:
+def run_offline(names: list[str], settings: BenchSettings, say: Any, rounds: int = 1) -> OfflineReport:
     import torch
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    results: list[SystemResult] = []
-    reference: list[list[int]] | None = None
-    runs: dict[str, SystemRun] = {}
-    for name in names:
-        result, run = run_system(SYSTEMS[name], settings, say)
-        results.append(result)
-        if run is not None and result.status == "ok":
-            runs[name] = run
-            if name == REFERENCE:
-                reference = run.outputs
+    per_round: dict[str, list[SystemResult]] = {name: [] for name in names}
+    runs: dict[str, SystemRun] = {}  # each system's first good run: its outputs are compared
+    for round_index in range(rounds):
+        order = names if round_index % 2 == 0 else names[::-1]
+        if rounds > 1:
+            say(f"round {round_index + 1}/{rounds}: {', '.join(order)}")
+        for name in order:
+            earlier = per_round[name]
+            if earlier and earlier[-1].status != "ok":
+                continue  # skipped, failed or invalid: once is enough
+            result, run = run_system(SYSTEMS[name], settings, say)
+            earlier.append(result)
+            if run is not None and result.status == "ok":
+                runs.setdefault(name, run)
+    results = [_median_round(per_round[name]) for name in names]
+    reference = runs[REFERENCE].outputs if REFERENCE in runs else None
     if reference is not None:
         for result in results:
             if result.name in runs:
@@ -136,6 +152,14 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any) -> OfflineR
     ok = {r.name: r for r in results if r.status == "ok" and r.tokens_per_s > 0}
     ratios = {
         f"{OURS}/{name}": ok[OURS].tokens_per_s / result.tokens_per_s
+        for name, result in ok.items()
+        if OURS in ok and name != OURS
+    }
+    round_ratios = {
+        f"{OURS}/{name}": [
+            ours / other
+            for ours, other in zip(ok[OURS].rounds_tokens_per_s, result.rounds_tokens_per_s, strict=True)
+        ]
         for name, result in ok.items()
         if OURS in ok and name != OURS
     }
@@ -154,6 +178,7 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any) -> OfflineR
         "max_slots": settings.max_slots,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "sampling": "greedy, ignore_eos, exact output lengths",
+        "rounds": rounds,
     }
     environment = {
         "cpus": os.cpu_count(),
@@ -163,7 +188,18 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any) -> OfflineR
         "python": sys.version.split()[0],
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    return OfflineReport(workload, environment, results, ratios)
+    return OfflineReport(workload, environment, results, ratios, round_ratios)
+
+
+def _median_round(results: list[SystemResult]) -> SystemResult:
+    """One system's rounds as one result: the median round's (the lower middle one of an even count), with
+    every round's tokens/s; a system that did not run cleanly every round is its last result."""
+    if any(r.status != "ok" for r in results):
+        return results[-1]
+    speeds = [r.tokens_per_s for r in results]
+    median = next(r for r in results if r.tokens_per_s == statistics.median_low(speeds))
+    median.rounds_tokens_per_s = speeds
+    return median
 
 
 def format_table(report: OfflineReport) -> str:
@@ -184,6 +220,13 @@ def format_table(report: OfflineReport) -> str:
             f"{r.name:<22}{r.tokens_per_s:>10.1f}{r.seconds:>9.1f}{r.setup_seconds:>9.1f}"
             f"{r.generated_tokens:>8}{same:>12}{r.load_average:>6.1f}  {ratio}"
         )
+    for r in report.results:
+        if len(r.rounds_tokens_per_s) > 1:
+            speeds = ", ".join(f"{v:.1f}" for v in r.rounds_tokens_per_s)
+            lines.append(f"{r.name} by round: {speeds} tokens/s (the median round above)")
+    for pair, values in report.round_ratios.items():
+        if len(values) > 1:
+            lines.append(f"{pair} by round: {', '.join(f'{v:.2f}x' for v in values)}")
     lines.append(f"{report.workload['dtype']} on {report.environment.get('cpu', 'an unknown CPU')}")
     return "\n".join(lines)
 

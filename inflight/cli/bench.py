@@ -106,6 +106,13 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system this many times, alternating (the order reversed every other round); "
+        "each system's median round is reported, with the ratios round by round (default: 1)",
+    )
     add_batching_args(parser)
     parser.add_argument(
         "--dtype",
@@ -149,9 +156,11 @@ def _say(message: str) -> None:
 
 def run_offline_command(args: argparse.Namespace) -> int:
     names = _parse_systems(args.compare)
-    counts = (args.num_requests, args.max_slots, args.max_num_batched_tokens, args.threads or 1)
+    counts = (args.num_requests, args.max_slots, args.max_num_batched_tokens, args.threads or 1, args.rounds)
     if min(counts) < 1:
-        raise SystemExit("--num-requests, --max-slots, --max-num-batched-tokens and --threads must be >= 1")
+        raise SystemExit(
+            "--num-requests, --max-slots, --max-num-batched-tokens, --threads and --rounds must be >= 1"
+        )
     from inflight.bench.offline import format_table, run_offline, write_outputs
     from inflight.bench.system import BenchSettings
     from inflight.bench.workload import load_workload
@@ -182,7 +191,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
     )
-    report = run_offline(names, settings, _say)
+    report = run_offline(names, settings, _say, rounds=args.rounds)
     print(format_table(report))
     for path in write_outputs(report, args.out):
         _say(f"bench: wrote {path}")

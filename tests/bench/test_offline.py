@@ -70,6 +70,51 @@ def test_ratios_validation_skips_and_failures(monkeypatch: pytest.MonkeyPatch, t
     assert "4.00x" in table and "not installed" in table and "boom" in table
 
 
+def test_rounds_alternate_and_report_the_median_round(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+
+    def timed(name: str, seconds: list[float]) -> System:
+        times = iter(seconds)
+
+        def run(settings: BenchSettings) -> SystemRun:
+            calls.append(name)
+            return SystemRun([[7] * r.output_len for r in settings.requests], next(times), 0.5)
+
+        return System(name, f"fake {name}", lambda _settings: None, run)
+
+    systems = {
+        "vllm": timed("vllm", [2.0, 4.0, 1.0]),
+        "hf-naive": fake("hf-naive", 1.0, missing="not installed"),
+        "inflight-continuous": timed("inflight-continuous", [1.0, 1.0, 2.0]),
+    }
+    monkeypatch.setattr(offline, "SYSTEMS", systems)
+    requests = make_workload(vocab=100, excluded_ids=set(), num_requests=2, output_lengths=(5, 5))
+    report = offline.run_offline(list(systems), settings_for(requests), lambda _message: None, rounds=3)
+
+    # every other round runs the systems in reverse order; a skipped system is not retried
+    assert calls == [
+        "vllm",
+        "inflight-continuous",
+        "inflight-continuous",
+        "vllm",
+        "vllm",
+        "inflight-continuous",
+    ]
+    by_name = {r.name: r for r in report.results}
+    assert by_name["hf-naive"].status == "skipped"
+    tokens = 10
+    assert by_name["vllm"].rounds_tokens_per_s == [tokens / 2.0, tokens / 4.0, tokens / 1.0]
+    assert by_name["vllm"].tokens_per_s == tokens / 2.0  # the median round
+    assert by_name["inflight-continuous"].tokens_per_s == tokens / 1.0
+    assert report.ratios == {"inflight-continuous/vllm": pytest.approx(2.0)}
+    assert report.round_ratios == {"inflight-continuous/vllm": pytest.approx([2.0, 4.0, 0.5])}
+    offline.write_outputs(report, tmp_path)
+    assert "inflight-continuous/vllm by round: 2.00x, 4.00x, 0.50x" in (tmp_path / "offline.txt").read_text()
+    assert json.loads((tmp_path / "offline.json").read_text())["workload"]["rounds"] == 3
+
+
 def test_vllm_without_an_environment_is_skipped_with_the_fix() -> None:
     from inflight.bench.vllm_cpu import SYSTEM
 
