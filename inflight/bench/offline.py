@@ -66,7 +66,7 @@ class OfflineReport:
     environment: dict[str, Any]
     results: list[SystemResult]
     # "A/B": tokens/s of A divided by tokens/s of B, for our continuous engine against every other system
-    # (of the median rounds).
+    # (with several rounds, the median of the rounds' ratios).
     ratios: dict[str, float]
     # The same ratios round by round (runs of the same round; a system is "ok" only if every round was).
     round_ratios: dict[str, list[float]] = field(default_factory=dict)
@@ -150,11 +150,6 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any, rounds: int
                 outputs = runs[result.name].outputs
                 result.identical_to_reference = sum(a == b for a, b in zip(outputs, reference, strict=True))
     ok = {r.name: r for r in results if r.status == "ok" and r.tokens_per_s > 0}
-    ratios = {
-        f"{OURS}/{name}": ok[OURS].tokens_per_s / result.tokens_per_s
-        for name, result in ok.items()
-        if OURS in ok and name != OURS
-    }
     round_ratios = {
         f"{OURS}/{name}": [
             ours / other
@@ -163,6 +158,8 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any, rounds: int
         for name, result in ok.items()
         if OURS in ok and name != OURS
     }
+    # Runs of the same round are the closest in time: the ratio is the median of the rounds' ratios.
+    ratios = {pair: statistics.median(values) for pair, values in round_ratios.items()}
     requests = settings.requests
     workload = {
         "model_dir": str(settings.model_dir),
@@ -208,17 +205,17 @@ def format_table(report: OfflineReport) -> str:
         f"  {OURS} is"
     )
     lines = [header, "-" * len(header)]
-    ours = next((r for r in report.results if r.name == OURS and r.status == "ok"), None)
     for r in report.results:
         if r.status != "ok":
             lines.append(f"{r.name:<22}{r.status:>10}  {r.message}")
             continue
         total = report.workload["num_requests"]
         same = "" if r.identical_to_reference is None else f"{r.identical_to_reference}/{total}"
-        ratio = f"{ours.tokens_per_s / r.tokens_per_s:.2f}x" if ours and r is not ours else ""
+        ratio = report.ratios.get(f"{OURS}/{r.name}")
+        ratio_text = f"{ratio:.2f}x" if ratio is not None else ""
         lines.append(
             f"{r.name:<22}{r.tokens_per_s:>10.1f}{r.seconds:>9.1f}{r.setup_seconds:>9.1f}"
-            f"{r.generated_tokens:>8}{same:>12}{r.load_average:>6.1f}  {ratio}"
+            f"{r.generated_tokens:>8}{same:>12}{r.load_average:>6.1f}  {ratio_text}"
         )
     for r in report.results:
         if len(r.rounds_tokens_per_s) > 1:
@@ -252,7 +249,6 @@ def plot(report: OfflineReport, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ran = [r for r in report.results if r.status == "ok"]
-    ours = next((r for r in ran if r.name == OURS), None)
     fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(ran), 1) + 1.5))
     names = [r.name for r in ran]
     values = [r.tokens_per_s for r in ran]
@@ -261,8 +257,9 @@ def plot(report: OfflineReport, path: Path) -> None:
     ax.invert_yaxis()
     for y, r in enumerate(ran):
         label = f"{r.tokens_per_s:.0f}"
-        if ours is not None and r is not ours:
-            label += f"  ({OURS} {ours.tokens_per_s / r.tokens_per_s:.2f}x)"
+        ratio = report.ratios.get(f"{OURS}/{r.name}")
+        if ratio is not None:
+            label += f"  ({OURS} {ratio:.2f}x)"
         ax.text(r.tokens_per_s, y, " " + label, va="center", fontsize=9)
     ax.set_xlabel("generated tokens/s (higher is better)")
     w = report.workload

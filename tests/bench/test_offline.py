@@ -85,9 +85,9 @@ def test_rounds_alternate_and_report_the_median_round(
         return System(name, f"fake {name}", lambda _settings: None, run)
 
     systems = {
-        "vllm": timed("vllm", [2.0, 4.0, 1.0]),
+        "vllm": timed("vllm", [2.0, 1.0, 4.0]),
         "hf-naive": fake("hf-naive", 1.0, missing="not installed"),
-        "inflight-continuous": timed("inflight-continuous", [1.0, 1.0, 2.0]),
+        "inflight-continuous": timed("inflight-continuous", [0.5, 1.0, 1.0]),
     }
     monkeypatch.setattr(offline, "SYSTEMS", systems)
     requests = make_workload(vocab=100, excluded_ids=set(), num_requests=2, output_lengths=(5, 5))
@@ -105,13 +105,15 @@ def test_rounds_alternate_and_report_the_median_round(
     by_name = {r.name: r for r in report.results}
     assert by_name["hf-naive"].status == "skipped"
     tokens = 10
-    assert by_name["vllm"].rounds_tokens_per_s == [tokens / 2.0, tokens / 4.0, tokens / 1.0]
+    assert by_name["vllm"].rounds_tokens_per_s == [tokens / 2.0, tokens / 1.0, tokens / 4.0]
     assert by_name["vllm"].tokens_per_s == tokens / 2.0  # the median round
     assert by_name["inflight-continuous"].tokens_per_s == tokens / 1.0
-    assert report.ratios == {"inflight-continuous/vllm": pytest.approx(2.0)}
-    assert report.round_ratios == {"inflight-continuous/vllm": pytest.approx([2.0, 4.0, 0.5])}
+    assert report.round_ratios == {"inflight-continuous/vllm": pytest.approx([4.0, 1.0, 4.0])}
+    # the median of the rounds' ratios (4x), not the ratio of the median rounds (2x)
+    assert report.ratios == {"inflight-continuous/vllm": pytest.approx(4.0)}
     offline.write_outputs(report, tmp_path)
-    assert "inflight-continuous/vllm by round: 2.00x, 4.00x, 0.50x" in (tmp_path / "offline.txt").read_text()
+    table = (tmp_path / "offline.txt").read_text()
+    assert "inflight-continuous/vllm by round: 4.00x, 1.00x, 4.00x" in table and "4.00x\n" in table
     assert json.loads((tmp_path / "offline.json").read_text())["workload"]["rounds"] == 3
 
 
