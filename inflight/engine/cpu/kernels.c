@@ -729,6 +729,11 @@ static ALWAYS_INLINE void visit_chunks(const struct item_ctx *c, const struct it
     (void)bf16;
 }
 
+/* The first key a row attending keys [0, keys) reads: 0, or the start of the sliding window. */
+static inline int64_t window_start(int64_t keys, int64_t window) {
+    return window > 0 && keys > window ? keys - window : 0;
+}
+
 /* One item: KV heads [head_begin, head_end) of one sequence. For each chunk of tokens every head of the
  * range is done before the next chunk, so a block is read from memory once while it is hot; `wide`: the
  * AVX-512 chunks (AVX-512 builds only), for `dtype` fixed at compile time. */
@@ -739,7 +744,7 @@ static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, co
                                          float *scratch, int wide) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t heads = (head_end - head_begin) * group; /* query heads of this item */
-    const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    const int64_t first = window_start(seq_len, window);
     const int64_t len = seq_len - first;
     struct item_buffers b = item_buffers(scratch, heads, len, head_dim);
     const int64_t query_offset = row * q_row_stride + head_begin * group * head_dim;
@@ -884,7 +889,7 @@ enum { PROMPT_FIELDS = 4 };
 struct prefill_tiles {
     float *kt;      /* [head_dim][stride]: keys klo .. klo + n - 1, zero past n */
     float *v;       /* [n][head_dim] */
-    float *queries; /* [vectors][head_dim], scaled */
+    float *queries; /* [vectors][head_dim], scaled; bfloat16 dot products: [vectors][head_dim / 2] pairs */
     float *scores;  /* [vectors][stride]: scores, then softmax weights (zero outside each row's keys) */
     float *inv;     /* [vectors]: 1 / sum of each vector's weights */
     int64_t stride; /* n rounded up to KEY_PAD */
@@ -1011,7 +1016,7 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
                          float scale, int dtype, void *out, float *scratch) {
     const int64_t group = num_heads / num_kv_heads, vectors = (r1 - r0) * group;
     const int64_t padded = padded_vectors(r1 - r0, group);
-    const int64_t klo = (window > 0 && ctx + r0 + 1 > window) ? ctx + r0 + 1 - window : 0;
+    const int64_t klo = window_start(ctx + r0 + 1, window);
     const int64_t n = ctx + r1 - klo;
     struct prefill_tiles t;
     t.stride = (n + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
@@ -1049,22 +1054,21 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
         for (int64_t d = 0; d < head_dim; d++)
             for (int64_t j = n; j < t.stride; j++) t.kt[d * t.stride + j] = 0.0f;
     }
-    for (int64_t i = 0; pairs && i < padded; i++) {
-        const int64_t r = r0 + i / group, h = kv_head * group + i % group;
-        if (i < vectors)
-            memcpy(q2 + i * pairs, (const uint16_t *)q + (first_row + r) * q_row_stride + h * head_dim,
-                   sizeof(uint16_t) * (size_t)head_dim);
-        else
-            memset(q2 + i * pairs, 0, sizeof(uint16_t) * (size_t)head_dim);
-    }
-    for (int64_t i = 0; !pairs && i < padded; i++) {
-        float *x = t.queries + i * head_dim;
-        if (i < vectors) {
-            const int64_t r = r0 + i / group, h = kv_head * group + i % group;
-            load_as_float(q, (first_row + r) * q_row_stride + h * head_dim, head_dim, dtype, x);
-            for (int64_t d = 0; d < head_dim; d++) x[d] *= scale;
+    /* The queries: bfloat16 pairs as they lie, or scaled floats; the padding vectors zero. */
+    const size_t query_bytes = (pairs ? sizeof(uint16_t) : sizeof(float)) * (size_t)head_dim;
+    for (int64_t i = 0; i < padded; i++) {
+        void *x = pairs ? (void *)(q2 + i * pairs) : (void *)(t.queries + i * head_dim);
+        if (i >= vectors) {
+            memset(x, 0, query_bytes);
+            continue;
+        }
+        const int64_t offset = (first_row + r0 + i / group) * q_row_stride + (kv_head * group + i % group) * head_dim;
+        if (pairs) {
+            memcpy(x, (const uint16_t *)q + offset, query_bytes);
         } else {
-            memset(x, 0, sizeof(float) * (size_t)head_dim);
+            float *xf = (float *)x;
+            load_as_float(q, offset, head_dim, dtype, xf);
+            for (int64_t d = 0; d < head_dim; d++) xf[d] *= scale;
         }
     }
     /* Scores, 8 vectors at a time, over the keys the block's last row attends. */
@@ -1088,7 +1092,7 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
     /* Exact softmax of each vector over its row's keys; weights outside them are zero. */
     for (int64_t i = 0; i < vectors; i++) {
         const int64_t r = r0 + i / group, end = ctx + r + 1 - klo;
-        const int64_t begin = (window > 0 && ctx + r + 1 > window) ? ctx + r + 1 - window - klo : 0;
+        const int64_t begin = window_start(ctx + r + 1, window) - klo;
         float *s = t.scores + i * t.stride;
         float peak = -INFINITY;
 #pragma omp simd reduction(max : peak)
@@ -1108,7 +1112,7 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
     for (int64_t i0 = 0; i0 < vectors; i0 += 4) {
         const int64_t last = i0 + 4 < vectors ? i0 + 3 : vectors - 1;
         const int64_t r_first = r0 + i0 / group, r_last = r0 + last / group;
-        const int64_t from = (window > 0 && ctx + r_first + 1 > window) ? ctx + r_first + 1 - window - klo : 0;
+        const int64_t from = window_start(ctx + r_first + 1, window) - klo;
         const int64_t to = ctx + r_last + 1 - klo;
 #if defined(__AVX512F__)
         if (head_dim % 64 == 0) {
