@@ -133,6 +133,15 @@ def test_cli_rejects_unknown_systems() -> None:
         run_offline_command(args)
 
 
+def test_cli_rejects_zero_rounds() -> None:
+    from inflight.cli import build_parser
+
+    command = ["bench", "offline", "--compare", "inflight-continuous", "--rounds", "0"]
+    args = build_parser().parse_args(command)
+    with pytest.raises(SystemExit, match="--rounds must be >= 1"):
+        run_offline_command(args)
+
+
 def test_real_systems_agree_token_for_token_on_a_tiny_model(tiny_llama_dir: Path) -> None:
     """transformers (one at a time, padded batches, its continuous batching) and both inflight schedulers
     run the harness end to end and produce the same greedy tokens with the exact requested lengths."""
