@@ -9,6 +9,8 @@
   one pending delta per request, so a client that stops reading costs memory in proportion to its
   output, never one copy per step. Closing a generation early (client gone) aborts its requests: the
   engine frees their KV blocks before its next step.
+- The heap the engine starts with is frozen out of garbage collection once it is warm
+  (`freeze_startup_heap`): full collections then skip the model and the app.
 - Back-pressure: at most `max_slots + max_queue` sequences may be in flight; beyond that `submit()`
   raises `QueueFullError` with a Retry-After estimate (the server answers 429).
 - Isolation: a request the engine rejects fails alone; so does one whose sampling or output processing
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import threading
@@ -139,6 +142,16 @@ class Generation:
         """Abort whatever has not finished (idempotent); the engine frees those KV blocks."""
         if self.unfinished:
             self.engine.abort(self)
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (model, tokenizer, the server's app: about 350,000 in a SmolLM2 server)
+    out of the garbage collector's reach. A full collection walks them all, holding the GIL for 150-280 ms
+    on the CPU machine of docs/benchmarks.md, and the engine thread needs the GIL between every two torch
+    ops: each one was a stall in every stream. Frozen objects are still freed when their last reference
+    goes; only cycles among them wait for `gc.unfreeze()`, which the engine thread calls when it stops."""
+    gc.collect()
+    gc.freeze()
 
 
 class AsyncEngine:
@@ -380,6 +393,7 @@ class AsyncEngine:
             engine.max_model_len,
             f"{engine.config.scheduler} scheduler",
         )
+        freeze_startup_heap()
         self._post(self._set_ready)
         try:
             self._serve(engine)
@@ -387,6 +401,7 @@ class AsyncEngine:
             logger.exception("the engine loop stopped")
             self._post(self._set_failed, error)
         finally:
+            gc.unfreeze()
             engine.close()
 
     def _engine_died(self, error: BaseException) -> None:

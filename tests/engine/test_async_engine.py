@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -257,6 +258,22 @@ async def test_drain_cuts_what_is_left_at_the_timeout(scripted: tuple) -> None:
     with pytest.raises(RequestAbortedError):
         await collect(endless)
     assert async_engine.state == "draining"
+
+
+async def test_the_startup_heap_is_frozen_while_serving_and_thawed_when_the_engine_stops() -> None:
+    engine = ScriptedEngine()
+    startup_object = [engine]  # alive before the engine starts, like the model and the app
+    async_engine = AsyncEngine(lambda: engine, max_slots=2, max_queue=1)  # type: ignore[arg-type,return-value]
+    async_engine.start()
+    await async_engine.wait_ready()
+    # Full collections skip frozen objects; gc.get_objects() lists only the collected generations.
+    assert gc.get_freeze_count() > 0
+    assert not any(o is startup_object for o in gc.get_objects())
+    assert (await collect(async_engine.submit([request("a")])))[-1].finished
+    await async_engine.drain(timeout=0)
+    await async_engine.stop()
+    await eventually(lambda: gc.get_freeze_count() == 0, "the engine thread to thaw the heap")
+    assert any(o is startup_object for o in gc.get_objects())
 
 
 async def test_a_failed_load_is_reported() -> None:
