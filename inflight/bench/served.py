@@ -5,7 +5,8 @@ ignore_eos and max_tokens = the request's output length, so the server generates
 offline engine does. Measured per request: time to first token (TTFT), the gaps between streamed chunks
 (inter-token latency, ITL: one chunk per engine step, several steps merged when the server lags),
 end-to-end latency, time per output token after the first (TPOT, which unlike ITL does not depend on
-how tokens are packed into chunks), and output tokens (from the stream's usage). Then the same workload
+how tokens are packed into chunks), and output tokens (from the stream's usage); per server and round,
+the CPU its processes and the client used per output token. Then the same workload
 runs through the offline engine in this process with the same engine settings, and the report gives
 served output tokens/s divided by offline tokens/s.
 """
@@ -201,6 +202,34 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     }
 
 
+def process_group_cpu_seconds(pgid: int) -> float | None:
+    """User + system CPU seconds used so far by the live processes of process group `pgid` (a server and
+    the processes it started: vLLM's engine core and worker), from Linux's /proc; None without /proc."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    ticks = 0
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        # After "pid (comm) ": state, ppid, pgrp, ... utime and stime are the 12th and 13th.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_output_token(cpu_seconds: float | None, output_tokens: int) -> float | None:
+    """Microseconds of CPU per output token, rounded; None when unmeasured or nothing was generated."""
+    if cpu_seconds is None or output_tokens == 0:
+        return None
+    return round(cpu_seconds / output_tokens * 1e6, 1)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -217,6 +246,12 @@ class ServedSystem:
     model: str
     ready_path: str
     process: subprocess.Popen[bytes] | None = None
+
+    def cpu_seconds(self) -> float | None:
+        """CPU used so far by this server's processes; None for a server the benchmark did not start."""
+        if self.process is None:
+            return None
+        return process_group_cpu_seconds(self.process.pid)
 
     def pause(self) -> None:
         """Stop every process of this server (SIGSTOP to its process group) while another system is
@@ -392,7 +427,8 @@ def _median_round(
 
 
 def _ratios(inflight: dict[str, Any], other: dict[str, Any]) -> dict[str, float | None]:
-    """inflight over `other`: throughput (higher is better), latencies as inflight's / other's."""
+    """inflight over `other`: throughput (higher is better); latencies and server CPU per token as
+    inflight's / other's (lower is better)."""
 
     def over(a: float | None, b: float | None) -> float | None:
         return None if a is None or not b else round(a / b, 3)
@@ -403,6 +439,9 @@ def _ratios(inflight: dict[str, Any], other: dict[str, Any]) -> dict[str, float 
         "itl_p50": over(inflight["itl_ms"]["p50"], other["itl_ms"]["p50"]),
         "itl_p99": over(inflight["itl_ms"]["p99"], other["itl_ms"]["p99"]),
         "tpot_p50": over(inflight["tpot_ms"]["p50"], other["tpot_ms"]["p50"]),
+        "server_cpu_per_output_token": over(
+            inflight.get("server_cpu_us_per_output_token"), other.get("server_cpu_us_per_output_token")
+        ),
     }
 
 
@@ -496,13 +535,27 @@ def _run_rate(
                     other.resume()
                 else:
                     other.pause()
+            server_cpu, client_cpu = system.cpu_seconds(), time.process_time()
             results, duration = asyncio.run(run_clients(system.url, system.model, requests, rate, args.seed))
             summary = summarize(results, duration)
+            client_cpu = time.process_time() - client_cpu
+            server_cpu_after = system.cpu_seconds()
+            if server_cpu is not None and server_cpu_after is not None:
+                server_cpu = server_cpu_after - server_cpu
+            # Both share the machine with the engine: CPU they use is CPU its threads wait for.
+            summary["server_cpu_us_per_output_token"] = cpu_per_output_token(
+                server_cpu, summary["output_tokens"]
+            )
+            summary["client_cpu_us_per_output_token"] = cpu_per_output_token(
+                client_cpu, summary["output_tokens"]
+            )
             _say(
                 f"{system.name}: {summary['completed']}/{summary['requests']} ok in "
                 f"{summary['duration_s']} s, {summary['output_tokens_per_s']:.1f} output tokens/s, "
                 f"TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
-                f"TPOT p50 {summary['tpot_ms']['p50']} ms"
+                f"TPOT p50 {summary['tpot_ms']['p50']} ms; CPU per output token: server "
+                f"{summary['server_cpu_us_per_output_token']} us, "
+                f"client {summary['client_cpu_us_per_output_token']} us"
             )
             rounds.setdefault(system.name, []).append((summary, results))
         if not args.skip_offline:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +16,9 @@ from inflight.bench.served import (
     RequestResult,
     _inflight_command,
     _vllm_command,
+    cpu_per_output_token,
     percentile,
+    process_group_cpu_seconds,
     run_clients,
     summarize,
     time_per_output_token,
@@ -74,3 +80,37 @@ def test_bench_serve_runs_every_round_cold_on_both_servers(tmp_path: Path) -> No
     cached = build_parser().parse_args(["bench", "serve", "--enable-prefix-caching"])
     assert "--enable-prefix-caching" in _vllm_command(cached, tmp_path, 8001, 300)
     assert "--no-enable-prefix-caching" not in _inflight_command(cached, tmp_path, 8000, 100)
+
+
+BURN_THEN_WAIT = """
+import sys, time
+while time.process_time() < 0.3:
+    pass
+print("burnt", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_servers_cpu_counts_every_process_of_its_group() -> None:
+    """The CPU a server used is its process group's: vLLM's API server leaves the work to the engine core
+    and worker processes it starts, as this parent leaves it to its child."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {BURN_THEN_WAIT!r}]); "
+            "time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"burnt\n"
+        used = process_group_cpu_seconds(parent.pid)
+        assert used is not None and used >= 0.3
+        assert process_group_cpu_seconds(os.getpgid(0)) != used  # another group: not this one's
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    assert cpu_per_output_token(0.5, 1000) == 500.0
+    assert cpu_per_output_token(None, 1000) is None and cpu_per_output_token(0.5, 0) is None
