@@ -10,7 +10,7 @@ from torch import nn
 
 from inflight.engine.cpu import linear as cpu_linear
 from inflight.engine.cpu.isa import CpuIsa, cpu_isa
-from inflight.engine.cpu.linear import PrepackedLinear, can_prepack, prepack_linears
+from inflight.engine.cpu.linear import PrepackedLinear, can_prepack, prepack_linears, warm_batch_sizes
 
 pytestmark = pytest.mark.skipif(
     not can_prepack(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
@@ -34,6 +34,46 @@ def test_prepack_replaces_every_linear_and_keeps_parameters() -> None:
     assert prepack_linears(model, batch_size_hint=4) == 2
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert dict(model.named_parameters()) == names_before
+
+
+def test_every_distinct_projection_shape_runs_once_at_each_decode_batch_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """oneDNN builds a GEMM primitive per shape and batch size, the first time it meets them; the warm-up
+    meets each before a request does, once (layers of the same shape share the primitive)."""
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 16), nn.Linear(8, 16, bias=False), nn.Linear(16, 8)
+    )
+    prepack_linears(model, batch_size_hint=4)
+    calls: list[tuple[int, int, bool, int]] = []
+    forward = PrepackedLinear.forward
+
+    def record(self: PrepackedLinear, x: torch.Tensor) -> torch.Tensor:
+        calls.append((self.out_features, self.in_features, self.bias is None, x.shape[0]))
+        return forward(self, x)
+
+    monkeypatch.setattr(PrepackedLinear, "forward", record)
+    assert warm_batch_sizes(model, max_batch_size=4) == 4
+    shapes = {(16, 8, False), (8, 16, False), (16, 8, True)}
+    assert sorted(calls) == sorted((*shape, rows) for shape in shapes for rows in range(1, 5))
+    # At most half of oneDNN's primitive cache: 3 shapes x 2 sizes of a 12-entry cache.
+    calls.clear()
+    monkeypatch.setattr(cpu_linear, "PRIMITIVE_CACHE_ENTRIES", 12)
+    assert warm_batch_sizes(model, max_batch_size=64) == 2
+    assert max(rows for *_, rows in calls) == 2
+    assert warm_batch_sizes(nn.Sequential(nn.ReLU()), max_batch_size=64) == 0
+
+
+def test_the_engine_warms_its_slots_batch_sizes(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path
+) -> None:
+    from inflight import LLM
+    from inflight.engine import engine as engine_module
+
+    warmed: list[int] = []
+    monkeypatch.setattr(engine_module, "warm_batch_sizes", lambda model, size: warmed.append(size) or size)
+    LLM(tiny_llama_dir, max_slots=3, num_kv_blocks=64, dtype="float32")
+    assert warmed == [3]
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -9,10 +9,19 @@ swaps the decoder layers' projections after loading; CUDA and other dtypes are l
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from torch import nn
 
 from inflight.engine.cpu.isa import cpu_isa
+
+logger = logging.getLogger("inflight.engine")
+
+# oneDNN keeps its GEMM primitives in one process-wide LRU cache of 1024 (its default capacity). The
+# batch sizes warmed take at most half of it, leaving the rest for prompt chunks' sizes.
+PRIMITIVE_CACHE_ENTRIES = 1024
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -72,3 +81,29 @@ def prepack_linears(model: nn.Module, batch_size_hint: int) -> int:
         model.lm_head = PrepackedLinear(tied, batch_size_hint)
         replaced += 1
     return replaced
+
+
+def warm_batch_sizes(model: nn.Module, max_batch_size: int) -> int:
+    """Run every distinct projection shape of `model` once at each batch size 1..`max_batch_size` (what
+    a decode step of that many sequences multiplies), so that oneDNN has built those GEMM primitives
+    before the first request: the first product at a new batch size costs about 0.6 ms more than the
+    next (docs/benchmarks.md), five shapes per size. Return how many sizes were warmed."""
+    by_shape: dict[tuple[int, int, bool], PrepackedLinear] = {}
+    for module in model.modules():
+        if isinstance(module, PrepackedLinear):
+            by_shape.setdefault((module.out_features, module.in_features, module.bias is None), module)
+    if not by_shape:
+        return 0
+    sizes = min(max_batch_size, PRIMITIVE_CACHE_ENTRIES // (2 * len(by_shape)))
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for rows in range(1, sizes + 1):
+            for linear in by_shape.values():
+                linear(torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
+    logger.debug(
+        "oneDNN GEMMs built for batch sizes 1..%d x %d shapes in %.2f s",
+        sizes,
+        len(by_shape),
+        time.perf_counter() - started,
+    )
+    return sizes
