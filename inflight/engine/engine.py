@@ -24,7 +24,7 @@ import torch
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu.allocator import retain_freed_memory
 from inflight.engine.cpu.isa import cpu_isa
-from inflight.engine.cpu.linear import can_prepack, prepack_linears, warm_batch_sizes
+from inflight.engine.cpu.linear import can_prepack, prepare_linears
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
@@ -89,8 +89,7 @@ class LLMEngine:
                 self.model_dir, self.dtype, self.device, world_size=config.tensor_parallel_size
             )
             if can_prepack(self.device, self.dtype):
-                prepack_linears(self.model, batch_size_hint=config.max_num_seqs)
-                warm_batch_sizes(self.model, config.max_num_seqs)
+                prepare_linears(self.model, config.max_num_seqs)
         else:
             self.tokenizer, self.model = donor.tokenizer, donor.model
         self.model_config: ModelConfig = self.model.config

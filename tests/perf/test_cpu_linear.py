@@ -68,10 +68,9 @@ def test_the_engine_warms_its_slots_batch_sizes(
     monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path
 ) -> None:
     from inflight import LLM
-    from inflight.engine import engine as engine_module
 
     warmed: list[int] = []
-    monkeypatch.setattr(engine_module, "warm_batch_sizes", lambda model, size: warmed.append(size) or size)
+    monkeypatch.setattr(cpu_linear, "warm_batch_sizes", lambda model, size: warmed.append(size) or size)
     LLM(tiny_llama_dir, max_slots=3, num_kv_blocks=64, dtype="float32")
     assert warmed == [3]
 

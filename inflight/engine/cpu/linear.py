@@ -83,11 +83,18 @@ def prepack_linears(model: nn.Module, batch_size_hint: int) -> int:
     return replaced
 
 
+def prepare_linears(model: nn.Module, max_batch_size: int) -> None:
+    """What a loaded CPU model gets before serving (engine and tensor-parallel ranks alike): prepacked
+    projections, and oneDNN's GEMMs built for every decode batch size up to `max_batch_size` (the slots)."""
+    prepack_linears(model, batch_size_hint=max_batch_size)
+    warm_batch_sizes(model, max_batch_size)
+
+
 def warm_batch_sizes(model: nn.Module, max_batch_size: int) -> int:
     """Run every distinct projection shape of `model` once at each batch size 1..`max_batch_size` (what
     a decode step of that many sequences multiplies), so that oneDNN has built those GEMM primitives
-    before the first request: the first product at a new batch size costs about 0.6 ms more than the
-    next (docs/benchmarks.md), five shapes per size. Return how many sizes were warmed."""
+    before the first request: the first product of a shape at a new batch size costs about 0.6 ms more
+    than the next (docs/benchmarks.md). Return how many sizes were warmed."""
     by_shape: dict[tuple[int, int, bool], PrepackedLinear] = {}
     for module in model.modules():
         if isinstance(module, PrepackedLinear):

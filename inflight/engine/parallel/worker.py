@@ -72,7 +72,7 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
     import torch.distributed as dist
 
     from inflight.engine.cpu.allocator import retain_freed_memory
-    from inflight.engine.cpu.linear import can_prepack, prepack_linears, warm_batch_sizes
+    from inflight.engine.cpu.linear import can_prepack, prepare_linears
     from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
     from inflight.engine.loader import load_model
     from inflight.engine.runner import allocate_kv_caches, run_model
@@ -95,8 +95,7 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
     config = spec.config
     model = load_model(spec.model_dir, dtype, device, rank=spec.rank, world_size=spec.world_size)
     if can_prepack(device, dtype):
-        prepack_linears(model, batch_size_hint=config.max_num_seqs)
-        warm_batch_sizes(model, config.max_num_seqs)
+        prepare_linears(model, config.max_num_seqs)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     block_bytes = kv_block_bytes(model.config, model.layout.kv_heads, config.block_size, dtype)
     pipe.send(("loaded", parameter_bytes, int(kv_budget_bytes(config, device) // block_bytes)))
