@@ -535,13 +535,14 @@ def _run_rate(
                     other.resume()
                 else:
                     other.pause()
-            server_cpu, client_cpu = system.cpu_seconds(), time.process_time()
+            server_before, client_before = system.cpu_seconds(), time.process_time()
             results, duration = asyncio.run(run_clients(system.url, system.model, requests, rate, args.seed))
             summary = summarize(results, duration)
-            client_cpu = time.process_time() - client_cpu
-            server_cpu_after = system.cpu_seconds()
-            if server_cpu is not None and server_cpu_after is not None:
-                server_cpu = server_cpu_after - server_cpu
+            client_cpu = time.process_time() - client_before
+            server_after = system.cpu_seconds()
+            server_cpu = (
+                None if server_before is None or server_after is None else server_after - server_before
+            )
             # Both share the machine with the engine: CPU they use is CPU its threads wait for.
             summary["server_cpu_us_per_output_token"] = cpu_per_output_token(
                 server_cpu, summary["output_tokens"]
