@@ -145,7 +145,7 @@ class Generation:
 
 
 def freeze_startup_heap() -> None:
-    """Move every object alive now (model, tokenizer, the server's app: about 350,000 in a SmolLM2 server)
+    """Move every object alive now (model, tokenizer, the server's app: about 345,000 in a `small` server)
     out of the garbage collector's reach. A full collection walks them all, holding the GIL for 150-280 ms
     on the CPU machine of docs/benchmarks.md, and the engine thread needs the GIL between every two torch
     ops: each one was a stall in every stream. Frozen objects are still freed when their last reference

@@ -1047,13 +1047,9 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
         }
         load_as_float(v_cache, offset, head_dim, dtype, t.v + j * head_dim);
     }
-    if (pairs) {
-        for (int64_t p = 0; p < pairs; p++)
-            for (int64_t j = n; j < t.stride; j++) kt2[p * t.stride + j] = 0;
-    } else {
-        for (int64_t d = 0; d < head_dim; d++)
-            for (int64_t j = n; j < t.stride; j++) t.kt[d * t.stride + j] = 0.0f;
-    }
+    /* Past the last key the tile is zero (0.0f and a zero bfloat16 pair are the same 32 bits). */
+    const int64_t kt_rows = pairs ? pairs : head_dim;
+    for (int64_t r = 0; r < kt_rows; r++) memset(t.kt + r * t.stride + n, 0, sizeof(float) * (size_t)(t.stride - n));
     /* The queries: bfloat16 pairs as they lie, or scaled floats; the padding vectors zero. */
     const size_t query_bytes = (pairs ? sizeof(uint16_t) : sizeof(float)) * (size_t)head_dim;
     for (int64_t i = 0; i < padded; i++) {
