@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 
 SEED_MASK = (1 << 63) - 1
@@ -53,7 +54,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, rows)
         greedy = all(r.params.greedy for r in rows)
-        chosen = logits.argmax(dim=-1) if greedy else self._sample(logits, rows)
+        chosen = argmax_rows(logits) if greedy else self._sample(logits, rows)
         token_ids: list[int] = chosen.tolist()
         if raw_logprobs is None:
             return [SampleResult(t, 0.0, None) for t in token_ids]
@@ -113,8 +114,8 @@ class Sampler:
                 generator = torch.Generator(device=device)
                 generator.manual_seed(hash((r.params.seed, r.index, r.output_position)) & SEED_MASK)
                 noise[i].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        sampled = argmax_rows(probs / noise)
+        return torch.where(greedy, argmax_rows(logits), sampled)
 
     def _top_k_top_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """`logits` with every token outside each row's top-k / top-p set at -inf (rows with neither
@@ -186,6 +187,17 @@ class Sampler:
                 top[token_ids[i]] = Logprob(chosen_list[i], ranks[i])
             results.append(SampleResult(token_ids[i], chosen_list[i], top))
         return results
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a float32 [rows, vocab] block: one C pass on CPU (torch's took 1.1 ms for
+    57 rows of 49152 logits, the C pass 0.2 ms: a few percent of a decode step), torch's elsewhere."""
+    library = cpu_kernels.library_for(x)
+    if library is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or not x.shape[1]:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    library.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> PositionLogprobs:

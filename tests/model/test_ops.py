@@ -35,13 +35,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 320: enough elements to split over threads
+@pytest.mark.parametrize("hidden", [320, 100])  # bfloat16 rows of 16-element vectors, and a tail
 def test_rms_norm_with_and_without_residual(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, torch_threads: int
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, hidden: int, torch_threads: int
 ) -> None:
     gen = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, 320, generator=gen) * 3).to(dtype)
-    residual = torch.randn(rows, 320, generator=gen).to(dtype)
-    weight = (torch.rand(320, generator=gen) + 0.5).to(dtype)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
 
     out, same = ops.rms_norm(x, weight, 1e-5)
     expected, _ = reference(monkeypatch, lambda: ops.rms_norm(x, weight, 1e-5))
@@ -57,11 +58,12 @@ def test_rms_norm_with_and_without_residual(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 200])
+@pytest.mark.parametrize("width", [352, 90])
 def test_silu_and_mul(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, torch_threads: int
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, width: int, torch_threads: int
 ) -> None:
     gen = torch.Generator().manual_seed(rows)
-    gate_up = (torch.randn(rows, 2 * 352, generator=gen) * 4).to(dtype)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 4).to(dtype)
     gate_up[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0, -0.0])  # saturation and zero
     out = ops.silu_and_mul(gate_up)
     assert_close(out, reference(monkeypatch, lambda: ops.silu_and_mul(gate_up)))

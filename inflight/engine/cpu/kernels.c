@@ -1,5 +1,6 @@
-/* Small C kernels for CPU inference: paged decode attention that reads K/V blocks where they lie, and
- * the model's elementwise steps fused into one pass each (add + RMSNorm, SiLU * up, rotary embedding).
+/* Small C kernels for CPU inference: paged decode attention that reads K/V blocks where they lie, the
+ * model's elementwise steps fused into one pass each (add + RMSNorm, SiLU * up, rotary embedding), and the
+ * greedy choice (each row's argmax).
  *
  * Compiled at first use by kernels.py (cc -O3 -march=native -fopenmp -fno-trapping-math -fno-math-errno:
  * without the last two gcc keeps float selects and sqrtf out of vector loops) and called through ctypes.
@@ -19,6 +20,14 @@
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
+/* Forced inlining: for the micro-kernels, so constant arguments specialize them; and for the prefetching
+ * functions, which gcc otherwise judges pure (they only prefetch) and drops. */
+#if defined(__GNUC__) || defined(__clang__)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE inline
+#endif
+
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;
@@ -37,36 +46,52 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* ---- bfloat16 rows <-> float rows ---------------------------------------------------------------- */
 
-/* bfloat16 -> float is exact (the bits shifted into the high half): with AVX-512, 16 at a time. */
+#if defined(__AVX512F__)
+/* 16 bfloat16 values as floats: exact (the bits shifted into the high half). */
+static ALWAYS_INLINE __m512 bf16x16_to_float(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static ALWAYS_INLINE __m512 bf16x16_load(const uint16_t *src) {
+    return bf16x16_to_float(_mm256_loadu_si256((const __m256i *)src));
+}
+
+/* 16 floats to bfloat16, round to nearest even like float_to_bf16. AVX512-BF16 does it in one instruction
+ * (which also treats float32 denormals, below 1.2e-38, as zero: a difference far below bfloat16's
+ * precision); plain AVX-512 does float_to_bf16's integer arithmetic 16 lanes at a time. */
+static ALWAYS_INLINE __m256i float_to_bf16x16(__m512 f) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                                    _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+static ALWAYS_INLINE void bf16x16_store(uint16_t *dst, __m512 f) {
+    _mm256_storeu_si256((__m256i *)dst, float_to_bf16x16(f));
+}
+
+/* f rounded to bfloat16 and back: where torch keeps an intermediate in bfloat16. */
+static ALWAYS_INLINE __m512 round_bf16x16(__m512 f) { return bf16x16_to_float(float_to_bf16x16(f)); }
+#endif
+
 static inline void bf16_to_float_n(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
-        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, bf16x16_load(src + i));
 #endif
     for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
 }
 
-/* float -> bfloat16, round to nearest even like float_to_bf16. AVX512-BF16 does it in one instruction
- * (which also treats float32 denormals, below 1.2e-38, as zero: a difference far below bfloat16's
- * precision); plain AVX-512 does float_to_bf16's integer arithmetic 16 lanes at a time. */
 static inline void float_to_bf16_n(const float *src, uint16_t *dst, int64_t n) {
     int64_t i = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-#elif defined(__AVX512F__)
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x400000);
-    for (; i + 16 <= n; i += 16) {
-        const __m512 f = _mm512_loadu_ps(src + i);
-        const __m512i bits = _mm512_castps_si512(f);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-        __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half, odd));
-        rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_or_si512(bits, quiet));
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-    }
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) bf16x16_store(dst + i, _mm512_loadu_ps(src + i));
 #endif
     for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
 }
@@ -106,6 +131,27 @@ static inline float exp_approx(float x) {
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+#if defined(__AVX512F__)
+/* exp_approx on 16 lanes, the same steps in the same order (NaN stays NaN: max/min return their second
+ * operand when either is NaN). */
+static ALWAYS_INLINE __m512 exp_approx16(__m512 x) {
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-88.0f), x));
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(12582912.0f));
+    const __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
 
 /* `n` elements at `offset` as floats: the memory itself for float32, converted into `tmp` for bfloat16. */
 static inline const float *row_as_float(const void *base, int64_t offset, int64_t n, int dtype, float *tmp) {
@@ -148,14 +194,6 @@ enum { CHUNK = 4 };
  * prefetches rows PREFETCH_BYTES ahead of the one it reads, in the order it reads them (K rows, then V
  * rows). 8 KiB: 4-24 KiB measured within a few percent; more competes with the chunk for L1. */
 enum { PREFETCH_BYTES = 8192 };
-
-/* Forced inlining: for the micro-kernels, so constant arguments specialize them; and for the prefetching
- * functions, which gcc otherwise judges pure (they only prefetch) and drops. */
-#if defined(__GNUC__) || defined(__clang__)
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define ALWAYS_INLINE inline
-#endif
 
 /* Non-temporal: the data will be evicted before anything reads it again, so it need not take space in
  * L2 / L3. */
@@ -1185,8 +1223,42 @@ int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, cons
 
 /* ---- the model's elementwise steps ---------------------------------------------------------------- */
 
-/* Rows are split over threads only when there is enough work to pay for waking them. */
-static inline int threads_for(int64_t elements, int num_threads) { return elements >= 65536 ? num_threads : 1; }
+/* Rows are split over threads only when there is enough work to pay for waking them: from 16384
+ * elements (a decode step's RMSNorm of 64 rows of 576 took 8.8 us on one thread, 5.8 on two). */
+static inline int threads_for(int64_t elements, int num_threads) { return elements >= 16384 ? num_threads : 1; }
+
+#if defined(__AVX512F__)
+/* One bfloat16 row of rms_norm (below) held in registers, 16 elements at a time: hidden % 16 == 0. The
+ * same roundings as the tiled path; the squares are summed in 16 lanes, then across them. */
+static void rms_norm_row_bf16x16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                                 int64_t hidden, float eps) {
+    __m512 sum_sq = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 16) {
+        __m512 h = bf16x16_load(x + i);
+        if (residual) {
+            h = round_bf16x16(_mm512_add_ps(h, bf16x16_load(residual + i)));
+            bf16x16_store(residual + i, h);
+        }
+        sum_sq = _mm512_fmadd_ps(h, h, sum_sq);
+    }
+    const uint16_t *src = residual ? residual : x;
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum_sq) / (float)hidden + eps));
+    for (int64_t i = 0; i < hidden; i += 16) {
+        const __m512 normed = round_bf16x16(_mm512_mul_ps(bf16x16_load(src + i), inv));
+        bf16x16_store(out + i, _mm512_mul_ps(normed, bf16x16_load(weight + i)));
+    }
+}
+
+/* One bfloat16 row of silu_and_mul (below) in registers: width % 16 == 0. */
+static void silu_and_mul_row_bf16x16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t width) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < width; i += 16) {
+        const __m512 g = bf16x16_load(gate + i);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        bf16x16_store(out + i, _mm512_mul_ps(round_bf16x16(silu), bf16x16_load(up + i)));
+    }
+}
+#endif
 
 /* out = weight * x / sqrt(mean(x^2) + eps), row by row over [rows, hidden].
  * With `residual` (not NULL): residual = x + residual first (in place), and it is what is normalized:
@@ -1220,6 +1292,12 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
         } else {
             const uint16_t *xr = (const uint16_t *)x + base;
             uint16_t *res = residual ? (uint16_t *)residual + base : NULL;
+#if defined(__AVX512F__)
+            if (hidden % 16 == 0) {
+                rms_norm_row_bf16x16(xr, res, (const uint16_t *)weight, (uint16_t *)out + base, hidden, eps);
+                continue;
+            }
+#endif
             float a[TILE], b[TILE];
             uint16_t tmp[TILE];
             for (int64_t i0 = 0; i0 < hidden; i0 += TILE) {
@@ -1266,6 +1344,12 @@ void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, i
         } else {
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * width, *u = g + width;
             uint16_t *o = (uint16_t *)out + r * width;
+#if defined(__AVX512F__)
+            if (width % 16 == 0) {
+                silu_and_mul_row_bf16x16(g, u, o, width);
+                continue;
+            }
+#endif
             float a[TILE], b[TILE];
             uint16_t tmp[TILE];
             for (int64_t i0 = 0; i0 < width; i0 += TILE) {
@@ -1333,5 +1417,60 @@ void write_kv(const void *k, const void *v, int64_t row_stride, void *k_cache, v
     for (int64_t t = 0; t < rows; t++) {
         memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * row_stride, (size_t)row_bytes);
         memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * row_stride, (size_t)row_bytes);
+    }
+}
+
+/* ---- greedy choice ------------------------------------------------------------------------------ */
+
+/* The index of the first NaN of row[0, cols), or -1 where there is none. */
+static int64_t first_nan(const float *row, int64_t cols) {
+    for (int64_t i = 0; i < cols; i++)
+        if (row[i] != row[i]) return i;
+    return -1;
+}
+
+/* out[r] = the index of the largest value of row r of x [rows, cols] (float32): the first of equal largest
+ * values, the first NaN in a row that has one; what torch.argmax answers. */
+void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(rows * cols / 16, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        int64_t at = 0;
+#if defined(__AVX512F__)
+        if (cols >= 16 && cols < INT32_MAX) {
+            /* Each lane keeps the first index of its largest value (strictly greater replaces it); the
+             * answer is the smallest index among the lanes that hold the row's largest value. */
+            const __m512i step = _mm512_set1_epi32(16);
+            __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            __m512 best = _mm512_loadu_ps(row);
+            __m512i best_index = index;
+            __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+            int64_t i = 16;
+            for (; i < cols; i += 16) {
+                index = _mm512_add_epi32(index, step);
+                const __mmask16 live = cols - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - i)) - 1u);
+                const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + i);
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+                best = _mm512_mask_mov_ps(best, greater, v);
+                best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+            }
+            if (nan) {
+                at = first_nan(row, cols);
+            } else {
+                const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+                at = _mm512_mask_reduce_min_epi32(top, best_index);
+            }
+            out[r] = at;
+            continue;
+        }
+#endif
+        at = first_nan(row, cols);
+        if (at < 0) {
+            at = 0;
+            for (int64_t i = 1; i < cols; i++)
+                if (row[i] > row[at]) at = i;
+        }
+        out[r] = at;
     }
 }

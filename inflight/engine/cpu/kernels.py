@@ -76,6 +76,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "rotary": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int, _int], None),
     # k, v, row_stride (bytes), k_cache, v_cache, slots, rows, row_bytes
     "write_kv": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64], None),
+    # x (float32), rows, cols, out (int64), num_threads
+    "argmax_rows": ([_ptr, _i64, _i64, _ptr, _int], None),
 }
 
 

@@ -309,3 +309,34 @@ def test_portable_bfloat16_rounds_like_torch(
     portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _assert_bfloat16_rounds_like_torch(portable_library, monkeypatch)
+
+
+def _assert_argmax_rows_answers_like_torch(library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The greedy choice: the first of equal largest values, the first NaN of a row that has one, index 0
+    of a row of -inf; rows of every length around the 16-lane width."""
+    from inflight.engine.sampler import argmax_rows
+
+    monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+    for cols in (1, 2, 15, 16, 17, 33, 100, 4099):
+        gen = torch.Generator().manual_seed(cols)
+        x = torch.randn(8, cols, generator=gen)
+        x[1] = float("-inf")
+        x[2] = 0.0
+        x[3, cols // 2 :] = float("nan")
+        x[4, -1] = 1e30
+        x[5, cols // 3] = x[5, -1] = 1e30
+        x[6, -1] = float("nan")
+        x[7, cols // 2] = float("inf")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), cols
+
+
+def test_native_argmax_rows_answers_like_torch(monkeypatch: pytest.MonkeyPatch, torch_threads: int) -> None:
+    library = cpu_kernels.library()
+    assert library is not None
+    _assert_argmax_rows_answers_like_torch(library, monkeypatch)
+
+
+def test_portable_argmax_rows_answers_like_torch(
+    portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _assert_argmax_rows_answers_like_torch(portable_library, monkeypatch)
