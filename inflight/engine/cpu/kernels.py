@@ -4,7 +4,8 @@ PyTorch on CPU spends a large share of a decode step outside its matrix multipli
 gathers every sequence's K/V blocks into a contiguous buffer before SDPA reads them again, and each
 elementwise step of a decoder layer (residual add, RMSNorm, rotary, SiLU * up) is several separate
 passes, each with its own dispatch. The kernels here do each of those in one pass: decode attention
-straight from the blocks (attention/cpu_paged.py) and one fused call per elementwise step (model/ops.py).
+straight from the blocks (attention/cpu_paged.py), one fused call per elementwise step (model/ops.py) and
+the sampler's argmax (sampler.py; torch.argmax over a batch of 49152-entry rows took ~1 ms).
 
 The library is compiled with the system C compiler (`$CC`, else `cc`) into $INFLIGHT_CACHE_DIR/kernels
 (default ~/.cache/inflight/kernels), keyed by the C sources, the compiler and the CPU, so it is built once
