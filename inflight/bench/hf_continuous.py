@@ -6,7 +6,7 @@ import importlib.util
 import math
 import time
 
-from inflight.bench.hf_common import WARMUP_TOKENS, load_model, pad_token_id, transformers_missing
+from inflight.bench.hf_common import NO_EOS, WARMUP_TOKENS, load_model, pad_token_id, transformers_missing
 from inflight.bench.system import BenchSettings, System, SystemRun
 
 PAGE_SIZE = 256
@@ -41,7 +41,7 @@ def run(settings: BenchSettings) -> SystemRun:
     generation_config = GenerationConfig(
         do_sample=False,
         max_new_tokens=max(r.output_len for r in settings.requests),
-        eos_token_id=-1,
+        eos_token_id=NO_EOS,
         pad_token_id=pad_token_id(model),
     )
 
@@ -70,7 +70,7 @@ def run(settings: BenchSettings) -> SystemRun:
             settings.requests[0].prompt_token_ids,
             request_id="warmup",
             max_new_tokens=WARMUP_TOKENS,
-            eos_token_id=-1,
+            eos_token_id=NO_EOS,
         )
         collect({"warmup"})
         setup = time.perf_counter() - start
@@ -81,7 +81,7 @@ def run(settings: BenchSettings) -> SystemRun:
                 request.prompt_token_ids,
                 request_id=request_id,
                 max_new_tokens=request.output_len,
-                eos_token_id=-1,
+                eos_token_id=NO_EOS,
             )
         results = collect(set(ids))
         seconds = time.perf_counter() - start

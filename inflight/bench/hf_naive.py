@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from inflight.bench.hf_common import WARMUP_TOKENS, load_model, pad_token_id, transformers_missing
+from inflight.bench.hf_common import NO_EOS, WARMUP_TOKENS, load_model, pad_token_id, transformers_missing
 from inflight.bench.system import BenchSettings, System, SystemRun
 
 
@@ -22,7 +22,7 @@ def run(settings: BenchSettings) -> SystemRun:
             attention_mask=torch.ones_like(input_ids),
             do_sample=False,
             max_new_tokens=n,
-            min_new_tokens=n,
+            eos_token_id=NO_EOS,
             pad_token_id=pad,
         )
         return [int(t) for t in output[0, len(prompt) :]]

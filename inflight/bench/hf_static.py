@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from inflight.bench.hf_common import WARMUP_TOKENS, load_model, pad_token_id, transformers_missing
+from inflight.bench.hf_common import NO_EOS, WARMUP_TOKENS, load_model, pad_token_id, transformers_missing
 from inflight.bench.system import BenchSettings, System, SystemRun
 
 
@@ -26,7 +26,7 @@ def run(settings: BenchSettings) -> SystemRun:
             attention_mask=attention_mask,
             do_sample=False,
             max_new_tokens=longest,
-            min_new_tokens=longest,
+            eos_token_id=NO_EOS,
             pad_token_id=pad,
         )
         return [[int(t) for t in row[width : width + n]] for row, n in zip(output, lengths, strict=True)]

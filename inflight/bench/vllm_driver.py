@@ -34,12 +34,7 @@ def main(spec_path: str, result_path: str) -> None:
     setup = time.perf_counter() - start
 
     prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
-    params = [
-        SamplingParams(
-            max_tokens=r["output_len"], min_tokens=r["output_len"], temperature=0.0, ignore_eos=True
-        )
-        for r in requests
-    ]
+    params = [SamplingParams(max_tokens=r["output_len"], temperature=0.0, ignore_eos=True) for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from inflight.bench import offline
 from inflight.bench.system import BenchSettings, System, SystemRun
@@ -155,3 +158,24 @@ def test_real_systems_agree_token_for_token_on_a_tiny_model(tiny_llama_dir: Path
         assert result.identical_to_reference == len(requests), result.name
         assert result.tokens_per_s > 0
     assert set(report.ratios) == {f"inflight-continuous/{name}" for name in names[:-1]}
+
+
+def test_end_of_sequence_is_an_ordinary_token_for_every_system(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`ignore_eos` semantics throughout: a model whose first choice is its end-of-sequence token at every
+    step makes every system generate that token to the end. (transformers' min_new_tokens forbids EOS
+    until the length instead, and then picks another token wherever the model ranks EOS first.)"""
+    model_dir = tmp_path / "eos-first"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    weights["model.norm.weight"] = torch.zeros_like(weights["model.norm.weight"])  # every logit 0: id 0 wins
+    save_file(weights, model_dir / "model.safetensors")
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((model_dir / name).read_text())
+        config["eos_token_id"] = 0
+        (model_dir / name).write_text(json.dumps(config))
+    requests = [BenchRequest(r.prompt_token_ids[:8], 5) for r in load_workload(model_dir, 2)]
+    names = ["hf-naive", "hf-static", "hf-continuous", "inflight-continuous"]
+    report = offline.run_offline(names, settings_for(requests, model_dir), lambda _message: None)
+    for result in report.results:
+        assert result.status == "ok", (result.name, result.message)
+        assert result.identical_to_reference == len(requests), result.name
