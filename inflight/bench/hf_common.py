@@ -8,10 +8,10 @@ from typing import Any
 from inflight.bench.system import BenchSettings
 
 WARMUP_TOKENS = 4
-# generate's end-of-sequence id for the baselines: one no token has, so that EOS is an ordinary token and
-# every request runs to exactly its length, as `ignore_eos` makes it for vLLM and inflight. (min_new_tokens
-# would instead forbid EOS until then: a different next token wherever the model ranks EOS first.)
-NO_EOS = -1
+# generate's end-of-sequence id for the baselines: none, so that EOS is an ordinary token and every request
+# runs to exactly its length, as `ignore_eos` makes it for vLLM and inflight. (min_new_tokens would instead
+# forbid EOS until then: a different next token wherever the model ranks EOS first.)
+NO_EOS = None
 
 
 def transformers_missing(settings: BenchSettings) -> str | None:
