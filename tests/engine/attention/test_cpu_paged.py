@@ -216,17 +216,32 @@ BUILDS: dict[str, tuple[tuple[str, ...], set[str]]] = {
 }
 
 
+def _build(name: str, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """BUILDS[name], built once per test session (skips where this CPU cannot run it)."""
+    extra_flags, cpu_flags = BUILDS[name]
+    if not cpu_flags.issubset(proc_cpuinfo()[1]):
+        pytest.skip(f"this CPU cannot run {name} code")
+    flags = (*PORTABLE_FLAGS, *extra_flags)
+    out_dir = tmp_path_factory.getbasetemp() / f"kernels-{name}"
+    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, flags=flags))
+
+
 @pytest.fixture(scope="module", params=list(BUILDS))
 def portable_library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """The kernels built without -march=native: the plain C path of CPUs without AVX2 + FMA (e.g. Arm),
     the AVX2 path of CPUs without AVX-512 (Zen 1-3, most desktops), and AVX-512 without AVX512-BF16
     (Skylake-X / Ice Lake: bfloat16 rounded in integer arithmetic), where this CPU can run them."""
-    extra_flags, cpu_flags = BUILDS[request.param]
-    if not cpu_flags.issubset(proc_cpuinfo()[1]):
-        pytest.skip(f"this CPU cannot run {request.param} code")
-    flags = (*PORTABLE_FLAGS, *extra_flags)
-    out_dir = tmp_path_factory.mktemp(request.param)
-    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, flags=flags))
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["native", *BUILDS])
+def any_library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The kernels as built for this machine, then each portable build."""
+    if request.param != "native":
+        return _build(request.param, tmp_path_factory)
+    library = cpu_kernels.library()
+    assert library is not None
+    return library
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -279,7 +294,7 @@ def test_the_portable_c_path_matches_the_references(
         torch.testing.assert_close(actual.float(), wanted.float(), atol=tolerance, rtol=tolerance)
 
 
-def _assert_bfloat16_rounds_like_torch(library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bfloat16_rounds_like_torch(any_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rotary with sin = 0 is one float product rounded to bfloat16 once: bit for bit what torch gives,
     so this checks the kernels' float -> bfloat16 rounding exactly, ties to even included (a factor of
     1 + 2^-8 puts many products exactly halfway between two bfloat16 values)."""
@@ -293,30 +308,20 @@ def _assert_bfloat16_rounds_like_torch(library: ctypes.CDLL, monkeypatch: pytest
     sin = torch.zeros_like(cos)
     halves = qkv[:, : (num_heads + 1) * head_dim].float().view(rows, num_heads + 1, 2, head_dim // 2)
     expected = (halves * cos.unsqueeze(2)).to(torch.bfloat16).view(rows, -1)
-    monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
     q, k, _ = ops.split_qkv_with_rotary(qkv, num_heads, 1, head_dim, cos, sin)
     assert q.data_ptr() == qkv.data_ptr()  # the kernel ran (it rotates in place)
     assert torch.equal(torch.cat([q.reshape(rows, -1), k.reshape(rows, -1)], dim=1), expected)
 
 
-def test_native_bfloat16_rounds_like_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    library = cpu_kernels.library()
-    assert library is not None
-    _assert_bfloat16_rounds_like_torch(library, monkeypatch)
-
-
-def test_portable_bfloat16_rounds_like_torch(
-    portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
+def test_argmax_rows_answers_like_torch(
+    any_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, torch_threads: int
 ) -> None:
-    _assert_bfloat16_rounds_like_torch(portable_library, monkeypatch)
-
-
-def _assert_argmax_rows_answers_like_torch(library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     """The greedy choice: the first of equal largest values, the first NaN of a row that has one, index 0
     of a row of -inf; rows of every length around the 16-lane width."""
     from inflight.engine.sampler import argmax_rows
 
-    monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
     for cols in (1, 2, 15, 16, 17, 33, 100, 4099):
         gen = torch.Generator().manual_seed(cols)
         x = torch.randn(8, cols, generator=gen)
@@ -328,15 +333,3 @@ def _assert_argmax_rows_answers_like_torch(library: ctypes.CDLL, monkeypatch: py
         x[6, -1] = float("nan")
         x[7, cols // 2] = float("inf")
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), cols
-
-
-def test_native_argmax_rows_answers_like_torch(monkeypatch: pytest.MonkeyPatch, torch_threads: int) -> None:
-    library = cpu_kernels.library()
-    assert library is not None
-    _assert_argmax_rows_answers_like_torch(library, monkeypatch)
-
-
-def test_portable_argmax_rows_answers_like_torch(
-    portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _assert_argmax_rows_answers_like_torch(portable_library, monkeypatch)
