@@ -133,8 +133,8 @@ static inline float exp_approx(float x) {
 }
 
 #if defined(__AVX512F__)
-/* exp_approx on 16 lanes, the same steps in the same order (NaN stays NaN: max/min return their second
- * operand when either is NaN). */
+/* exp_approx on 16 lanes, step for step (the polynomial in fused multiply-adds; NaN stays NaN: max/min
+ * return their second operand when either is NaN). */
 static ALWAYS_INLINE __m512 exp_approx16(__m512 x) {
     const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-88.0f), x));
     const __m512 t = _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(12582912.0f));
@@ -1432,6 +1432,7 @@ static int64_t first_nan(const float *row, int64_t cols) {
 /* out[r] = the index of the largest value of row r of x [rows, cols] (float32): the first of equal largest
  * values, the first NaN in a row that has one; what torch.argmax answers. */
 void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out, int num_threads) {
+    /* One compare per element: the threshold counts 16-element vectors, not elements. */
 #pragma omp parallel for num_threads(threads_for(rows * cols / 16, num_threads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * cols;
