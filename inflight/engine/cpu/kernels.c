@@ -1429,49 +1429,48 @@ static int64_t first_nan(const float *row, int64_t cols) {
     return -1;
 }
 
-/* out[r] = the index of the largest value of row r of x [rows, cols] (float32): the first of equal largest
- * values, the first NaN in a row that has one; what torch.argmax answers. */
+#if defined(__AVX512F__)
+/* argmax_row (below) 16 lanes at a time, for 16 <= cols < 2^31: each lane keeps the first index of its
+ * largest value (strictly greater replaces it); the answer is the smallest index among the lanes that hold
+ * the row's largest value. */
+static int64_t argmax_row16(const float *row, int64_t cols) {
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 best = _mm512_loadu_ps(row);
+    __m512i best_index = index;
+    __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+    for (int64_t i = 16; i < cols; i += 16) {
+        index = _mm512_add_epi32(index, step);
+        const __mmask16 live = cols - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - i)) - 1u);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, greater, v);
+        best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+    }
+    if (nan) return first_nan(row, cols);
+    const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(top, best_index);
+}
+#endif
+
+/* The index of the largest value of row[0, cols): the first of equal largest values, the first NaN in a
+ * row that has one; what torch.argmax answers. */
+static int64_t argmax_row(const float *row, int64_t cols) {
+#if defined(__AVX512F__)
+    if (cols >= 16 && cols < INT32_MAX) return argmax_row16(row, cols);
+#endif
+    const int64_t nan = first_nan(row, cols);
+    if (nan >= 0) return nan;
+    int64_t at = 0;
+    for (int64_t i = 1; i < cols; i++)
+        if (row[i] > row[at]) at = i;
+    return at;
+}
+
+/* out[r] = argmax_row of row r of x [rows, cols] (float32). */
 void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out, int num_threads) {
     /* One compare per element: the threshold counts 16-element vectors, not elements. */
 #pragma omp parallel for num_threads(threads_for(rows * cols / 16, num_threads)) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * cols;
-        int64_t at = 0;
-#if defined(__AVX512F__)
-        if (cols >= 16 && cols < INT32_MAX) {
-            /* Each lane keeps the first index of its largest value (strictly greater replaces it); the
-             * answer is the smallest index among the lanes that hold the row's largest value. */
-            const __m512i step = _mm512_set1_epi32(16);
-            __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            __m512 best = _mm512_loadu_ps(row);
-            __m512i best_index = index;
-            __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
-            int64_t i = 16;
-            for (; i < cols; i += 16) {
-                index = _mm512_add_epi32(index, step);
-                const __mmask16 live = cols - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - i)) - 1u);
-                const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + i);
-                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-                const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-                best = _mm512_mask_mov_ps(best, greater, v);
-                best_index = _mm512_mask_mov_epi32(best_index, greater, index);
-            }
-            if (nan) {
-                at = first_nan(row, cols);
-            } else {
-                const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
-                at = _mm512_mask_reduce_min_epi32(top, best_index);
-            }
-            out[r] = at;
-            continue;
-        }
-#endif
-        at = first_nan(row, cols);
-        if (at < 0) {
-            at = 0;
-            for (int64_t i = 1; i < cols; i++)
-                if (row[i] > row[at]) at = i;
-        }
-        out[r] = at;
-    }
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, cols);
 }
