@@ -4,12 +4,19 @@
 - `schema_errors`: the openAPIV3Schema via jsonschema, with unknown fields rejected as
   `kubectl apply` (server-side field validation, Strict by default since 1.27) does.
 - `apply_defaults`: the API server's defaulting (a default applies when the parent object exists).
-- `cel_errors`: every `x-kubernetes-validations` rule evaluated with cel-python on the defaulted object.
+- `cel_errors`: every `x-kubernetes-validations` rule evaluated with cel-python on the defaulted object;
+  a rule that cannot be evaluated (a missing key) is an error worded as cel-go's, as the API server does.
+- `default_errors`: what the API server checks of every `default` when it admits the CRD
+  (apiextensions-apiserver, schema/defaulting/validation.go): the default value, as written, must
+  validate against the schema of its level and pass the CEL rules of its level and below. Nested
+  defaults inside it are NOT applied first, so a rule reading a field that only a nested default fills
+  fails there with `no such key`.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,7 +90,7 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
     validator = jsonschema.Draft202012Validator(_strict(schema))
     errors = []
     for error in validator.iter_errors(obj):
@@ -117,16 +124,49 @@ def _rules(schema: dict[str, Any], obj: Any, path: str) -> Iterator[tuple[str, d
             yield from _rules(schema["items"], item, f"{path}[{i}]")
 
 
-def cel_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+def _cel_go_wording(error: celpy.CELEvalError) -> str:
+    """cel-python's evaluation error in the words cel-go (the API server's CEL) uses."""
+    text = str(error.args[0]) if error.args else str(error)
+    missing = re.fullmatch(r"no such member in mapping: '(.+)'", text)
+    return f"no such key: {missing.group(1)}" if missing else text
+
+
+def cel_errors(schema: dict[str, Any], obj: Any, root: str = "") -> list[str]:
+    """The API server's CEL errors: `<path>: Invalid value: <rule's message>`, and for a rule that cannot
+    be evaluated `<path>: Invalid value: "<type>": <error> evaluating rule: <message>`."""
     env = celpy.Environment()
     errors = []
-    for path, rule, value in _rules(schema, obj, ""):
+    for path, rule, value in _rules(schema, obj, root):
+        where = path.lstrip(".")
         program = env.program(env.compile(rule["rule"]))
-        result = program.evaluate({"self": celpy.json_to_cel(value)})
+        try:
+            result = program.evaluate({"self": celpy.json_to_cel(value)})
+        except celpy.CELEvalError as error:
+            result = error
         if isinstance(result, celpy.CELEvalError):
-            raise AssertionError(f"CEL rule at {path} failed to evaluate: {rule['rule']}: {result}")
-        if not bool(result):
-            errors.append(f"{path.lstrip('.')}: {rule['message']}")
+            kind = "object" if isinstance(value, dict) else type(value).__name__
+            reason = f"{_cel_go_wording(result)} evaluating rule: {rule['message']}"
+            errors.append(f'{where}: Invalid value: "{kind}": {reason}')
+        elif not bool(result):
+            errors.append(f"{where}: {rule['message']}")
+    return errors
+
+
+def default_errors(schema: dict[str, Any], path: str = "spec.validation.openAPIV3Schema") -> list[str]:
+    """The CRD's defaults as the API server checks them when it admits the CRD (module docstring)."""
+    errors: list[str] = []
+    if "default" in schema:
+        where = f"{path}.default"
+        value = schema["default"]
+        errors += [f"{where}: {error}" for error in schema_errors(schema, value)] or cel_errors(
+            schema, value, where
+        )
+    for name, prop in schema.get("properties", {}).items():
+        errors += default_errors(prop, f"{path}.properties[{name}]")
+    if isinstance(schema.get("items"), dict):
+        errors += default_errors(schema["items"], f"{path}.items")
+    if isinstance(schema.get("additionalProperties"), dict):
+        errors += default_errors(schema["additionalProperties"], f"{path}.additionalProperties")
     return errors
 
 
