@@ -178,7 +178,7 @@ class KubernetesDiscovery:
 
 def kubernetes_discovery(namespace: str, default_hold_timeout_s: float) -> Discovery:
     async def discover(router: Router) -> None:
-        client = kube.KubeClient.from_environment()
+        client = await kube.KubeClient.from_environment(kube.ROUTER_USER_AGENT)
         try:
             await KubernetesDiscovery(client, namespace, default_hold_timeout_s).run(router)
         finally:

@@ -108,8 +108,8 @@ def test_default_check_refuses_what_kube_apiserver_refused() -> None:
     ]
     engine["default"] = {"maxBatchedTokens": 8, "blockSize": 16}
     assert default_errors(crd_schema) == [
-        "spec.validation.openAPIV3Schema.properties[spec].properties[engine].default: "
-        "engine.maxBatchedTokens must be at least engine.blockSize"
+        "spec.validation.openAPIV3Schema.properties[spec].properties[engine].default: Invalid value: "
+        '"object": engine.maxBatchedTokens must be at least engine.blockSize'
     ]
     engine["default"] = {"blockSize": 0, "maxBatchedTokens": 8}
     assert any("blockSize" in error and "minimum" in error for error in default_errors(crd_schema))

@@ -6,13 +6,12 @@ import json
 from typing import Any
 
 import httpx
-import kopf
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inflight.operator.api.resources import MODELSERVERS as MODELSERVER_RESOURCE
 from inflight.operator.controller import Controller
-from inflight.operator.kube import KubeClient, KubeError
+from inflight.operator.kube import OPERATOR_USER_AGENT, KubeClient, KubeError, configuration_for
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
 
 from support.emulated import MODELSERVERS, emulated_cluster
@@ -43,7 +42,9 @@ def modelserver(name: str, memory: str) -> dict[str, Any]:
 async def test_reconciles_api_errors_and_conditions_are_counted() -> None:
     metrics = OperatorMetrics()
     async with emulated_cluster() as cluster:
-        client = KubeClient(kopf.ConnectionInfo(server=str(cluster.url)), on_error=metrics.api_error)
+        client = KubeClient(
+            configuration_for(str(cluster.url)), user_agent=OPERATOR_USER_AGENT, on_error=metrics.api_error
+        )
         controller = Controller(client, lambda *_: None, metrics)
         try:
             for name, memory in (("fits", "2Gi"), ("too-small", "256Mi")):
@@ -76,7 +77,9 @@ async def test_reconciles_api_errors_and_conditions_are_counted() -> None:
 
 async def test_an_exception_counts_as_an_error_and_an_unreachable_api_as_a_connection_error() -> None:
     metrics = OperatorMetrics()
-    client = KubeClient(kopf.ConnectionInfo(server="http://127.0.0.1:9"), on_error=metrics.api_error)
+    client = KubeClient(
+        configuration_for("http://127.0.0.1:9"), user_agent=OPERATOR_USER_AGENT, on_error=metrics.api_error
+    )
     controller = Controller(client, lambda *_: None, metrics)
     try:
         with pytest.raises(Exception):  # noqa: B017 - whatever aiohttp raises for a refused connection

@@ -131,9 +131,21 @@ def _cel_go_wording(error: celpy.CELEvalError) -> str:
     return f"no such key: {missing.group(1)}" if missing else text
 
 
+def _schema_type(value: Any) -> str:
+    """The schema type the API server names in a CEL error (`Invalid value: "object"`)."""
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+    }.get(type(value), "object")
+
+
 def cel_errors(schema: dict[str, Any], obj: Any, root: str = "") -> list[str]:
-    """The API server's CEL errors: `<path>: Invalid value: <rule's message>`, and for a rule that cannot
-    be evaluated `<path>: Invalid value: "<type>": <error> evaluating rule: <message>`."""
+    """The API server's CEL errors: `<path>: Invalid value: "<type>": <rule's message>`, and for a rule
+    that cannot be evaluated `<path>: Invalid value: "<type>": <error> evaluating rule: <message>`."""
     env = celpy.Environment()
     errors = []
     for path, rule, value in _rules(schema, obj, root):
@@ -143,12 +155,12 @@ def cel_errors(schema: dict[str, Any], obj: Any, root: str = "") -> list[str]:
             result = program.evaluate({"self": celpy.json_to_cel(value)})
         except celpy.CELEvalError as error:
             result = error
+        kind = _schema_type(value)
         if isinstance(result, celpy.CELEvalError):
-            kind = "object" if isinstance(value, dict) else type(value).__name__
             reason = f"{_cel_go_wording(result)} evaluating rule: {rule['message']}"
-            errors.append(f'{where}: Invalid value: "{kind}": {reason}')
+            errors.append(f'{where or "<nil>"}: Invalid value: "{kind}": {reason}')
         elif not bool(result):
-            errors.append(f"{where}: {rule['message']}")
+            errors.append(f'{where or "<nil>"}: Invalid value: "{kind}": {rule["message"]}')
     return errors
 
 

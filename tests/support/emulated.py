@@ -12,6 +12,7 @@ from typing import Any
 import kmock
 import pytest
 
+from inflight.operator.api.crd import render_crd
 from inflight.operator.main import OperatorOptions, run
 
 from support.kube_emulator import KubeEmulator
@@ -22,12 +23,15 @@ SERVICES = "v1/services"
 JOBS = "batch/v1/jobs"
 PVCS = "v1/persistentvolumeclaims"
 PODS = "v1/pods"
+MODELSERVER_SCHEMA: dict[str, Any] = render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
 @contextlib.asynccontextmanager
 async def emulated_cluster() -> AsyncIterator[KubeEmulator]:
     async with KubeEmulator() as cluster, kmock.Server(cluster):
-        cluster.declare(MODELSERVERS, "ModelServer", subresources=("status", "scale"))
+        cluster.declare(
+            MODELSERVERS, "ModelServer", subresources=("status", "scale"), schema=MODELSERVER_SCHEMA
+        )
         cluster.declare(DEPLOYMENTS, "Deployment", subresources=("status", "scale"))
         cluster.declare(SERVICES, "Service")
         cluster.declare("v1/secrets", "Secret")
