@@ -101,7 +101,9 @@ async def load_configuration() -> Configuration:
     # $KUBECONFIG is read now, not when kubernetes_asyncio was imported (its default location is fixed then).
     kubeconfig = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
     try:
-        await k8s_config.load_kube_config(kubeconfig, client_configuration=configuration, persist_config=False)
+        await k8s_config.load_kube_config(
+            kubeconfig, client_configuration=configuration, persist_config=False
+        )
     except (k8s_config.ConfigException, OSError) as error:
         raise kopf.LoginError(f"{NO_CREDENTIALS} ({error})") from error
     return configuration
