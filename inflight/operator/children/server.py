@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from inflight import sizing
-from inflight.operator.api.types import API_VERSION, BUILTIN_TINY, KIND, ModelServer
+from inflight.operator.api.types import API_VERSION, BUILTIN_SOURCES, KIND, ModelServer
 from inflight.operator.model_cache import cache_of, revision
 from inflight.operator.placement import Placement
 
@@ -105,8 +105,8 @@ def _metadata(ms: ModelServer) -> dict[str, Any]:
 def model_path(ms: ModelServer) -> str:
     """The `--model` argument: where the weights are inside the server container."""
     source = ms.spec.model.source
-    if source == BUILTIN_TINY:
-        return BUILTIN_TINY
+    if source in BUILTIN_SOURCES:  # made (or fetched) by the server itself
+        return source
     if source.startswith("pvc://"):
         return f"{MODELS_DIR}/pvc/{source.removeprefix('pvc://').rstrip('/')}"
     if source.startswith("file://"):
