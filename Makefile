@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve bench-operator clean k8s-tools chart-crds install-yaml chart-rbac docs-reference
+.PHONY: venv test lint typecheck pytest e2e-kind demo bench bench-offline bench-serve bench-operator clean k8s-tools chart-crds install-yaml chart-rbac docs-reference
 
 venv: $(STAMP)
 
@@ -52,6 +52,11 @@ install-yaml: k8s-tools chart-crds chart-rbac
 
 # What CI runs.
 test: lint typecheck pytest
+
+# The operator against a real kind cluster (needs kind and Docker; creates the cluster inflight-e2e,
+# deletes it afterwards unless INFLIGHT_E2E_KEEP=1). Skips with the reason where they are missing.
+e2e-kind: $(STAMP) k8s-tools
+	$(PY) -m pytest -rs -m e2e tests/e2e
 
 demo: $(STAMP)
 	$(VENV)/bin/inflight demo

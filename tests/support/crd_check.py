@@ -16,8 +16,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import celpy
@@ -90,13 +91,58 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
+def _field_path(parts: Iterable[Any]) -> str:
+    path = ""
+    for part in parts:
+        path = f"{path}[{part}]" if isinstance(part, int) else f"{path}.{part}" if path else str(part)
+    return path
+
+
+# kube-openapi's words for a value out of bounds (`<path> in body should ...`), by JSON Schema keyword.
+_BOUNDS = {
+    "maximum": "should be less than or equal to {}",
+    "exclusiveMaximum": "should be less than {}",
+    "minimum": "should be greater than or equal to {}",
+    "exclusiveMinimum": "should be greater than {}",
+    "pattern": "should match '{}'",
+    "minLength": "should be at least {} chars long",
+    "maxLength": "should be at most {} chars long",
+    "minItems": "should have at least {} items",
+    "maxItems": "should have at most {} items",
+}
+
+
+def _api_server_wording(error: jsonschema.ValidationError, root: str) -> list[str]:
+    """One jsonschema error in the API server's words (apiextensions-apiserver / kube-openapi); field
+    paths start at `root`."""
+    parts = [root, *error.absolute_path] if root else list(error.absolute_path)
+    where = _field_path(parts)
+    value = json.dumps(error.instance)
+    if error.validator == "required":
+        missing = [name for name in error.validator_value if name not in error.instance]
+        return [f"{_field_path([*parts, name])}: Required value" for name in missing]
+    if error.validator == "additionalProperties":  # strict decoding (kubectl's default field validation)
+        known = set(error.schema.get("properties", {}))
+        return [
+            f'unknown field "{_field_path([*error.absolute_path, k])}"'
+            for k in error.instance
+            if k not in known
+        ]
+    if error.validator == "enum":
+        supported = ", ".join(json.dumps(v) for v in error.validator_value)
+        return [f"{where}: Unsupported value: {value}: supported values: {supported}"]
+    if error.validator in _BOUNDS:
+        bound = _BOUNDS[str(error.validator)].format(error.validator_value)
+        return [f"{where}: Invalid value: {value}: {where} in body {bound}"]
+    if error.validator == "type":
+        return [f"{where}: Invalid value: {value}: {where} in body must be of type {error.validator_value}"]
+    return [f"{where}: Invalid value: {value}: {error.message}"]
+
+
+def schema_errors(schema: dict[str, Any], obj: Any, root: str = "") -> list[str]:
+    """The openAPIV3Schema's errors, worded as the API server words them (paths from `root`)."""
     validator = jsonschema.Draft202012Validator(_strict(schema))
-    errors = []
-    for error in validator.iter_errors(obj):
-        where = ".".join(str(p) for p in error.absolute_path)
-        errors.append(f"{where}: {error.message}")
-    return errors
+    return [line for error in validator.iter_errors(obj) for line in _api_server_wording(error, root)]
 
 
 def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
@@ -170,9 +216,7 @@ def default_errors(schema: dict[str, Any], path: str = "spec.validation.openAPIV
     if "default" in schema:
         where = f"{path}.default"
         value = schema["default"]
-        errors += [f"{where}: {error}" for error in schema_errors(schema, value)] or cel_errors(
-            schema, value, where
-        )
+        errors += schema_errors(schema, value, where) or cel_errors(schema, value, where)
     for name, prop in schema.get("properties", {}).items():
         errors += default_errors(prop, f"{path}.properties[{name}]")
     if isinstance(schema.get("items"), dict):

@@ -41,8 +41,12 @@ MANAGED_BY = "inflight-operator"
 SERVER_CONTAINER = "server"
 
 
+# The label every server pod carries, whichever ModelServer it serves (the router and the operator watch it).
+SERVER_POD_LABEL = {"app.kubernetes.io/name": "inflight-server"}
+
+
 def selector_labels(ms: ModelServer) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "inflight-server", LABEL_MODELSERVER: ms.metadata.name}
+    return {**SERVER_POD_LABEL, LABEL_MODELSERVER: ms.metadata.name}
 
 
 def image_version(image: str) -> str | None:
