@@ -135,7 +135,9 @@ def _api_server_wording(error: jsonschema.ValidationError, root: str) -> list[st
         bound = _BOUNDS[str(error.validator)].format(error.validator_value)
         return [f"{where}: Invalid value: {value}: {where} in body {bound}"]
     if error.validator == "type":
-        return [f"{where}: Invalid value: {value}: {where} in body must be of type {error.validator_value}"]
+        actual = _schema_type(error.instance)
+        expected = f"{where} in body must be of type {error.validator_value}"
+        return [f'{where}: Invalid value: "{actual}": {expected}: "{actual}"']
     return [f"{where}: Invalid value: {value}: {error.message}"]
 
 
