@@ -161,11 +161,12 @@ class KubeClient:
         body: Any = None,
         params: Mapping[str, str] | None = None,
         content_type: str | None = None,
+        accept: str = "application/json",
         timeout: float | aiohttp.ClientTimeout = REQUEST_TIMEOUT_S,
     ) -> aiohttp.ClientResponse:
         """The response, unread (the caller reads and releases it); after a 401, credentials are loaded
         again once."""
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": accept}
         if content_type is not None:
             headers["Content-Type"] = content_type
         for attempt in range(2):
@@ -275,7 +276,7 @@ class KubeClient:
     async def log(self, path: str, container: str, tail_lines: int) -> str | None:
         """The last lines of a container's log (`path` is the pod's); None when the pod is gone."""
         params = {"container": container, "tailLines": str(tail_lines)}
-        async with await self._call("GET", f"{path}/log", params=params) as response:
+        async with await self._call("GET", f"{path}/log", params=params, accept="text/plain") as response:
             if response.status in (400, 404):  # no such pod, or its container has not started yet
                 return None
             text = await response.text()

@@ -1,9 +1,9 @@
 """From a ModelServer spec and the labels of the nodes it may land on to a sizing plan (pure).
 
 Model shape: `model.shape`, else `model.catalogName`, else the catalog entry of an hf:// source or
-a built-in model (builtin:NAME). GPU memory: the smallest GPU among the nodes matching `nodeSelector` that carry GPU
-feature discovery labels, else the catalog's `resources.gpu.type`, else `resources.gpu.memoryMiB`.
-On CPU (`gpu.count: 0`) the container's memory limit is the budget.
+a built-in model (builtin:NAME). GPU memory: the smallest GPU among the nodes matching `nodeSelector`
+that carry GPU feature discovery labels, else the catalog's `resources.gpu.type`, else
+`resources.gpu.memoryMiB`. On CPU (`gpu.count: 0`) the container's memory limit is the budget.
 """
 
 from __future__ import annotations

@@ -173,6 +173,12 @@ async def test_a_body_without_a_json_content_type_is_415_as_kube_apiserver_answe
         assert resp.status == 415
         assert "application/merge-patch+json" in (await resp.json())["message"]
         assert (await cluster.post(LEASES_URL, json=lease)).status == 201
+        resp = await cluster.get(LEASES_URL, headers={"Accept": "text/html"})
+        assert resp.status == 406
+        assert (await resp.json())["message"] == (
+            "only the following media types are accepted: "
+            "application/json, application/yaml, application/vnd.kubernetes.protobuf, application/cbor"
+        )
 
 
 async def test_the_operators_client_sends_json_and_its_own_user_agent() -> None:

@@ -3,6 +3,8 @@
 Each rule here is one the real server applies (Kubernetes sources, staging/src/k8s.io/apiserver and
 apiextensions-apiserver) and a lenient fake once let through:
 
+- content negotiation: an Accept header naming none of the object media types is `406 only the
+  following media types are accepted: ...` (pod logs are text and exempt);
 - request bodies: a POST body must be JSON, YAML, protobuf or CBOR (custom resources: no protobuf), a
   PATCH one of the patch types; anything else is `415 the body of the request was in an unknown format
   - accepted media types include: ...` (handlers/negotiation, handlers/patch.go). A client that sets no
@@ -69,6 +71,19 @@ def unsupported_media_type(accepted: tuple[str, ...]) -> kmock.KubernetesError:
         "the body of the request was in an unknown format - accepted media types include: "
         + ", ".join(accepted),
     )
+
+
+def check_accept(accept: str | None) -> None:
+    """406 for an Accept header that names none of the media types the API server serves objects in."""
+    if not accept:
+        return
+    offered = {media_type(part) for part in accept.split(",")}
+    if not offered & {"*/*", "application/*", *BODY_TYPES}:
+        raise kmock.KubernetesError(
+            406,
+            "NotAcceptable",
+            "only the following media types are accepted: " + ", ".join(BODY_TYPES),
+        )
 
 
 def check_body_type(method: str, content_type: str | None, custom: bool) -> None:

@@ -173,6 +173,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.audit.append((request.headers.get("User-Agent", ""), request.method, request.url.path))
         if request.resource is not None and (request.resource.plural, request.subresource) == ("pods", "log"):
             return self._serve_log(request)
+        if request.resource is not None:
+            strict.check_accept(request.headers.get("Accept"))
         if request.resource is None or request.action not in (action.CREATE, action.UPDATE, action.DELETE):
             return await super()._handle(request)
         plural = request.resource.plural

@@ -184,8 +184,8 @@ class ModelSpec(SpecModel):
             cel(
                 f"self.source in {list(BUILTIN_SOURCES)} || "
                 + " || ".join(f"self.source.startsWith('{scheme}')" for scheme in SOURCE_SCHEMES),
-                f"model.source must start with {', '.join(SOURCE_SCHEMES[:-1])} or {SOURCE_SCHEMES[-1]}, or be "
-                f"one of {', '.join(BUILTIN_SOURCES)}",
+                f"model.source must start with {', '.join(SOURCE_SCHEMES[:-1])} or {SOURCE_SCHEMES[-1]}, "
+                f"or be one of {', '.join(BUILTIN_SOURCES)}",
                 ".source",
             ),
             cel(
