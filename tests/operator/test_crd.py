@@ -72,6 +72,20 @@ def test_crd_schema_is_structural_and_documented() -> None:
     assert undocumented == []
 
 
+def test_list_map_rules_are_checked_as_the_api_server_does() -> None:
+    conditions = copy.deepcopy(render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    conditions = conditions["properties"]["status"]["properties"]["conditions"]
+    assert structural_errors(conditions, ".status.conditions") == []
+    conditions["items"]["required"].remove("type")
+    assert structural_errors(conditions, ".status.conditions") == [
+        ".status.conditions.x-kubernetes-list-map-keys: all map keys must be required or have a default"
+    ]
+    del conditions["x-kubernetes-list-type"]
+    assert structural_errors(conditions, ".status.conditions") == [
+        ".status.conditions.x-kubernetes-list-map-keys: must only be used if x-kubernetes-list-type == map"
+    ]
+
+
 def test_crd_has_scale_and_status_subresources_and_printer_columns() -> None:
     version = render_crd()["spec"]["versions"][0]
     assert version["subresources"] == {

@@ -6,6 +6,8 @@ import asyncio
 import json
 
 import pytest
+from aiohttp import web
+from kubernetes_asyncio.client import Configuration
 
 from inflight.operator.kube import (
     OPERATOR_USER_AGENT,
@@ -290,3 +292,49 @@ async def test_a_watch_from_a_compacted_version_is_410_and_watches_end_with_a_bo
             assert f"too old resource version: {version} (" in str(gone.value)
         finally:
             await client.close()
+
+
+async def test_a_401_loads_the_credentials_again_once() -> None:
+    """Projected service-account tokens rotate: a 401 re-reads them and retries once; a second 401 is an
+    error naming the call."""
+    tokens: list[str] = []
+
+    async def leases(request: web.Request) -> web.Response:
+        tokens.append(request.headers.get("Authorization", ""))
+        if request.headers.get("Authorization") != "Bearer fresh":
+            return web.json_response({"kind": "Status", "code": 401, "message": "Unauthorized"}, status=401)
+        return web.json_response({"kind": "LeaseList", "metadata": {"resourceVersion": "7"}, "items": []})
+
+    app = web.Application()
+    app.router.add_get(LEASES_URL, leases)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    def with_token(token: str) -> Configuration:
+        return Configuration(
+            host=url, api_key={"BearerToken": token}, api_key_prefix={"BearerToken": "Bearer"}
+        )
+
+    async def rotated() -> Configuration:
+        return with_token("fresh")
+
+    async def still_stale() -> Configuration:
+        return with_token("stale")
+
+    try:
+        client = KubeClient(with_token("stale"), user_agent=OPERATOR_USER_AGENT, reload=rotated)
+        try:
+            assert await client.list_with_version(LEASES_URL) == ([], "7")
+        finally:
+            await client.close()
+        assert tokens == ["Bearer stale", "Bearer fresh"]
+        client = KubeClient(with_token("stale"), user_agent=OPERATOR_USER_AGENT, reload=still_stale)
+        try:
+            with pytest.raises(KubeError, match="HTTP 401: Unauthorized"):
+                await client.list(LEASES_URL)
+        finally:
+            await client.close()
+    finally:
+        await runner.cleanup()

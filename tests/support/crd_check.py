@@ -51,6 +51,54 @@ ALLOWED_KEYS = {
 }
 
 
+SCALAR_TYPES = {"string", "integer", "number", "boolean"}
+
+
+def _list_type_errors(schema: dict[str, Any], path: str) -> list[str]:
+    """The API server's rules for `x-kubernetes-list-type` and `x-kubernetes-list-map-keys`
+    (apiextensions-apiserver, validation of the CRD's schema)."""
+    errors: list[str] = []
+    list_type = schema.get("x-kubernetes-list-type")
+    keys = schema.get("x-kubernetes-list-map-keys")
+    if keys is not None and list_type != "map":
+        errors.append(
+            f"{path}.x-kubernetes-list-map-keys: must only be used if x-kubernetes-list-type == map"
+        )
+    if list_type is None:
+        return errors
+    if schema.get("type") != "array":
+        errors.append(f"{path}.x-kubernetes-list-type: must only be used on arrays")
+    if list_type not in ("atomic", "set", "map"):
+        errors.append(f'{path}.x-kubernetes-list-type: Unsupported value: "{list_type}"')
+    items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+    if list_type == "set" and items.get("type") not in SCALAR_TYPES:
+        errors.append(f"{path}.items: sets must have scalar items (x-kubernetes-list-type: set)")
+    if list_type == "map":
+        if items.get("type") != "object":
+            errors.append(
+                f"{path}.items.type: must be object if parent array's x-kubernetes-list-type is map"
+            )
+        if not keys:
+            errors.append(
+                f"{path}.x-kubernetes-list-map-keys: Required value: must not be empty if "
+                "x-kubernetes-list-type is map"
+            )
+        properties = items.get("properties", {})
+        for key in keys or []:
+            prop = properties.get(key)
+            if prop is None:
+                errors.append(
+                    f"{path}.x-kubernetes-list-map-keys: entries must all be names of item properties"
+                )
+            elif key not in items.get("required", []) and "default" not in prop:
+                errors.append(
+                    f"{path}.x-kubernetes-list-map-keys: all map keys must be required or have a default"
+                )
+            elif prop.get("type") not in SCALAR_TYPES:
+                errors.append(f"{path}.x-kubernetes-list-map-keys: map keys must be scalar typed")
+    return errors
+
+
 def structural_errors(schema: dict[str, Any], path: str = "") -> list[str]:
     """Every node has a type; no $ref/anyOf/oneOf; properties and additionalProperties never together."""
     errors: list[str] = []
@@ -63,6 +111,7 @@ def structural_errors(schema: dict[str, Any], path: str = "") -> list[str]:
         errors.append(f"{path or '.'}: properties and additionalProperties together")
     if schema.get("type") == "object" and "items" in schema:
         errors.append(f"{path or '.'}: items on an object")
+    errors += _list_type_errors(schema, path or ".")
     for name, prop in schema.get("properties", {}).items():
         errors += structural_errors(prop, f"{path}.{name}")
     if isinstance(schema.get("items"), dict):
