@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 from kubernetes_asyncio.client import Configuration
 
+from inflight.operator.api.crd import render_crd
 from inflight.operator.kube import (
     OPERATOR_USER_AGENT,
     ROUTER_USER_AGENT,
@@ -338,3 +339,21 @@ async def test_a_401_loads_the_credentials_again_once() -> None:
             await client.close()
     finally:
         await runner.cleanup()
+
+
+async def test_the_crd_kube_apiserver_refused_is_refused_in_its_words() -> None:
+    """The first defect: the CRD as generated before object defaults were written out in full."""
+    async with emulated_cluster() as cluster:
+        crd = render_crd()
+        crd["metadata"]["name"] = "modelservers.example.dev"
+        crd["spec"]["group"] = "example.dev"
+        spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        spec["properties"]["engine"]["default"] = {}
+        resp = await cluster.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=crd)
+        assert resp.status == 422
+        assert (await resp.json())["message"] == (
+            'CustomResourceDefinition.apiextensions.k8s.io "modelservers.example.dev" is invalid: '
+            "spec.validation.openAPIV3Schema.properties[spec].properties[engine].default: Invalid value: "
+            '"object": no such key: maxBatchedTokens evaluating rule: engine.maxBatchedTokens must be at '
+            "least engine.blockSize"
+        )

@@ -15,6 +15,9 @@ apiextensions-apiserver) and a lenient fake once let through:
   without it, a custom resource's unknown fields are pruned (dropped);
 - custom resources are defaulted and validated against their CRD's schema and CEL rules: `422
   <Kind>.<group> "<name>" is invalid: <errors>`;
+- a CustomResourceDefinition is admitted only with a structural schema whose every `default` passes
+  the schema and CEL rules of its level as written: `422 CustomResourceDefinition.apiextensions.k8s.io
+  "<name>" is invalid: spec.validation.openAPIV3Schema.properties[spec]...default: Invalid value: ...`;
 - optimistic concurrency: a write carrying a stale `metadata.resourceVersion` is `409 Operation cannot
   be fulfilled on <plural>.<group> "<name>": the object has been modified; please apply your changes to
   the latest version and try again`.
@@ -33,7 +36,7 @@ import kmock
 import referencing
 from kubernetes_validate import utils as k8s_schemas
 
-from support.crd_check import admission_errors, apply_defaults
+from support.crd_check import admission_errors, apply_defaults, default_errors, structural_errors
 
 BODY_TYPES = (
     "application/json",
@@ -214,3 +217,21 @@ def conflict(plural: str, group: str, name: str) -> kmock.KubernetesError:
         f'Operation cannot be fulfilled on {resource} "{name}": the object has been modified; please apply '
         "your changes to the latest version and try again",
     )
+
+
+def admit_crd(crd: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The openAPIV3Schema of each served version of an admitted CRD; 422 as the API server words it when
+    the schema is not structural or a default fails its level's schema or CEL rules."""
+    schemas = {}
+    errors: list[str] = []
+    for version in crd.get("spec", {}).get("versions", []):
+        schema = version.get("schema", {}).get("openAPIV3Schema", {})
+        errors += structural_errors(schema) + default_errors(schema)
+        schemas[version.get("name", "")] = schema
+    if errors:
+        listed = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
+        name = crd.get("metadata", {}).get("name", "")
+        raise kmock.KubernetesError(
+            422, "Invalid", f'CustomResourceDefinition.apiextensions.k8s.io "{name}" is invalid: {listed}'
+        )
+    return schemas

@@ -214,6 +214,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if request.namespace:
             meta["namespace"] = request.namespace
         body = self._admit(request, body, created=True)
+        if request.resource is not None and request.resource.plural == "customresourcedefinitions":
+            self._serve_custom_resource(body)
         meta = body["metadata"]
         meta.update(
             uid=str(uuid.uuid4()),
@@ -222,6 +224,17 @@ class KubeEmulator(kmock.KubernetesEmulator):
             creationTimestamp=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
         return body
+
+    def _serve_custom_resource(self, crd: dict[str, Any]) -> None:
+        """Admit a CRD (422 when the API server would refuse it); its resource is then defaulted and
+        validated by its schema."""
+        schemas = strict.admit_crd(crd)
+        spec = crd["spec"]
+        for version, schema in schemas.items():
+            key = f"{spec['group']}/{version}/{spec['names']['plural']}"
+            self.declare(
+                key, spec["names"]["kind"], spec.get("scope") == "Namespaced", ("status", "scale"), schema
+            )
 
     def _admit(self, request: rendering.Request, obj: dict[str, Any], *, created: bool) -> dict[str, Any]:
         """The object as the API server would store it (custom resources pruned and defaulted), or the
