@@ -201,12 +201,16 @@ def admit_custom_resource(schema: dict[str, Any], obj: dict[str, Any], group: st
     defaulted: dict[str, Any] = apply_defaults(schema, obj)
     errors = admission_errors(schema, defaulted)
     if errors:
-        listed = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
-        name = defaulted.get("metadata", {}).get("name", "")
-        raise kmock.KubernetesError(
-            422, "Invalid", f'{defaulted.get("kind")}.{group} "{name}" is invalid: {listed}'
+        raise invalid(
+            f"{defaulted.get('kind')}.{group}", defaulted.get("metadata", {}).get("name", ""), errors
         )
     return defaulted
+
+
+def invalid(qualified_kind: str, name: str, errors: list[str]) -> kmock.KubernetesError:
+    """422 Invalid, worded as the API server words it (one error alone, several in brackets)."""
+    listed = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
+    return kmock.KubernetesError(422, "Invalid", f'{qualified_kind} "{name}" is invalid: {listed}')
 
 
 def conflict(plural: str, group: str, name: str) -> kmock.KubernetesError:
@@ -229,9 +233,7 @@ def admit_crd(crd: dict[str, Any]) -> dict[str, dict[str, Any]]:
         errors += structural_errors(schema) + default_errors(schema)
         schemas[version.get("name", "")] = schema
     if errors:
-        listed = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
-        name = crd.get("metadata", {}).get("name", "")
-        raise kmock.KubernetesError(
-            422, "Invalid", f'CustomResourceDefinition.apiextensions.k8s.io "{name}" is invalid: {listed}'
+        raise invalid(
+            "CustomResourceDefinition.apiextensions.k8s.io", crd.get("metadata", {}).get("name", ""), errors
         )
     return schemas
