@@ -103,3 +103,22 @@ async def test_the_metrics_endpoint_serves_prometheus_text(unused_tcp_port: int)
     assert response.headers["content-type"].startswith("text/plain")
     assert 'inflight_operator_autoscaling_decisions_total{direction="up"} 1.0' in response.text
     assert json.dumps("inflight_operator_reconciles_total")[1:-1] in response.text
+
+
+async def test_a_download_poll_that_fails_is_logged_and_close_waits_for_every_poll(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A delayed reconcile is a task of its own: an API error in it must not end the operator (Kopf
+    re-raises its tasks' errors), and closing the controller cancels it before the client closes."""
+    client = KubeClient(configuration_for("http://127.0.0.1:9"), user_agent=OPERATOR_USER_AGENT)
+    controller = Controller(client, lambda *_: None)
+    controller.download_poll_seconds = 0
+    controller._poll_download("ns", "a")
+    (task,) = controller._poll_tasks
+    await task
+    assert "download poll of ns/a failed" in caplog.text
+    controller.download_poll_seconds = 3600
+    controller._poll_download("ns", "b")
+    (pending,) = controller._poll_tasks
+    await controller.close()
+    assert pending.cancelled() and not controller._poll_tasks
