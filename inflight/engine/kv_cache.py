@@ -26,6 +26,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 # sha256 digest (32 bytes) of the parent block's key and this block's token ids.
 BlockKey = bytes
@@ -43,6 +44,28 @@ def block_key(parent: BlockKey, tokens: Sequence[int]) -> BlockKey:
     if sys.byteorder == "big":
         ids.byteswap()
     return hashlib.sha256(parent + ids.tobytes()).digest()
+
+
+class KVAllocator(Protocol):
+    """What the scheduler asks of KV memory. `KVCacheManager` (paged) is the engine's; the simulator's
+    contiguous allocator (`inflight/sim/contiguous.py`) is the pre-PagedAttention one it is compared with.
+
+    `num_blocks * block_size` is the pool's capacity in tokens; `allocate` returns False (changing
+    nothing) when the memory is short.
+    """
+
+    num_blocks: int
+    block_size: int
+
+    def blocks_for(self, num_tokens: int) -> int: ...
+    def holds(self, seq_id: str) -> bool: ...
+    def block_table(self, seq_id: str) -> list[int]: ...
+    def match_prefix(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int: ...
+    def allocate(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool: ...
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
+    def fork(self, parent_id: str, child_id: str) -> None: ...
+    def free(self, seq_id: str) -> None: ...
+    def take_pending_copies(self) -> list[tuple[int, int]]: ...
 
 
 @dataclass

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from inflight.engine.config import SchedulerPolicy
-from inflight.engine.kv_cache import KVCacheManager
+from inflight.engine.kv_cache import KVAllocator
 from inflight.engine.sequence import Sequence, SequenceStatus
 
 
@@ -125,7 +125,7 @@ class Scheduler:
 
     def __init__(
         self,
-        kv_cache: KVCacheManager,
+        kv_cache: KVAllocator,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -391,7 +391,7 @@ SCHEDULERS: dict[SchedulerPolicy, type[Scheduler]] = {
 
 def create_scheduler(
     policy: SchedulerPolicy,
-    kv_cache: KVCacheManager,
+    kv_cache: KVAllocator,
     *,
     max_num_seqs: int,
     max_num_batched_tokens: int,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from pydantic import BaseModel, Field
 
 from inflight.sim.cost_model import CostModel
@@ -13,6 +16,24 @@ class WorkloadSummary(BaseModel):
     num_long: int
     prompt_tokens: int
     output_tokens: int
+
+
+class SizedRequest(Protocol):
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def long(self) -> bool: ...
+
+
+def summarize_workload(requests: Sequence[SizedRequest]) -> WorkloadSummary:
+    return WorkloadSummary(
+        num_requests=len(requests),
+        num_long=sum(1 for request in requests if request.long),
+        prompt_tokens=sum(request.prompt_tokens for request in requests),
+        output_tokens=sum(request.output_tokens for request in requests),
+    )
 
 
 class DemoComparison(BaseModel):
@@ -50,12 +71,7 @@ def compare(
         slots=static.slots,
         kind=kind,
         cost_model=cost_model,
-        workload=WorkloadSummary(
-            num_requests=len(static.requests),
-            num_long=sum(1 for request in static.requests if request.long),
-            prompt_tokens=sum(request.prompt_tokens for request in static.requests),
-            output_tokens=static.output_tokens,
-        ),
+        workload=summarize_workload(static.requests),
         static=static,
         continuous=continuous,
         throughput_ratio=throughput_ratio(static, continuous),

@@ -10,7 +10,7 @@ carried.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -73,17 +73,31 @@ def simulate_policy(
     cost_model: CostModel,
 ) -> TimelineRecorder:
     """Run `requests` (all arriving at t=0) through the real scheduler on the virtual clock."""
-    scheduler = build_scheduler(policy, settings)
     recorder = TimelineRecorder(policy, settings.slots, requests)
+    run_on_virtual_clock(build_scheduler(policy, settings), requests, cost_model, recorder.record_step)
+    return recorder
+
+
+def run_on_virtual_clock(
+    scheduler: Scheduler,
+    requests: Sequence[DemoRequest],
+    cost_model: CostModel,
+    on_step: Callable[[float, float, StepRecord], None],
+) -> None:
+    """Drive `scheduler` as `LLMEngine` does until every request (all arriving at t=0) is done.
+
+    After each step's `update`, `on_step(start_s, end_s, record)` hears what it decided; the scheduler
+    and its KV allocator already show the state the step left.
+    """
     clock = 0.0
 
-    def on_step(step: StepRecord) -> None:
+    def record(step: StepRecord) -> None:
         nonlocal clock
         start = clock
         clock += cost_model.step_seconds(sum(tokens for _, tokens in step.scheduled))
-        recorder.record_step(start, clock, step)
+        on_step(start, clock, step)
 
-    scheduler.on_step = on_step
+    scheduler.on_step = record
     outputs = {request.request_id: request.output_token_ids for request in requests}
 
     def next_token(seq: EngineSequence) -> int:
@@ -103,10 +117,9 @@ def simulate_policy(
             reasons = "; ".join(f"{seq.seq_id}: {seq.error}" for seq in out.failed)
             raise RuntimeError(f"the demo settings cannot run the workload: {reasons}")
         if out.is_empty:
-            raise RuntimeError(f"{policy} scheduler made no progress with requests unfinished")
+            raise RuntimeError(f"{scheduler.policy} scheduler made no progress with requests unfinished")
         sampled = {item.seq.seq_id: [next_token(item.seq)] for item in out.sampling}
         scheduler.update(out, sampled)
-    return recorder
 
 
 def simulate(
