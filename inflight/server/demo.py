@@ -4,6 +4,9 @@
 - `GET /v1/demo/simulate?slots=N`: both policies on the fixed 30-request workload, simulated with the
   engine's real schedulers on a virtual clock priced by the step cost model (`app.state.demo_cost_model`,
   set by `inflight demo`; the built-in default otherwise). Open like the page: it touches no model.
+- `GET /v1/demo/memory?budget_mib=M&reserve=R`: the same requests on M MiB of KV memory, served by
+  contiguous per-request reservations (R: max_model_len or prompt_plus_max_tokens) and by the engine's
+  paged `KVCacheManager`, both with the continuous scheduler on the virtual clock. Open like the page.
 - `POST /v1/demo/run` `{"slots": N}`: the same requests run for real through the loaded model, once
   per policy, each with its own engine (scheduler + KV cache) sharing the live engine's weights; behind
   the API key like every model route. One run at a time.
@@ -26,6 +29,14 @@ from inflight.server.errors import APIError, error_responses
 from inflight.sim.comparison import DemoComparison
 from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
 from inflight.sim.live import run_live_demo
+from inflight.sim.memory import (
+    DEFAULT_BUDGET_MIB,
+    MAX_BUDGET_MIB,
+    MIN_BUDGET_MIB,
+    MemoryComparison,
+    Reserve,
+    simulate_memory_demo,
+)
 from inflight.sim.simulator import MAX_SLOTS, MIN_SLOTS, simulate_demo
 
 demo_router = APIRouter(tags=["demo"])
@@ -61,6 +72,24 @@ def simulate_endpoint(
 ) -> DemoComparison:
     # A plain def: FastAPI runs it in its thread pool, so a first-time simulation never blocks the loop.
     return simulate_demo(slots, demo_cost_model(request))
+
+
+@demo_router.get(
+    "/v1/demo/memory",
+    response_model=MemoryComparison,
+    responses=error_responses(400),
+    summary="Contiguous vs paged KV memory on the demo workload, on a virtual clock",
+)
+def memory_endpoint(
+    request: Request,
+    budget_mib: Annotated[
+        int, Query(ge=MIN_BUDGET_MIB, le=MAX_BUDGET_MIB, description="KV memory budget in MiB")
+    ] = DEFAULT_BUDGET_MIB,
+    reserve: Annotated[
+        Reserve, Query(description="what the contiguous allocator reserves per request up front")
+    ] = "max_model_len",
+) -> MemoryComparison:
+    return simulate_memory_demo(budget_mib, reserve, demo_cost_model(request))
 
 
 @demo_router.post(

@@ -9,6 +9,7 @@ import pytest
 
 from inflight.sim.comparison import DemoComparison
 from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
+from inflight.sim.memory import MemoryComparison, simulate_memory
 from inflight.sim.simulator import simulate
 from inflight.sim.workload import demo_workload
 
@@ -141,3 +142,58 @@ def test_a_second_concurrent_run_gets_429(demo_server: DemoServer) -> None:
     assert response.status_code == 429
     assert response.headers["retry-after"] == "10"
     assert "already in progress" in response.json()["error"]["message"]
+
+
+def test_memory_returns_both_allocators_per_step_and_the_headline(demo_server: DemoServer) -> None:
+    response = httpx.get(f"{demo_server.url}/v1/demo/memory", params={"budget_mib": 256})
+    assert response.status_code == 200
+    body = response.json()
+    comparison = MemoryComparison.model_validate(body)
+    assert comparison == simulate_memory(256, "max_model_len", DEFAULT_COST_MODEL)
+    assert body["reserve"] == "max_model_len" and body["budget_mib"] == 256
+    for allocator in ("contiguous", "paged"):
+        result = body[allocator]
+        assert result["allocator"] == allocator
+        assert result["capacity_tokens"] == 256 * 1024 * 1024 // body["kv_bytes_per_token"]
+        assert len(result["steps"]) == result["num_steps"] > 0
+        assert set(result["steps"][0]) == {
+            "start_s",
+            "end_s",
+            "in_flight",
+            "waiting",
+            "reserved_tokens",
+            "written_tokens",
+        }
+    assert body["in_flight_ratio"] >= 2.0
+    assert f"{body['in_flight_ratio']:.1f}x" in body["summary"]
+
+
+def test_memory_changes_with_the_budget_and_the_reservation(demo_server: DemoServer) -> None:
+    small = httpx.get(f"{demo_server.url}/v1/demo/memory?budget_mib=64").json()
+    large = httpx.get(f"{demo_server.url}/v1/demo/memory?budget_mib=1024").json()
+    exact = httpx.get(f"{demo_server.url}/v1/demo/memory?budget_mib=64&reserve=prompt_plus_max_tokens").json()
+    for allocator in ("contiguous", "paged"):
+        assert large[allocator]["makespan_s"] < small[allocator]["makespan_s"]
+    assert exact["contiguous"]["peak_in_flight"] > small["contiguous"]["peak_in_flight"] == 1
+    assert exact["paged"] == small["paged"]
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("budget_mib=63", "budget_mib"),
+        ("budget_mib=1025", "budget_mib"),
+        ("budget_mib=lots", "budget_mib"),
+        ("budget_mib=", "budget_mib"),
+        ("reserve=everything", "reserve"),
+    ],
+)
+def test_memory_rejects_bad_parameters_with_an_openai_error(
+    demo_server: DemoServer, query: str, param: str
+) -> None:
+    response = httpx.get(f"{demo_server.url}/v1/demo/memory?{query}")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"]
