@@ -93,8 +93,8 @@ def test_demo_page_is_self_contained(demo_server: DemoServer) -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/html")
     page = response.text
-    assert 'id="slots"' in page and 'id="run"' in page
-    assert "/v1/demo/simulate" in page and "/v1/demo/run" in page
+    assert 'id="slots"' in page and 'id="run"' in page and 'id="budget"' in page
+    assert "/v1/demo/simulate" in page and "/v1/demo/run" in page and "/v1/demo/memory" in page
     # No CDN: nothing is loaded from elsewhere (the only URL is the SVG namespace name).
     assert re.findall(r"https?://[^\s\"'`]+", page) == ["http://www.w3.org/2000/svg"]
     assert "<link" not in page and "<script src" not in page
