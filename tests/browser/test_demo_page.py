@@ -104,3 +104,74 @@ def test_demo_page_slider_and_real_run(demo_url: str) -> None:
         finally:
             browser.close()
     assert errors == []
+
+
+ALLOCATORS = ("contiguous", "paged")
+MEMORY_FIGURES = ("mean_in_flight", "peak_in_flight", "waste_share", "throughput_tokens_per_s", "makespan_s")
+
+
+def _memory_figures(page: Any) -> dict[str, float]:
+    return {
+        f"{allocator}.{key}": float(
+            page.get_attribute(f"[data-mem-figure='{allocator}.{key}']", "data-value")
+        )
+        for allocator in ALLOCATORS
+        for key in MEMORY_FIGURES
+    }
+
+
+def _memory_json(demo_url: str, budget: str, reserve: str) -> dict[str, Any]:
+    response = httpx.get(f"{demo_url}/v1/demo/memory", params={"budget_mib": budget, "reserve": reserve})
+    assert response.status_code == 200
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def test_memory_panel_slider_and_reservation(demo_url: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(f"{demo_url}/demo")
+            page.wait_for_selector("body[data-budget='256:max_model_len']")
+            default = _memory_figures(page)
+            body = _memory_json(demo_url, "256", "max_model_len")
+            assert default == pytest.approx(
+                {f"{a}.{key}": float(body[a][key]) for a in ALLOCATORS for key in MEMORY_FIGURES}
+            )
+            # At the default budget, paged blocks hold at least twice the requests in flight.
+            assert default["paged.mean_in_flight"] >= 2 * default["contiguous.mean_in_flight"]
+            assert page.text_content("#mem-ratio") == f"{body['in_flight_ratio']:.1f}×"
+            assert page.text_content("#mem-summary") == body["summary"]
+            assert page.locator("#chart-inflight path[data-allocator]").count() == 4
+            page.locator("#memory").scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "demo-page-memory.png"), full_page=True)
+
+            seen = [default]
+            for budget in ("128", "640"):
+                page.locator("#budget").fill(budget)
+                page.wait_for_selector(f"body[data-budget='{budget}:max_model_len']")
+                assert page.text_content("#budget-value") == f"{budget} MiB"
+                figures = _memory_figures(page)
+                for allocator in ALLOCATORS:  # the slider moves both allocators' results
+                    assert all(
+                        figures[f"{allocator}.makespan_s"] != earlier[f"{allocator}.makespan_s"]
+                        for earlier in seen
+                    )
+                seen.append(figures)
+
+            page.check("input[name=reserve][value=prompt_plus_max_tokens]")
+            page.wait_for_selector("body[data-budget='640:prompt_plus_max_tokens']")
+            exact = _memory_figures(page)
+            body = _memory_json(demo_url, "640", "prompt_plus_max_tokens")
+            assert exact["contiguous.waste_share"] == pytest.approx(body["contiguous"]["waste_share"])
+            assert exact["contiguous.waste_share"] < seen[-1]["contiguous.waste_share"]
+            assert exact["paged.makespan_s"] == seen[-1]["paged.makespan_s"]
+        finally:
+            browser.close()
+    assert errors == []
