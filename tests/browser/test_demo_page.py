@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, running_demo
+from support.browser import ARTIFACTS, CHROMIUM, demo_page, running_demo
 
 POLICIES = ("static", "continuous")
 FIGURES = ("throughput_tokens_per_s", "makespan_s", "mean_latency_s", "p95_latency_s", "idle_slot_s", "steps")
@@ -47,63 +47,51 @@ def _json_figures(body: dict[str, Any]) -> dict[str, float]:
 
 
 def test_demo_page_slider_and_real_run(demo_url: str) -> None:
-    from playwright.sync_api import sync_playwright
+    with demo_page(demo_url) as page:
+        page.wait_for_selector("body[data-slots='8']")
+        at_8 = _page_figures(page, "data-figure")
+        body_8 = httpx.get(f"{demo_url}/v1/demo/simulate?slots=8").json()
+        assert at_8 == pytest.approx(_json_figures(body_8))
+        assert page.text_content("#ratio") == f"{body_8['throughput_ratio']:.2f}×"
+        assert page.text_content("#summary") == body_8["summary"]
+        assert body_8["throughput_ratio"] >= 2.0
+        # One bar per request in each chart; slots lanes.
+        assert page.locator("#chart-static g.bar").count() == 30
+        page.screenshot(path=str(ARTIFACTS / "demo-page-8-slots.png"), full_page=True)
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.on("pageerror", lambda error: errors.append(str(error)))
-            page.goto(f"{demo_url}/demo")
-            page.wait_for_selector("body[data-slots='8']")
-            at_8 = _page_figures(page, "data-figure")
-            body_8 = httpx.get(f"{demo_url}/v1/demo/simulate?slots=8").json()
-            assert at_8 == pytest.approx(_json_figures(body_8))
-            assert page.text_content("#ratio") == f"{body_8['throughput_ratio']:.2f}×"
-            assert page.text_content("#summary") == body_8["summary"]
-            assert body_8["throughput_ratio"] >= 2.0
-            # One bar per request in each chart; slots lanes.
-            assert page.locator("#chart-static g.bar").count() == 30
-            page.screenshot(path=str(ARTIFACTS / "demo-page-8-slots.png"), full_page=True)
+        for slots in ("3", "16"):
+            page.locator("#slots").fill(slots)
+            page.wait_for_selector(f"body[data-slots='{slots}']")
+            assert page.text_content("#slots-value") == slots
+            figures = _page_figures(page, "data-figure")
+            body = httpx.get(f"{demo_url}/v1/demo/simulate?slots={slots}").json()
+            assert figures == pytest.approx(_json_figures(body))
+            assert figures != at_8
+            assert page.text_content("#ratio") == f"{body['throughput_ratio']:.2f}×"
 
-            for slots in ("3", "16"):
-                page.locator("#slots").fill(slots)
-                page.wait_for_selector(f"body[data-slots='{slots}']")
-                assert page.text_content("#slots-value") == slots
-                figures = _page_figures(page, "data-figure")
-                body = httpx.get(f"{demo_url}/v1/demo/simulate?slots={slots}").json()
-                assert figures == pytest.approx(_json_figures(body))
-                assert figures != at_8
-                assert page.text_content("#ratio") == f"{body['throughput_ratio']:.2f}×"
-
-            with page.expect_response(lambda r: r.url.endswith("/v1/demo/run"), timeout=240_000) as run:
-                page.click("#run")
-            assert run.value.status == 200
-            measured_body = run.value.json()
-            page.wait_for_selector("#measured-summary[data-ratio]")
-            measured = _page_figures(page, "data-measured")
-            assert measured == pytest.approx(_json_figures(measured_body))
-            assert measured_body["kind"] == "measured" and measured_body["slots"] == 16
-            for policy in POLICIES:
-                # Same decisions as the simulation; only the clock differs.
-                assert measured[f"{policy}.steps"] == figures[f"{policy}.steps"]
-                assert measured[f"{policy}.throughput_tokens_per_s"] > 0
-            assert page.is_visible("#measured-static-head")
-            summary = page.text_content("#measured-summary") or ""
-            assert f"{measured_body['throughput_ratio']:.2f}×" in summary
-            # The charts now draw the measured timelines; the toggle switches back to the simulated ones.
-            assert (page.text_content("#static-caption") or "").startswith("measured:")
-            page.screenshot(path=str(ARTIFACTS / "demo-page-measured.png"), full_page=True)
-            page.check("input[name=view][value=simulated]")
-            assert (page.text_content("#static-caption") or "").startswith("simulated:")
-            page.locator("#slots").fill("8")
-            page.wait_for_selector("body[data-slots='8']")
-            assert page.is_disabled("#view-measured")
-        finally:
-            browser.close()
-    assert errors == []
+        with page.expect_response(lambda r: r.url.endswith("/v1/demo/run"), timeout=240_000) as run:
+            page.click("#run")
+        assert run.value.status == 200
+        measured_body = run.value.json()
+        page.wait_for_selector("#measured-summary[data-ratio]")
+        measured = _page_figures(page, "data-measured")
+        assert measured == pytest.approx(_json_figures(measured_body))
+        assert measured_body["kind"] == "measured" and measured_body["slots"] == 16
+        for policy in POLICIES:
+            # Same decisions as the simulation; only the clock differs.
+            assert measured[f"{policy}.steps"] == figures[f"{policy}.steps"]
+            assert measured[f"{policy}.throughput_tokens_per_s"] > 0
+        assert page.is_visible("#measured-static-head")
+        summary = page.text_content("#measured-summary") or ""
+        assert f"{measured_body['throughput_ratio']:.2f}×" in summary
+        # The charts now draw the measured timelines; the toggle switches back to the simulated ones.
+        assert (page.text_content("#static-caption") or "").startswith("measured:")
+        page.screenshot(path=str(ARTIFACTS / "demo-page-measured.png"), full_page=True)
+        page.check("input[name=view][value=simulated]")
+        assert (page.text_content("#static-caption") or "").startswith("simulated:")
+        page.locator("#slots").fill("8")
+        page.wait_for_selector("body[data-slots='8']")
+        assert page.is_disabled("#view-measured")
 
 
 ALLOCATORS = ("contiguous", "paged")
@@ -128,50 +116,38 @@ def _memory_json(demo_url: str, budget: str, reserve: str) -> dict[str, Any]:
 
 
 def test_memory_panel_slider_and_reservation(demo_url: str) -> None:
-    from playwright.sync_api import sync_playwright
+    with demo_page(demo_url) as page:
+        page.wait_for_selector("body[data-budget='256:max_model_len']")
+        default = _memory_figures(page)
+        body = _memory_json(demo_url, "256", "max_model_len")
+        assert default == pytest.approx(
+            {f"{a}.{key}": float(body[a][key]) for a in ALLOCATORS for key in MEMORY_FIGURES}
+        )
+        # At the default budget, paged blocks hold at least twice the requests in flight.
+        assert default["paged.mean_in_flight"] >= 2 * default["contiguous.mean_in_flight"]
+        assert page.text_content("#mem-ratio") == f"{body['in_flight_ratio']:.1f}×"
+        assert page.text_content("#mem-summary") == body["summary"]
+        assert page.locator("#chart-inflight path[data-allocator]").count() == 4
+        page.locator("#memory").scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "demo-page-memory.png"), full_page=True)
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.on("pageerror", lambda error: errors.append(str(error)))
-            page.goto(f"{demo_url}/demo")
-            page.wait_for_selector("body[data-budget='256:max_model_len']")
-            default = _memory_figures(page)
-            body = _memory_json(demo_url, "256", "max_model_len")
-            assert default == pytest.approx(
-                {f"{a}.{key}": float(body[a][key]) for a in ALLOCATORS for key in MEMORY_FIGURES}
-            )
-            # At the default budget, paged blocks hold at least twice the requests in flight.
-            assert default["paged.mean_in_flight"] >= 2 * default["contiguous.mean_in_flight"]
-            assert page.text_content("#mem-ratio") == f"{body['in_flight_ratio']:.1f}×"
-            assert page.text_content("#mem-summary") == body["summary"]
-            assert page.locator("#chart-inflight path[data-allocator]").count() == 4
-            page.locator("#memory").scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "demo-page-memory.png"), full_page=True)
+        seen = [default]
+        for budget in ("128", "640"):
+            page.locator("#budget").fill(budget)
+            page.wait_for_selector(f"body[data-budget='{budget}:max_model_len']")
+            assert page.text_content("#budget-value") == f"{budget} MiB"
+            figures = _memory_figures(page)
+            for allocator in ALLOCATORS:  # the slider moves both allocators' results
+                assert all(
+                    figures[f"{allocator}.makespan_s"] != earlier[f"{allocator}.makespan_s"]
+                    for earlier in seen
+                )
+            seen.append(figures)
 
-            seen = [default]
-            for budget in ("128", "640"):
-                page.locator("#budget").fill(budget)
-                page.wait_for_selector(f"body[data-budget='{budget}:max_model_len']")
-                assert page.text_content("#budget-value") == f"{budget} MiB"
-                figures = _memory_figures(page)
-                for allocator in ALLOCATORS:  # the slider moves both allocators' results
-                    assert all(
-                        figures[f"{allocator}.makespan_s"] != earlier[f"{allocator}.makespan_s"]
-                        for earlier in seen
-                    )
-                seen.append(figures)
-
-            page.check("input[name=reserve][value=prompt_plus_max_tokens]")
-            page.wait_for_selector("body[data-budget='640:prompt_plus_max_tokens']")
-            exact = _memory_figures(page)
-            body = _memory_json(demo_url, "640", "prompt_plus_max_tokens")
-            assert exact["contiguous.waste_share"] == pytest.approx(body["contiguous"]["waste_share"])
-            assert exact["contiguous.waste_share"] < seen[-1]["contiguous.waste_share"]
-            assert exact["paged.makespan_s"] == seen[-1]["paged.makespan_s"]
-        finally:
-            browser.close()
-    assert errors == []
+        page.check("input[name=reserve][value=prompt_plus_max_tokens]")
+        page.wait_for_selector("body[data-budget='640:prompt_plus_max_tokens']")
+        exact = _memory_figures(page)
+        body = _memory_json(demo_url, "640", "prompt_plus_max_tokens")
+        assert exact["contiguous.waste_share"] == pytest.approx(body["contiguous"]["waste_share"])
+        assert exact["contiguous.waste_share"] < seen[-1]["contiguous.waste_share"]
+        assert exact["paged.makespan_s"] == seen[-1]["paged.makespan_s"]

@@ -11,11 +11,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from support.processes import free_port
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO_ROOT / "test-artifacts"
@@ -63,3 +67,22 @@ def running_demo(args: list[str], cache_dir: Path, log: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             raise
+
+
+@contextmanager
+def demo_page(url: str) -> Iterator[Page]:
+    """`url`/demo open in headless Chromium (1280x900); fails the test if the page raised an error."""
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(f"{url}/demo")
+            yield page
+        finally:
+            browser.close()
+    assert errors == []
