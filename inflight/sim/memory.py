@@ -174,14 +174,22 @@ def summary_sentence(
 ) -> str:
     c, p = contiguous, paged
     return (
-        f"At {budget_mib} MiB of KV memory, paged blocks hold {p.mean_in_flight / c.mean_in_flight:.1f}x "
+        f"At {budget_mib} MiB of KV memory, paged blocks hold {in_flight_ratio(c, p):.1f}x "
         f"the requests in flight of contiguous reservations ({p.mean_in_flight:.1f} vs "
         f"{c.mean_in_flight:.1f} on average, {p.peak_in_flight} vs {c.peak_in_flight} at the peak), waste "
         f"{p.waste_share:.0%} vs {c.waste_share:.0%} of the memory they hold, and serve the same "
-        f"{num_requests} requests at {p.throughput_tokens_per_s / c.throughput_tokens_per_s:.2f}x the "
+        f"{num_requests} requests at {throughput_ratio(c, p):.2f}x the "
         f"throughput ({p.throughput_tokens_per_s:,.0f} vs {c.throughput_tokens_per_s:,.0f} output tokens/s, "
         "simulated)."
     )
+
+
+def in_flight_ratio(contiguous: AllocatorResult, paged: AllocatorResult) -> float:
+    return paged.mean_in_flight / contiguous.mean_in_flight
+
+
+def throughput_ratio(contiguous: AllocatorResult, paged: AllocatorResult) -> float:
+    return paged.throughput_tokens_per_s / contiguous.throughput_tokens_per_s
 
 
 def simulate_memory(
@@ -215,8 +223,8 @@ def simulate_memory(
         workload=summarize_workload(workload),
         contiguous=contiguous,
         paged=paged,
-        in_flight_ratio=paged.mean_in_flight / contiguous.mean_in_flight,
-        throughput_ratio=paged.throughput_tokens_per_s / contiguous.throughput_tokens_per_s,
+        in_flight_ratio=in_flight_ratio(contiguous, paged),
+        throughput_ratio=throughput_ratio(contiguous, paged),
         summary=summary_sentence(budget_mib, len(workload), contiguous, paged),
     )
 
