@@ -6,7 +6,10 @@ import argparse
 import json
 import sys
 
+from pydantic import ValidationError
+
 from inflight.engine.dtypes import DTYPE_CHOICES
+from inflight.sim import serving
 
 SHAPE_KEYS = {
     "layers": "num_layers",
@@ -44,6 +47,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     size.add_argument("--max-model-len", type=int, default=4096)
     size.add_argument("--max-batched-tokens", type=int, default=8192)
     size.add_argument("--expected-tokens-per-request", type=int, default=1024)
+    size.add_argument(
+        "--workload",
+        help="what the replica will serve: prompt=N,output=N[,max_output=N][,rate=R] (tokens, requests/s); "
+        "adds predicted requests/s and tokens/s (naive loop, static, continuous + paged KV) and replicas",
+    )
     size.add_argument("--json", action="store_true", help="machine-readable output")
     size.set_defaults(func=_run_size)
 
@@ -64,6 +72,30 @@ def _parse_shape(text: str) -> dict[str, int | bool]:
         raise ValueError(f"--shape is missing {', '.join(missing)}")
     values.setdefault("tie_word_embeddings", False)
     return values
+
+
+WORKLOAD_KEYS = {
+    "prompt": "prompt_tokens",
+    "output": "output_tokens",
+    "max_output": "max_output_tokens",
+    "rate": "requests_per_s",
+}
+
+
+def _parse_workload(text: str) -> serving.Workload:
+    values: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in WORKLOAD_KEYS:
+            raise ValueError(
+                f"--workload item {item!r}: expected key=value with key one of {', '.join(WORKLOAD_KEYS)}"
+            )
+        values[WORKLOAD_KEYS[key.strip()]] = value.strip()
+    try:
+        return serving.Workload.model_validate(values)
+    except ValidationError as error:
+        problems = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in error.errors())
+        raise ValueError(f"--workload: {problems}") from None
 
 
 def _run_size(args: argparse.Namespace) -> int:
@@ -108,6 +140,11 @@ def _run_size(args: argparse.Namespace) -> int:
             expected_tokens_per_seq=args.expected_tokens_per_request,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
+        workload = _parse_workload(args.workload) if args.workload else None
+        if workload is not None:
+            if gpu_type is None:
+                raise ValueError("--workload needs a catalog GPU type (--gpu) for its speed figures")
+            limits = serving.workload_limits(limits, workload)
         result = sizing.plan(
             shape,
             gpu_memory_bytes=memory_mib * sizing.MIB,
@@ -116,11 +153,17 @@ def _run_size(args: argparse.Namespace) -> int:
             limits=limits,
             gpu_type=gpu_type,
         )
+        estimate = None
+        if workload is not None and gpu_type is not None and result.fits:
+            estimate = serving.estimate(shape, result, gpu_type.name, workload, limits)
     except ValueError as error:
         print(f"inflight size: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        body = result.to_dict()
+        if estimate is not None:
+            body["serving"] = estimate.model_dump()
+        print(json.dumps(body, indent=2))
     else:
         where = f"{args.gpus} x {gpu_type.name if gpu_type else f'{memory_mib} MiB'}" if args.gpus else "CPU"
         print(f"{shape.name} ({result.parameter_count / 1e9:.2f}B parameters, {result.dtype}) on {where}")
@@ -141,4 +184,21 @@ def _run_size(args: argparse.Namespace) -> int:
             )
             print(f"  smallest GPU type:    {result.smallest_gpu_type or 'none in the catalog'}")
         print(f"  {result.reason}")
+        if estimate is not None:
+            _print_estimate(estimate)
     return 0 if result.fits else 1
+
+
+def _print_estimate(estimate: serving.ServingEstimate) -> None:
+    print(f"what it serves ({estimate.note}):")
+    for name, label in (("naive", "naive loop"), ("static", "static batching"), ("continuous", "continuous")):
+        policy: serving.PolicyEstimate = getattr(estimate, name)
+        print(
+            f"  {label + ':':17} {policy.requests_per_s:9.2f} requests/s {policy.output_tokens_per_s:11,.0f} "
+            f"output tokens/s  ({policy.batch} side by side)"
+        )
+    if estimate.replicas is not None:
+        print(f"  replicas for the target rate (continuous): {estimate.replicas}")
+    print("  constants:")
+    for key, value in estimate.constants.items():
+        print(f"    {key}: {value}")
