@@ -201,4 +201,4 @@ def _print_estimate(estimate: serving.ServingEstimate) -> None:
         print(f"  replicas for the target rate (continuous): {estimate.replicas}")
     print("  constants:")
     for key, value in estimate.constants.items():
-        print(f"    {key}: {value}")
+        print(f"    {key}: {f'{value:.2f}' if isinstance(value, float) else value}")
