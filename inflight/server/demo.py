@@ -7,6 +7,9 @@
 - `GET /v1/demo/memory?budget_mib=M&reserve=R`: the same requests on M MiB of KV memory, served by
   contiguous per-request reservations (R: max_model_len or prompt_plus_max_tokens) and by the engine's
   paged `KVCacheManager`, both with the continuous scheduler on the virtual clock. Open like the page.
+- `GET /v1/demo/serving?model=&gpu=&gpus=&prompt_tokens=&output_tokens=[&max_output_tokens=&requests_per_s=]`:
+  what a replica of a catalog model on catalog GPUs serves (the sizing plan and the roofline cost model
+  of `inflight size --workload`). Open like the page.
 - `POST /v1/demo/run` `{"slots": N}`: the same requests run for real through the loaded model, once
   per policy, each with its own engine (scheduler + KV cache) sharing the live engine's weights; behind
   the API key like every model route. One run at a time.
@@ -25,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from inflight.server.auth import require_api_key
 from inflight.server.context import Context
-from inflight.server.errors import APIError, error_responses
+from inflight.server.errors import APIError, bad_request, error_responses
 from inflight.sim.comparison import DemoComparison
 from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
 from inflight.sim.live import run_live_demo
@@ -37,6 +40,7 @@ from inflight.sim.memory import (
     Reserve,
     simulate_memory_demo,
 )
+from inflight.sim.serving import ServingAnswer, UnknownChoice, Workload, answer
 from inflight.sim.simulator import MAX_SLOTS, MIN_SLOTS, simulate_demo
 
 demo_router = APIRouter(tags=["demo"])
@@ -90,6 +94,36 @@ def memory_endpoint(
     ] = "max_model_len",
 ) -> MemoryComparison:
     return simulate_memory_demo(budget_mib, reserve, demo_cost_model(request))
+
+
+MAX_WORKLOAD_TOKENS = 131072
+
+
+@demo_router.get(
+    "/v1/demo/serving",
+    response_model=ServingAnswer,
+    responses=error_responses(400),
+    summary="What a replica of a catalog model on catalog GPUs serves: a cost model, not a measurement",
+)
+def serving_endpoint(
+    model: Annotated[str, Query(description="catalog model")] = "meta-llama/Llama-3.1-70B",
+    gpu: Annotated[str, Query(description="catalog GPU type with speed figures")] = "H100-80GB",
+    gpus: Annotated[int, Query(ge=1, le=8, description="GPUs per replica (tensor parallel)")] = 4,
+    prompt_tokens: Annotated[int, Query(ge=1, le=MAX_WORKLOAD_TOKENS)] = 512,
+    output_tokens: Annotated[int, Query(ge=1, le=MAX_WORKLOAD_TOKENS, description="mean output")] = 256,
+    max_output_tokens: Annotated[int | None, Query(ge=1, le=MAX_WORKLOAD_TOKENS)] = 1024,
+    requests_per_s: Annotated[float | None, Query(gt=0, le=1e6, description="target rate")] = 50.0,
+) -> ServingAnswer:
+    workload = Workload(
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        max_output_tokens=max_output_tokens,
+        requests_per_s=requests_per_s,
+    )
+    try:
+        return answer(model, gpu, gpus, workload)
+    except UnknownChoice as error:
+        raise bad_request(str(error), param=error.param) from None
 
 
 @demo_router.post(

@@ -4,7 +4,7 @@ A step reads every weight once plus the K/V of every token its sequences attend 
 per parameter per token in it; it takes the longer of the two at the GPU's datasheet peak (memory
 bandwidth, dense 16-bit tensor FLOPs), spread over the tensor-parallel GPUs:
 
-    step_s(tokens, kv_read) = max((weight_bytes + kv_read * kv_bytes_per_token) / (bandwidth * gpus),
+    step_s(tokens, kv_read) = max((weight_bytes_per_gpu + kv_read * kv_bytes_per_token_per_gpu) / bandwidth,
                                   2 * parameters * tokens / (flops * gpus))
 
 A batch of B requests (prompt P, output O; a batch lasts as long as its longest output) is one prefill
@@ -28,7 +28,18 @@ from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inflight.sizing import GIB, EngineLimits, ModelShape, SizingPlan
+from inflight.sizing import (
+    GIB,
+    GPU_CATALOG,
+    MIB,
+    MODEL_CATALOG,
+    EngineLimits,
+    ModelShape,
+    SizingPlan,
+    find_model,
+    plan,
+    unsupported_architecture,
+)
 
 
 @dataclass(frozen=True)
@@ -151,4 +162,57 @@ def estimate(
         continuous=continuous,
         replicas=replicas,
         note="a roofline model at datasheet peaks (an upper bound), not a measurement",
+    )
+
+
+class UnknownChoice(ValueError):
+    """A model or GPU the catalog does not know; `param` names which."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ServingAnswer(BaseModel):
+    """The demo page's "what will this GPU serve": the sizing plan and, when it fits, the estimate."""
+
+    model: str
+    gpu: str
+    gpus: int
+    workload: Workload
+    fits: bool
+    reason: str
+    slots: int
+    kv_tokens: int
+    min_gpus: int | None
+    estimate: ServingEstimate | None
+    models: list[str] = Field(description="catalog models to choose from")
+    gpu_types: list[str] = Field(description="catalog GPU types with speed figures")
+
+
+def answer(model: str, gpu: str, gpus: int, workload: Workload) -> ServingAnswer:
+    """Plan `model` on `gpus` x `gpu` for `workload` and estimate what it serves."""
+    shape = find_model(model)
+    if shape is None or unsupported_architecture(shape) is not None:
+        raise UnknownChoice("model", f"model {model!r} is not in the catalog")
+    gpu_type = GPU_CATALOG.get(gpu)
+    if gpu_type is None or gpu not in GPU_SPEED:
+        raise UnknownChoice("gpu", f"GPU {gpu!r} has no speed figures; known: {', '.join(GPU_SPEED)}")
+    limits = workload_limits(EngineLimits(), workload)
+    sizing = plan(
+        shape, gpu_memory_bytes=gpu_type.memory_mib * MIB, gpus=gpus, limits=limits, gpu_type=gpu_type
+    )
+    return ServingAnswer(
+        model=shape.name,
+        gpu=gpu,
+        gpus=gpus,
+        workload=workload,
+        fits=sizing.fits,
+        reason=sizing.reason,
+        slots=sizing.slots,
+        kv_tokens=sizing.kv_tokens,
+        min_gpus=sizing.min_gpus,
+        estimate=estimate(shape, sizing, gpu, workload, limits) if sizing.fits else None,
+        models=[name for name, s in MODEL_CATALOG.items() if unsupported_architecture(s) is None],
+        gpu_types=list(GPU_SPEED),
     )

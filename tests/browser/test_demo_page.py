@@ -151,3 +151,42 @@ def test_memory_panel_slider_and_reservation(demo_url: str) -> None:
         assert exact["contiguous.waste_share"] == pytest.approx(body["contiguous"]["waste_share"])
         assert exact["contiguous.waste_share"] < seen[-1]["contiguous.waste_share"]
         assert exact["paged.makespan_s"] == seen[-1]["paged.makespan_s"]
+
+
+SERVING_POLICIES = ("naive", "static", "continuous")
+
+
+def _serving_figures(page: Any) -> dict[str, float]:
+    return {
+        f"{policy}.requests_per_s": float(
+            page.get_attribute(f"[data-serving='{policy}.requests_per_s']", "data-value")
+        )
+        for policy in SERVING_POLICIES
+    }
+
+
+def test_serving_panel_answers_for_the_chosen_gpus(demo_url: str) -> None:
+    with demo_page(demo_url) as page:
+        page.wait_for_selector("body[data-serving='meta-llama/Llama-3.1-70B:H100-80GB:4']")
+        four = _serving_figures(page)
+        body = httpx.get(f"{demo_url}/v1/demo/serving").json()
+        assert four == pytest.approx(
+            {f"{p}.requests_per_s": body["estimate"][p]["requests_per_s"] for p in SERVING_POLICIES}
+        )
+        assert (
+            four["naive.requests_per_s"] < four["static.requests_per_s"] < four["continuous.requests_per_s"]
+        )
+        assert page.text_content("#serving-replicas") == f"{body['estimate']['replicas']} replicas"
+        assert "This is a model" in (page.text_content("main") or "")
+        assert page.locator("#serving-constants li").count() == len(body["estimate"]["constants"])
+        page.locator("#serving").scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "demo-page-serving.png"), full_page=True)
+
+        page.select_option("#serving-gpus", "8")
+        page.wait_for_selector("body[data-serving='meta-llama/Llama-3.1-70B:H100-80GB:8']")
+        eight = _serving_figures(page)
+        assert eight["continuous.requests_per_s"] > four["continuous.requests_per_s"]
+
+        page.select_option("#serving-gpus", "1")
+        page.wait_for_selector("body[data-serving='meta-llama/Llama-3.1-70B:H100-80GB:1']")
+        assert page.text_content("#serving-replicas") == "does not fit"

@@ -10,6 +10,7 @@ import pytest
 from inflight.sim.comparison import DemoComparison
 from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
 from inflight.sim.memory import MemoryComparison, simulate_memory
+from inflight.sim.serving import ServingAnswer, Workload, answer
 from inflight.sim.simulator import simulate
 from inflight.sim.workload import demo_workload
 
@@ -95,6 +96,7 @@ def test_demo_page_is_self_contained(demo_server: DemoServer) -> None:
     page = response.text
     assert 'id="slots"' in page and 'id="run"' in page and 'id="budget"' in page
     assert "/v1/demo/simulate" in page and "/v1/demo/run" in page and "/v1/demo/memory" in page
+    assert "/v1/demo/serving" in page
     # No CDN: nothing is loaded from elsewhere (the only URL is the SVG namespace name).
     assert re.findall(r"https?://[^\s\"'`]+", page) == ["http://www.w3.org/2000/svg"]
     assert "<link" not in page and "<script src" not in page
@@ -197,3 +199,33 @@ def test_memory_rejects_bad_parameters_with_an_openai_error(
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert error["message"]
+
+
+def test_serving_answers_the_plan_and_the_cost_model(demo_server: DemoServer) -> None:
+    params = {"model": "llama-3.1-70b", "gpu": "H100-80GB", "gpus": 4, "prompt_tokens": 512}
+    body = httpx.get(f"{demo_server.url}/v1/demo/serving", params=params).json()
+    workload = Workload(prompt_tokens=512, output_tokens=256, max_output_tokens=1024, requests_per_s=50)
+    assert ServingAnswer.model_validate(body) == answer("llama-3.1-70b", "H100-80GB", 4, workload)
+    assert body["fits"] and body["estimate"]["replicas"] >= 1
+    one = httpx.get(f"{demo_server.url}/v1/demo/serving", params={**params, "gpus": 1}).json()
+    assert not one["fits"] and one["estimate"] is None and one["min_gpus"] == 2
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("model=gpt-5", "model"),
+        ("gpu=A10G", "gpu"),
+        ("gpus=0", "gpus"),
+        ("gpus=16", "gpus"),
+        ("prompt_tokens=0", "prompt_tokens"),
+        ("requests_per_s=-1", "requests_per_s"),
+    ],
+)
+def test_serving_rejects_bad_parameters_with_an_openai_error(
+    demo_server: DemoServer, query: str, param: str
+) -> None:
+    response = httpx.get(f"{demo_server.url}/v1/demo/serving?{query}")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
