@@ -16,11 +16,11 @@ import threading
 from importlib.resources import files
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request, Security
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from inflight.server.auth import require_api_key
+from inflight.server.auth import API_KEY
 from inflight.server.context import Context
 from inflight.server.errors import APIError, error_responses
 from inflight.sim.comparison import DemoComparison
@@ -67,7 +67,7 @@ def simulate_endpoint(
     "/v1/demo/run",
     response_model=DemoComparison,
     responses=error_responses(400, 401, 429, 503),
-    dependencies=[Depends(require_api_key)],
+    dependencies=[Security(API_KEY)],
     summary="Run the demo workload for real on the loaded model, once per policy",
 )
 async def run_endpoint(body: DemoRunRequest, ctx: Context) -> DemoComparison:

@@ -112,11 +112,12 @@ class _Chat:
             role = ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
             yield sse(self.chunk([role]).model_dump_json(exclude=exclude))
         async for choice, text, tokens, logprobs in self.run.updates():
-            if not text and not tokens and choice.finish_reason is None:
-                continue
+            with_logprobs = bool(tokens) and self.body.logprobs
+            if not text and not with_logprobs and choice.finish_reason is None:
+                continue  # tokens without text yet (part of a character, a possible stop string)
             delta = ChatChunkChoice(
                 index=choice.index,
-                delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                delta=DeltaMessage(content=text) if text or with_logprobs else DeltaMessage(),
                 logprobs=self.logprobs(tokens, logprobs),
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,

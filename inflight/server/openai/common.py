@@ -30,7 +30,7 @@ from inflight.engine.async_engine import (
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 from inflight.engine.tokenizer import TokenizerError
 from inflight.server.context import ServerContext
-from inflight.server.errors import APIError, bad_request, error_responses
+from inflight.server.errors import APIError, bad_request, echoed, error_responses
 from inflight.server.openai.protocol import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
@@ -61,7 +61,7 @@ def check_model(ctx: ServerContext, model: str | None, status: int = 400) -> Non
     if model is not None and model != served:
         raise APIError(
             status,
-            f"The model {model!r} does not exist; this server serves {served!r} (see /v1/models).",
+            f"The model {echoed(model)} does not exist; this server serves {served!r} (see /v1/models).",
             param="model" if status == 400 else None,
             code="model_not_found",
         )
