@@ -25,6 +25,9 @@ import pytest
 from inflight.checkpoints.make import IM_END, IM_START
 from inflight.server.auth import load_api_key
 from inflight.server.limits import ConnectionLimits
+from inflight.server.openai import completions
+from inflight.server.openai.chat import _Chat
+from inflight.server.openai.completions import _Completion
 
 LiveServer = Any  # tests/server/conftest.py's LiveServer (test modules cannot import the conftest)
 
@@ -164,6 +167,67 @@ def test_health_answers_while_a_long_text_is_really_tokenized(
         assert not finished.is_set(), "/health waited for the tokenizer"
     finally:
         big.join(PATIENCE * 5)
+
+
+ANSWERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "/v1/completions": (
+        _Completion,
+        {"prompt": "a b c d", "max_tokens": 2, "n": 2, "echo": True, "logprobs": 5},
+    ),
+    "/v1/chat/completions": (
+        _Chat,
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "logprobs": True,
+            "top_logprobs": 5,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(ANSWERS))
+def test_health_answers_while_a_json_answer_is_built(
+    server: Any, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Building the JSON answer is held (a gate in the endpoint's json()); /health must answer before it
+    is let go, i.e. a large answer (tens of MB with echo, logprobs and n) is not built on the event loop."""
+    owner, body = ANSWERS[path]
+    gate = Gate()
+    monkeypatch.setattr(owner, "json", gate.wrap(owner.json))
+    result: dict[str, httpx.Response] = {}
+    big = threading.Thread(target=lambda: result.setdefault("r", post(server, path, body)))
+    big.start()
+    try:
+        assert gate.entered.wait(PATIENCE), "the request never reached its answer"
+        assert httpx.get(f"{server.url}/health", timeout=PATIENCE / 3).status_code == 200
+        assert big.is_alive() and "r" not in result  # /health answered while the answer was held
+    finally:
+        gate.release.set()
+        big.join(PATIENCE)
+    assert result["r"].status_code == 200, result["r"].text
+    assert len(result["r"].json()["choices"]) == body.get("n", 1)
+
+
+def test_echoed_prompt_logprobs_are_bounded_with_a_400_naming_the_limit(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prompt tokens x n x (logprobs + 1) over the limit is a 400 (the limit lowered to fit the test's
+    small context); at the limit the request runs, and every choice echoes the same prompt logprobs."""
+    prompt = list(range(10, 30))  # 20 tokens
+    monkeypatch.setattr(completions, "MAX_PROMPT_LOGPROBS", 20 * 2 * 6)
+    body = {"prompt": prompt, "max_tokens": 1, "n": 2, "echo": True, "logprobs": 5}
+    answer = post(server, "/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    first, second = (choice["logprobs"] for choice in answer.json()["choices"])
+    assert (
+        first["tokens"][:20] == second["tokens"][:20]
+        and first["top_logprobs"][:20] == second["top_logprobs"][:20]
+    )
+    assert len(first["tokens"]) == 21 and first["token_logprobs"][0] is None
+    error = assert_error(post(server, "/v1/completions", {**body, "logprobs": 6}), 400, "too_many_logprobs")
+    assert "280 logprob entries" in error["message"] and "limit is 240" in error["message"], error
+    assert error["param"] == "n"
 
 
 def test_long_texts_tokenize_exactly_as_short_ones(server: Any) -> None:
