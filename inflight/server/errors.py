@@ -25,6 +25,8 @@ RATE_LIMIT = "rate_limit_error"
 UNAVAILABLE = "service_unavailable_error"
 SERVER_ERROR = "server_error"
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only the access log sees it
+
 _TYPE_BY_STATUS = {
     400: INVALID_REQUEST,
     401: AUTHENTICATION,

@@ -31,7 +31,7 @@ from inflight.engine.async_engine import (
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 from inflight.engine.tokenizer import TokenizerError
 from inflight.server.context import ServerContext
-from inflight.server.errors import APIError, bad_request, echoed, error_responses
+from inflight.server.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, echoed, error_responses
 from inflight.server.openai.protocol import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
@@ -45,8 +45,6 @@ from inflight.server.openai.protocol import (
 
 if TYPE_CHECKING:
     from inflight.engine.output_processor import CompletionOutput  # imports torch; the type only
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only the access log sees it
 
 # The OpenAPI `responses=` of a generating endpoint.
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
