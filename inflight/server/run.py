@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -28,6 +29,7 @@ from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.server.app import create_app, model_loaded
 from inflight.server.context import ServerSettings
+from inflight.server.descriptors import fit_connection_cap
 from inflight.server.limits import DEFAULT_MAX_QUEUE, ConnectionLimits
 from inflight.server.transport import guarded_protocol
 
@@ -60,7 +62,7 @@ def serve(
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="on",
-        http=guarded_protocol(limits or ConnectionLimits()),
+        http=guarded_protocol(_fitted(limits or ConnectionLimits())),
     )
     server = DrainingServer(uvicorn_config, engine, drain_timeout=drain_timeout)
     engine.on_fatal = server.stop_on_engine_failure
@@ -72,6 +74,11 @@ def serve(
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def _fitted(limits: ConnectionLimits) -> ConnectionLimits:
+    """`limits` with the connection cap the process's open-file limit allows (raised first if it can be)."""
+    return replace(limits, max_connections=fit_connection_cap(limits.max_connections))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -31,7 +31,6 @@ from inflight.server.openai.chat import _Chat
 from inflight.server.openai.completions import _Completion
 from inflight.server.transport import EvictionWarnings
 
-
 LiveServer = Any  # tests/server/conftest.py's LiveServer (test modules cannot import the conftest)
 
 MODEL = "org/tiny-model"
