@@ -21,7 +21,6 @@ import time
 import httpx
 
 
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -34,7 +33,9 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--n", type=int, default=48)
@@ -62,12 +63,12 @@ def main() -> None:
             "model": "m", "prompt": list(range(10, 10 + args.prompt_tokens)), "echo": True,
             "logprobs": args.logprobs, "n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0,
         }  # fmt: skip
-        answer: dict[str, object] = {}
+        answer: list[tuple[int, int, float]] = []  # status, bytes, seconds
 
         def request() -> None:
             started = time.perf_counter()
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-            answer.update(status=response.status_code, bytes=len(response.content), s=time.perf_counter() - started)
+            answer.append((response.status_code, len(response.content), time.perf_counter() - started))
 
         thread = threading.Thread(target=request)
         latencies: list[float] = []
@@ -79,8 +80,9 @@ def main() -> None:
                 health.get(f"{url}/health")
                 latencies.append(time.perf_counter() - started)
         thread.join()
+        status, size, seconds = answer[0]
         print(
-            f"answer: HTTP {answer['status']}, {int(answer['bytes']) / 1e6:.1f} MB in {float(answer['s']):.1f} s; "  # type: ignore[call-overload]
+            f"answer: HTTP {status}, {size / 1e6:.1f} MB in {seconds:.1f} s; "
             f"/health x{len(latencies)}: p50 {statistics.median(latencies) * 1000:.1f} ms, "
             f"p99 {percentile(latencies, 0.99) * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms"
         )
