@@ -20,6 +20,8 @@ import time
 
 import httpx
 
+from inflight.bench.served import wait_until_ready
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -51,14 +53,7 @@ def main() -> None:
     server = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_until_ready(f"{url}/ready", server, "inflight")
         body = {
             "model": "m", "prompt": list(range(10, 10 + args.prompt_tokens)), "echo": True,
             "logprobs": args.logprobs, "n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0,

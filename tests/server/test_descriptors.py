@@ -10,7 +10,6 @@ import resource
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,8 @@ import pytest
 
 from inflight.server import descriptors
 from inflight.server.descriptors import RESERVED_DESCRIPTORS, fit_connection_cap
+
+from support.threaded_server import wait_ready
 
 PATIENCE = 60.0
 
@@ -100,15 +101,9 @@ def test_under_ulimit_n_300_the_server_keeps_answering_while_idle_connections_pi
     url = f"http://127.0.0.1:{port}"
     idle: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + PATIENCE * 2
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not become ready"
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        assert wait_ready(url, PATIENCE * 2, failed=lambda: process.poll() is not None), (
+            "the server did not start"
+        )
         idle = [socket.create_connection(("127.0.0.1", port), timeout=PATIENCE) for _ in range(300)]
         assert httpx.get(f"{url}/health", timeout=PATIENCE).status_code == 200
     finally:
