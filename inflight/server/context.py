@@ -53,7 +53,8 @@ class ServerContext:
     tokenizer_pool: ThreadPoolExecutor = field(default_factory=tokenizer_pool)
 
     async def off_loop(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a tokenizer call in the tokenizer threads, not on the event loop."""
+        """Run a tokenizer call, or the building of an answer, in the tokenizer threads, not on the event
+        loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_pool, partial(function, *args, **kwargs))
 

@@ -71,7 +71,8 @@ def running_demo(args: list[str], cache_dir: Path, log: Path) -> Iterator[str]:
 
 @contextmanager
 def demo_page(url: str) -> Iterator[Page]:
-    """`url`/demo open in headless Chromium (1280x900); fails the test if the page raised an error."""
+    """`url`/demo open in headless Chromium (1280x900); fails the test if the page raised an error or
+    got a 4xx/5xx response."""
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
@@ -81,6 +82,7 @@ def demo_page(url: str) -> Iterator[Page]:
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.on("pageerror", lambda error: errors.append(str(error)))
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
             page.goto(f"{url}/demo")
             yield page
         finally:

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from inflight.engine.sequence import PositionLogprobs
 from inflight.server.context import Context, ServerContext
@@ -14,6 +14,7 @@ from inflight.server.errors import bad_request, not_supported
 from inflight.server.openai.common import (
     GENERATION_RESPONSES,
     RunState,
+    answer_json,
     chat_prompt,
     check_prompts,
     check_sampling,
@@ -112,11 +113,12 @@ class _Chat:
             role = ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
             yield sse(self.chunk([role]).model_dump_json(exclude=exclude))
         async for choice, text, tokens, logprobs in self.run.updates():
-            if not text and not tokens and choice.finish_reason is None:
-                continue
+            with_logprobs = bool(tokens) and self.body.logprobs
+            if not text and not with_logprobs and choice.finish_reason is None:
+                continue  # tokens without text yet (part of a character, a possible stop string)
             delta = ChatChunkChoice(
                 index=choice.index,
-                delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                delta=DeltaMessage(content=text) if text or with_logprobs else DeltaMessage(),
                 logprobs=self.logprobs(tokens, logprobs),
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
@@ -125,7 +127,7 @@ class _Chat:
         if with_usage:
             yield sse(self.chunk([], usage=self.run.usage()).model_dump_json())
 
-    def json(self) -> JSONResponse:
+    def json(self) -> bytes:
         choices = [
             ChatChoice(
                 index=index,
@@ -143,7 +145,7 @@ class _Chat:
             choices=choices,
             usage=self.run.usage(),
         )
-        return JSONResponse(response.model_dump())
+        return answer_json(response)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)

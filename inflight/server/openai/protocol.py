@@ -12,7 +12,14 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from inflight.engine.sequence import (
     GREEDY_TEMPERATURE,
@@ -50,9 +57,10 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):
-    """Unknown fields are an error (a typo such as `max_token` must not be silently ignored)."""
+    """Unknown fields are an error (a typo such as `max_token` must not be silently ignored), and values
+    are not coerced: `"max_tokens": "16"` or `"stream": "true"` is a 400, as with OpenAI and vLLM."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -281,8 +289,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """Only the fields that are set are sent: the last chunk's delta is `{}`, as OpenAI's."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields: dict[str, Any] = handler(self)
+        return {name: value for name, value in fields.items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):
