@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.constraints import constrain
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.sampler import Sampler, SampleResult, SamplingRow, top_logprobs
@@ -196,6 +197,7 @@ class ModelRunner:
                             num_prompt_tokens=seq.num_prompt_tokens,
                             index=seq.index + draw,
                             output_position=seq.num_output_tokens,
+                            eos_token_ids=seq.eos_token_ids,
                         )
                     )
                     owners.append(seq.seq_id)
@@ -218,7 +220,7 @@ class ModelRunner:
             if any(d > 1 for d in draws_per_row):
                 repeat = torch.tensor(draws_per_row, device=self.device)
                 sample_logits = sample_logits.repeat_interleave(repeat, dim=0)
-            self._sample(sample_logits, sampling, owners, result)
+            self._sample(constrain(sample_logits, sampling), sampling, owners, result)
         return result
 
     def _sample(

@@ -68,6 +68,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # EOS and stop_token_ids cannot be drawn before this many output tokens (vLLM's min_tokens).
+    min_tokens: int = 0
+    # The stop string that ended the output stays at its end (vLLM's include_stop_str_in_output).
+    include_stop_str_in_output: bool = False
     # Requests share cached prefix KV blocks only with requests of the same salt (e.g. one per tenant).
     cache_salt: str | None = None
     output_kind: OutputKind = "cumulative"
@@ -88,6 +92,11 @@ class SamplingParams:
         ]
         checks += [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
             (
                 self.max_tokens is None or self.max_tokens >= 1,
                 f"max_tokens must be >= 1 (or None for 'up to the context length'), got {self.max_tokens}",

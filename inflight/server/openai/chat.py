@@ -17,6 +17,7 @@ from inflight.server.openai.common import (
     chat_prompt,
     check_prompts,
     check_sampling,
+    chunk_usage,
     include_usage,
     respond,
     sampling_params,
@@ -110,7 +111,7 @@ class _Chat:
         exclude = set() if with_usage else {"usage"}
         for j in range(self.body.n):
             role = ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
-            yield sse(self.chunk([role]).model_dump_json(exclude=exclude))
+            yield sse(self.chunk([role], chunk_usage(self.body, self.run)).model_dump_json(exclude=exclude))
         async for choice, text, tokens, logprobs in self.run.updates():
             if not text and not tokens and choice.finish_reason is None:
                 continue
@@ -121,7 +122,8 @@ class _Chat:
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
             )
-            yield sse(self.chunk([delta]).model_dump_json(exclude=exclude))
+            usage = chunk_usage(self.body, self.run)
+            yield sse(self.chunk([delta], usage).model_dump_json(exclude=exclude))
         if with_usage:
             yield sse(self.chunk([], usage=self.run.usage()).model_dump_json())
 
@@ -152,7 +154,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     _check_unsupported_features(body)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
-    prompt = await ctx.off_loop(chat_prompt, ctx, body.messages)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true; set add_generation_prompt "
+            "to false.",
+            param="continue_final_message",
+        )
+    prompt = await ctx.off_loop(
+        chat_prompt,
+        ctx,
+        body.messages,
+        body.add_generation_prompt,
+        body.continue_final_message,
+        body.chat_template_kwargs,
+    )
+    prompt = body.truncate(prompt)
     check_prompts(ctx, [prompt], body.max_new_tokens, param="messages")
     run = start_run(ctx, request, "chatcmpl", [prompt], sampling_params(body), body.stream)
     chat = _Chat(ctx, body, run)

@@ -57,10 +57,18 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        default=False, description="With include_usage: every chunk carries the usage so far (vLLM's)."
+    )
 
 
 class SamplingFields(Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    Unknown top-level fields are kept (`model_extra`), not refused: clients written for other servers
+    send their own extras; `common.check_extra_fields` refuses the likely typos and logs the others."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: Text | None = Field(default=None, description="The served model name (see /v1/models).")
     n: int = Field(default=1, ge=1, le=MAX_N, description="Completions to generate per prompt.")
@@ -80,6 +88,18 @@ class SamplingFields(Strict):
     stop: Text | list[Text] | None = Field(default=None, description="Stop strings (not in the output).")
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT, description="No EOS or stop token before.")
+    skip_special_tokens: bool = Field(default=True, description="Leave special tokens out of the text.")
+    include_stop_str_in_output: bool = Field(default=False, description="Keep the stop string that hit.")
+    spaces_between_special_tokens: bool = Field(
+        default=True, description="Accepted (vLLM's); the tokenizer's decoder decides the spacing."
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS_LIMIT, description="Keep only the prompt's last k tokens."
+    )
+    priority: int = Field(default=0, description="Accepted (vLLM's); requests are served first come first.")
+    use_beam_search: bool = Field(default=False, description="Beam search is not supported; false only.")
+    length_penalty: float = Field(default=1.0, description="Accepted (beam search only; not used).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(default=None, description="Accepted for compatibility; not used.")
@@ -113,10 +133,18 @@ class SamplingFields(Strict):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             cache_salt=self.cache_salt,
         )
+
+    def truncate(self, token_ids: list[int]) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (all of them when unset)."""
+        k = self.truncate_prompt_tokens
+        return token_ids if k is None else token_ids[-k:]
 
 
 PromptType = Text | list[Text] | list[TokenId] | list[list[TokenId]]
@@ -128,6 +156,7 @@ class CompletionRequest(SamplingFields):
         default=16, le=MAX_TOKENS_LIMIT, description="Tokens to generate (>= 1); default 16."
     )
     echo: bool = Field(default=False, description="Return the prompt before the completion.")
+    add_special_tokens: bool = Field(default=True, description="Add the tokenizer's BOS to text prompts.")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="Top alternatives.")
     best_of: int | None = Field(default=None, ge=1, description="Only best_of == n is supported.")
     suffix: Text | None = Field(default=None, description="Not supported; must be null.")
@@ -174,6 +203,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = Field(default=True, description="End the prompt with the assistant turn.")
+    continue_final_message: bool = Field(
+        default=False, description="Continue the last message (no end of turn, no new turn)."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="More variables for the chat template (e.g. enable_thinking)."
+    )
     # Tool calling is not supported: accepted by the schema only so that the answer is a clear 400.
     tools: list[dict[str, Any]] | None = Field(default=None, description="Not supported; must be empty.")
     tool_choice: str | dict[str, Any] | None = Field(default=None, description='Not supported; "none".')
