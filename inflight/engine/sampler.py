@@ -35,6 +35,8 @@ class SamplingRow:
     output_position: int
     # The sequence's end-of-sequence ids (min_tokens keeps them from being drawn early).
     eos_token_ids: frozenset[int] = frozenset()
+    # The request it belongs to (constrained decoding keeps one grammar matcher per sequence).
+    request_id: str = ""
 
 
 @dataclass

@@ -167,6 +167,11 @@ class Tokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         return cls(tokenizer, tokenizer_config, extra_eos, template if isinstance(template, str) else None)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar libraries build their own from)."""
+        text: str = self._tokenizer.to_str()
+        return text
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self._encoding(text, add_special_tokens).ids
         return ids

@@ -25,6 +25,7 @@ from inflight.server.openai.common import (
     start_run,
     token_text,
 )
+from inflight.server.openai.grammar import check_request_grammar
 from inflight.server.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -71,19 +72,13 @@ def _logprobs(
 
 
 def _check_unsupported_features(body: ChatCompletionRequest) -> None:
-    """Tool calling and structured output are not implemented: say so instead of ignoring them."""
+    """Tool calling is not implemented: say so instead of ignoring it."""
     for name in ("tools", "functions"):
         if getattr(body, name):
             raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
     for name in ("tool_choice", "function_call"):
         if getattr(body, name) not in (None, "none"):
             raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise not_supported(
-            f"response_format {body.response_format.type!r} (structured output) is not supported by this "
-            'server; only {"type": "text"}.',
-            "response_format",
-        )
 
 
 @dataclass
@@ -152,6 +147,7 @@ class _Chat:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_sampling(ctx, body)
     _check_unsupported_features(body)
+    await check_request_grammar(ctx, body)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
     if body.continue_final_message and body.add_generation_prompt:

@@ -102,8 +102,12 @@ def check_sampling(ctx: ServerContext, body: SamplingFields) -> None:
         raise bad_request("use_beam_search is not supported; leave it out.", param="use_beam_search")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported; leave it out.", param="logit_bias")
+    guided = body.guided_requests()
+    if len(guided) > 1:
+        names = " and ".join(name for name, _ in guided)
+        raise bad_request(f"{names} each constrain the output; send one of them.", param=guided[1][0])
+    check_in_vocabulary(ctx, list(body.logit_bias or {}), "logit_bias")
+    check_in_vocabulary(ctx, body.allowed_token_ids or [], "allowed_token_ids")
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if len(stops) > MAX_STOP_SEQUENCES:
         raise bad_request(f"stop takes at most {MAX_STOP_SEQUENCES} strings, got {len(stops)}.", param="stop")

@@ -27,6 +27,7 @@ from inflight.server.openai.common import (
     start_run,
     token_text,
 )
+from inflight.server.openai.grammar import check_request_grammar
 from inflight.server.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -216,6 +217,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Cont
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is only supported equal to n.", param="best_of")
     _check_fits(ctx, len(body.prompt) if _is_prompt_list(body.prompt) else 1, body.n)
+    await check_request_grammar(ctx, body)
     prompts, prompt_texts = await ctx.off_loop(_prompts, ctx, body)
     check_prompts(ctx, prompts, body.max_tokens, param="prompt")
     run = start_run(ctx, request, "cmpl", prompts, sampling_params(body), body.stream)

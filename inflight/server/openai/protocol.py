@@ -8,14 +8,16 @@ engine's `SamplingParams` (`to_sampling_params()`), once, here.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from inflight.engine.sequence import (
     GREEDY_TEMPERATURE,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -23,6 +25,7 @@ from inflight.engine.sequence import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
+    GuidedDecoding,
     SamplingParams,
 )
 
@@ -60,6 +63,41 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = Field(
         default=False, description="With include_usage: every chunk carries the usage so far (vLLM's)."
     )
+
+
+class JsonSchemaFormat(Strict):
+    """OpenAI's `response_format.json_schema`: the schema the output must validate against."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text = Field(default="response", max_length=64)
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(alias="schema", description="A JSON schema (an object).")
+    strict: bool | None = Field(
+        default=None, description="true: unsupported schema keywords are a 400; else they are ignored."
+    )
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema" and only with it')
+        return self
+
+    def guided(self) -> GuidedDecoding | None:
+        if self.type == "json_object":
+            return GuidedDecoding("json_object")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            return GuidedDecoding("json_schema", json.dumps(schema.json_schema), strict=bool(schema.strict))
+        return None
+
+
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 
 class SamplingFields(Strict):
@@ -111,8 +149,33 @@ class SamplingFields(Strict):
     )
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    # Accepted for compatibility only when empty; anything else is a 400.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenId, Bias] | None = Field(
+        default=None, description="Token id -> a value in [-100, 100] added to its logit."
+    )
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None, min_length=1, description="Only these tokens may be drawn (vLLM's)."
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text, json_object (any JSON object) or json_schema: the output matches."
+    )
+    guided_json: dict[str, Any] | None = Field(default=None, description="vLLM's: a JSON schema to match.")
+    guided_regex: Text | None = Field(default=None, description="vLLM's: a regular expression to match.")
+    guided_choice: list[Text] | None = Field(
+        default=None, min_length=1, description="vLLM's: the output is one of these strings."
+    )
+
+    def guided_requests(self) -> list[tuple[str, GuidedDecoding]]:
+        """Every grammar the request asks for, with the field that asks (at most one is allowed)."""
+        asked: list[tuple[str, GuidedDecoding]] = []
+        if self.response_format is not None and (guided := self.response_format.guided()) is not None:
+            asked.append(("response_format", guided))
+        if self.guided_json is not None:
+            asked.append(("guided_json", GuidedDecoding("json_schema", json.dumps(self.guided_json))))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", GuidedDecoding("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", GuidedDecoding("choice", json.dumps(self.guided_choice))))
+        return asked
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -139,6 +202,9 @@ class SamplingFields(Strict):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             cache_salt=self.cache_salt,
+            guided=next((guided for _, guided in self.guided_requests()), None),
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
         )
 
     def truncate(self, token_ids: list[int]) -> list[int]:
@@ -185,13 +251,6 @@ class ChatMessage(Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(BaseModel):
-    """Only "text" is supported; the others are accepted by the schema so the answer can say so."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(
@@ -202,7 +261,6 @@ class ChatCompletionRequest(SamplingFields):
     )
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = Field(default=True, description="End the prompt with the assistant turn.")
     continue_final_message: bool = Field(
         default=False, description="Continue the last message (no end of turn, no new turn)."
