@@ -100,13 +100,12 @@ CASES = [
     ),
     Bad("chat name lone surrogate", CH, chat(messages=[{"role": "user", "content": "x", "name": "\ud800"}])),
     Bad(
-        "chat tools",
+        "chat tool name",
         CH,
-        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        param="tools",
-        code=NOT_SUPPORTED,
+        chat(tools=[{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]),
+        param="tools[0].function.name",
     ),
-    Bad("chat tool_choice", CH, chat(tool_choice="auto"), param="tool_choice", code=NOT_SUPPORTED),
+    Bad("chat tool_choice without tools", CH, chat(tool_choice="auto"), param="tool_choice"),
     Bad("chat functions", CH, chat(functions=[{"name": "f"}]), param="functions", code=NOT_SUPPORTED),
     Bad(
         "chat response_format json_schema without a schema",

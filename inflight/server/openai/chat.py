@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from inflight.engine.sequence import PositionLogprobs
+from inflight.engine.sequence import GuidedDecoding, PositionLogprobs
 from inflight.server.context import Context, ServerContext
-from inflight.server.errors import bad_request, not_supported
+from inflight.server.errors import bad_request
 from inflight.server.openai.common import (
     GENERATION_RESPONSES,
+    ChoiceState,
     RunState,
     chat_prompt,
     check_prompts,
@@ -25,7 +26,7 @@ from inflight.server.openai.common import (
     start_run,
     token_text,
 )
-from inflight.server.openai.grammar import check_request_grammar
+from inflight.server.openai.grammar import check_grammar, check_request_grammar
 from inflight.server.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -40,6 +41,7 @@ from inflight.server.openai.protocol import (
     Usage,
     now,
 )
+from inflight.server.openai.tools import ToolCallStream, ToolPlan, plan_tools, template_messages
 
 router = APIRouter(tags=["openai"])
 
@@ -71,16 +73,6 @@ def _logprobs(
     return ChatLogprobs(content=content)
 
 
-def _check_unsupported_features(body: ChatCompletionRequest) -> None:
-    """Tool calling is not implemented: say so instead of ignoring it."""
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
-
-
 @dataclass
 class _Chat:
     """One submitted /v1/chat/completions request: its choices as JSON or as SSE chunks."""
@@ -88,7 +80,10 @@ class _Chat:
     ctx: ServerContext
     body: ChatCompletionRequest
     run: RunState
+    tools: ToolPlan | None
     created: int = field(default_factory=now)
+    # Per streamed choice: its text turned into content and tool-call deltas (requests with tools).
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def logprobs(self, tokens: list[int], positions: list[PositionLogprobs]) -> ChatLogprobs | None:
         top_n = self.body.top_logprobs or 0
@@ -110,29 +105,52 @@ class _Chat:
         async for choice, text, tokens, logprobs in self.run.updates():
             if not text and not tokens and choice.finish_reason is None:
                 continue
-            delta = ChatChunkChoice(
-                index=choice.index,
-                delta=DeltaMessage(content=text) if text else DeltaMessage(),
-                logprobs=self.logprobs(tokens, logprobs),
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
-            )
-            usage = chunk_usage(self.body, self.run)
-            yield sse(self.chunk([delta], usage).model_dump_json(exclude=exclude))
+            deltas, finish_reason = self.deltas(choice, text)
+            for k, delta in enumerate(deltas or [DeltaMessage()]):
+                last = k == max(len(deltas), 1) - 1
+                piece = ChatChunkChoice(
+                    index=choice.index,
+                    delta=delta,
+                    logprobs=self.logprobs(tokens, logprobs) if k == 0 else None,
+                    finish_reason=finish_reason if last else None,
+                    stop_reason=choice.stop_reason if last else None,
+                )
+                usage = chunk_usage(self.body, self.run)
+                yield sse(self.chunk([piece], usage).model_dump_json(exclude=exclude))
         if with_usage:
             yield sse(self.chunk([], usage=self.run.usage()).model_dump_json())
 
+    def deltas(self, choice: ChoiceState, text: str) -> tuple[list[DeltaMessage], str | None]:
+        """A streamed choice's new text as deltas (content, tool calls) and its finish reason."""
+        if self.tools is None:
+            return ([DeltaMessage(content=text)] if text else []), choice.finish_reason
+        stream = self.streams.setdefault(choice.index, ToolCallStream(self.tools))
+        deltas = stream.feed(text)
+        if choice.finish_reason is not None:
+            deltas += stream.finish()
+        return deltas, _finish_reason(choice.finish_reason, bool(stream.calls))
+
+    def message(self, choice: ChoiceState) -> tuple[AssistantMessage, str | None]:
+        """A whole choice's message (content, tool calls) and its finish reason."""
+        if self.tools is None:
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        content, calls = self.tools.parse(choice.text)
+        message = AssistantMessage(content=content, tool_calls=calls or None)
+        return message, _finish_reason(choice.finish_reason, bool(calls))
+
     def json(self) -> JSONResponse:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=choice.text),
-                logprobs=self.logprobs(choice.token_ids, choice.logprobs),
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
+        choices = []
+        for index, choice in sorted(self.run.choices.items()):
+            message, finish_reason = self.message(choice)
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=self.logprobs(choice.token_ids, choice.logprobs),
+                    finish_reason=finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
             )
-            for index, choice in sorted(self.run.choices.items())
-        ]
         response = ChatCompletionResponse(
             id=self.run.request_id,
             created=self.created,
@@ -143,11 +161,33 @@ class _Chat:
         return JSONResponse(response.model_dump())
 
 
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """The finish reason: "tool_calls" for a choice that ended (stop) with calls, else the engine's."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+async def _check_grammar(
+    ctx: ServerContext, body: ChatCompletionRequest, tools: ToolPlan | None
+) -> GuidedDecoding | None:
+    """Compile the grammar tool_choice or response_format asks for (400s naming the field); the tool
+    grammar, which replaces the request's own (None without one)."""
+    tool_grammar = tools.grammar() if tools is not None else None
+    if tool_grammar is None:
+        await check_request_grammar(ctx, body)
+        return None
+    if body.guided_requests():
+        raise bad_request(
+            f"tool_choice {body.tool_choice!r} and {body.guided_requests()[0][0]} both constrain the output; "
+            "send one of them.",
+            param="tool_choice",
+        )
+    await check_grammar(ctx, "tool_choice", tool_grammar)
+    return tool_grammar
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     check_sampling(ctx, body)
-    _check_unsupported_features(body)
-    await check_request_grammar(ctx, body)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
     if body.continue_final_message and body.add_generation_prompt:
@@ -156,16 +196,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             "to false.",
             param="continue_final_message",
         )
+    template = ctx.engine.tokenizer.chat_template
+    tools = plan_tools(body, template)
+    tool_grammar = await _check_grammar(ctx, body, tools)
+    messages, tool_variables = template_messages(body.messages, tools, template)
     prompt = await ctx.off_loop(
         chat_prompt,
         ctx,
-        body.messages,
+        messages,
         body.add_generation_prompt,
         body.continue_final_message,
-        body.chat_template_kwargs,
+        {**(body.chat_template_kwargs or {}), **tool_variables},
     )
     prompt = body.truncate(prompt)
     check_prompts(ctx, [prompt], body.max_new_tokens, param="messages")
-    run = start_run(ctx, request, "chatcmpl", [prompt], sampling_params(body), body.stream)
-    chat = _Chat(ctx, body, run)
+    params = sampling_params(body)
+    if tool_grammar is not None:
+        params = replace(params, guided=tool_grammar)
+    run = start_run(ctx, request, "chatcmpl", [prompt], params, body.stream)
+    chat = _Chat(ctx, body, run, tools)
     return await respond(run, request, body.stream, chat.chunks, chat.json)

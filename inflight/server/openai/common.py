@@ -36,7 +36,6 @@ from inflight.server.errors import APIError, bad_request, error_responses
 from inflight.server.openai.protocol import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     SamplingFields,
     Usage,
@@ -144,17 +143,17 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> Sampling
 
 def chat_prompt(
     ctx: ServerContext,
-    messages: list[ChatMessage],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     variables: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The token ids of `messages` rendered with the model's chat template (`variables`: more template
-    variables, e.g. a request's chat_template_kwargs)."""
+    """The token ids of `messages` (as the template reads them: tools.template_messages) rendered with the
+    model's chat template (`variables`: more template variables, e.g. tools, chat_template_kwargs)."""
     tokenizer = ctx.engine.tokenizer
     try:
         return tokenizer.encode_chat(
-            [{"role": m.role, "content": m.text()} for m in messages],
+            messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             variables=variables,

@@ -32,6 +32,7 @@ from inflight.engine.sequence import (
 MAX_N = 64
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_TOKEN_IDS = 256
+MAX_TOOLS = 128
 MAX_TOKENS_LIMIT = 2**31 - 1  # the context length is checked per model in common.py; this bounds the type
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -238,10 +239,49 @@ class TextPart(Strict):
     text: Text
 
 
+class FunctionCall(Strict):
+    name: Text
+    arguments: Text = Field(description="The arguments as JSON text.")
+
+
+class ToolCall(Strict):
+    """A call the assistant made: in an answer's `message.tool_calls`, and in the history sent back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="A JSON schema (an object).")
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="An assistant turn's calls.")
+    tool_call_id: Text | None = Field(default=None, description="The call a tool message answers.")
 
     def text(self) -> str:
         if self.content is None:
@@ -268,13 +308,16 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="More variables for the chat template (e.g. enable_thinking)."
     )
-    # Tool calling is not supported: accepted by the schema only so that the answer is a clear 400.
-    tools: list[dict[str, Any]] | None = Field(default=None, description="Not supported; must be empty.")
-    tool_choice: str | dict[str, Any] | None = Field(default=None, description='Not supported; "none".')
-    parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = Field(default=None, description="Not supported; must be empty.")
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS, description="Function tools.")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description='"none", "auto" (the default with tools), "required" or a named function.'
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="Several calls in one answer (default)."
+    )
+    functions: list[dict[str, Any]] | None = Field(default=None, description="Deprecated; use tools.")
     function_call: str | dict[str, Any] | None = Field(
-        default=None, description='Not supported; "none" only.'
+        default=None, description="Deprecated; use tool_choice."
     )
 
     @property
@@ -354,7 +397,22 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: the first carries id, type and name, later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -377,6 +435,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
