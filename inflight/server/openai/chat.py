@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from inflight.engine.sequence import GuidedDecoding, PositionLogprobs
+from inflight.engine.sequence import GuidedDecoding, PositionLogprobs, SamplingParams
 from inflight.server.context import Context, ServerContext
 from inflight.server.errors import bad_request
 from inflight.server.openai.common import (
@@ -185,8 +185,18 @@ async def _check_grammar(
     return tool_grammar
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+@dataclass
+class PreparedChat:
+    """A chat request ready to run: its prompt, its sampling parameters (with any tool grammar) and tools."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tools: ToolPlan | None
+
+
+async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> PreparedChat:
+    """Check a chat request against the served model, compile its grammar, render and check its prompt
+    (400s naming the field). /v1/responses runs its requests through this too."""
     check_sampling(ctx, body)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
@@ -213,6 +223,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = sampling_params(body)
     if tool_grammar is not None:
         params = replace(params, guided=tool_grammar)
-    run = start_run(ctx, request, "chatcmpl", [prompt], params, body.stream)
-    chat = _Chat(ctx, body, run, tools)
+    return PreparedChat(prompt, params, tools)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+    prepared = await prepare_chat(ctx, body)
+    run = start_run(ctx, request, "chatcmpl", [prepared.prompt], prepared.params, body.stream)
+    chat = _Chat(ctx, body, run, prepared.tools)
     return await respond(run, request, body.stream, chat.chunks, chat.json)

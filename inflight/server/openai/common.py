@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from inflight.engine.async_engine import (
     EngineUnavailableError,
@@ -79,7 +80,7 @@ def check_in_vocabulary(ctx: ServerContext, token_ids: Sequence[int], param: str
         raise bad_request(f"token ids {outside[:5]} are outside the vocabulary (size {vocab}).", param=param)
 
 
-def check_extra_fields(body: SamplingFields) -> None:
+def check_extra_fields(body: BaseModel) -> None:
     """Unknown fields are ignored with a log line (vLLM's rule: clients written for other servers send
     their own extras), except one that looks like a typo of a known field (`max_token`): a 400."""
     extra = sorted(body.model_extra or {})
