@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import torch
@@ -47,6 +47,8 @@ JSON_OPTIONS: JsonCompileOptions = {
 }
 MAX_GRAMMAR_SIZE = 500_000  # llguidance's grammar-size limit (symbols after expansion)
 MASK_THREADS = 4
+# Keywords whose value maps names to schemas (not a schema itself).
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def grammar_text(guided: GuidedDecoding) -> str:
@@ -58,7 +60,8 @@ def grammar_text(guided: GuidedDecoding) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
         if guided.kind == "json_schema":
             options: JsonCompileOptions = {**JSON_OPTIONS, "lenient": not guided.strict}
-            return llguidance.LLMatcher.grammar_from_json_schema(guided.value, options)
+            schema = closed_objects(json.loads(guided.value)) if guided.strict else guided.value
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, options)
         if guided.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(guided.value)
         if guided.kind == "choice":
@@ -68,6 +71,27 @@ def grammar_text(guided: GuidedDecoding) -> str:
         return llguidance.LLMatcher.grammar_from_lark(guided.value)
     except (ValueError, TypeError) as error:
         raise GrammarError(str(error)) from error
+
+
+def closed_objects(schema: Any) -> Any:
+    """A JSON schema where every object schema that does not say `additionalProperties` (nor
+    `patternProperties`) has `additionalProperties: false`: OpenAI's strict mode, where an answer holds
+    the properties the schema names and no others (a small model otherwise invents keys until
+    max_tokens)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {
+        key: {name: closed_objects(sub) for name, sub in value.items()}
+        if key in NAMED_SCHEMAS and isinstance(value, dict)
+        else closed_objects(value)
+        for key, value in schema.items()
+    }
+    is_object = schema.get("type") == "object" or "properties" in schema
+    if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 class GrammarCompiler:

@@ -12,6 +12,7 @@ import pytest
 
 from inflight import LLM, SamplingParams
 from inflight.engine.errors import GrammarError
+from inflight.engine.guided import closed_objects
 from inflight.engine.sequence import GuidedDecoding
 
 SCHEMA = {
@@ -138,3 +139,26 @@ def test_a_grammar_with_no_allowed_token_fails_only_its_request(llm: LLM) -> Non
     failed, fine = llm.generate(["x", "y"], params)
     assert failed.outputs[0].finish_reason == "error" and "no token may be drawn" in (failed.error or "")
     assert fine.outputs[0].finish_reason == "length"
+
+
+def test_strict_schemas_close_objects_that_do_not_say() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        "$defs": {"open": {"type": "object", "additionalProperties": True}},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    inner = closed["properties"]["properties"]
+    assert inner["additionalProperties"] is False and "additionalProperties" not in inner["properties"]
+    assert closed["$defs"]["open"]["additionalProperties"] is True
+
+
+def test_a_strict_schema_allows_no_extra_keys(llm: LLM) -> None:
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    strict = GuidedDecoding("json_schema", json.dumps(schema), strict=True)
+    lax = GuidedDecoding("json_schema", json.dumps(schema), strict=False)
+    matcher = llm.engine.grammars.compile(strict).deep_copy()
+    assert not matcher.consume_tokens(llm.engine.tokenizer.encode('{"a": 1, "b"', add_special_tokens=False))
+    matcher = llm.engine.grammars.compile(lax).deep_copy()
+    assert matcher.consume_tokens(llm.engine.tokenizer.encode('{"a": 1, "b"', add_special_tokens=False))

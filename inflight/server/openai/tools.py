@@ -80,9 +80,7 @@ class ToolPlan:
     def grammar(self) -> GuidedDecoding | None:
         """The output's grammar for "required" and a named function; None for "auto"."""
         if self.mode == "named":
-            return GuidedDecoding(
-                "json_schema", json.dumps(_parameters(self._tool(self.named))), strict=False
-            )
+            return GuidedDecoding("json_schema", json.dumps(_parameters(self._tool(self.named))))
         if self.mode == "required":
             calls = {
                 "anyOf": [
@@ -101,7 +99,7 @@ class ToolPlan:
             array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
             if not self.parallel:
                 array["maxItems"] = 1
-            return GuidedDecoding("json_schema", json.dumps(array), strict=False)
+            return GuidedDecoding("json_schema", json.dumps(array))
         return None
 
     def _tool(self, name: str | None) -> Tool:
