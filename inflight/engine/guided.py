@@ -168,7 +168,7 @@ class GrammarMatchers:
     def _synced(self, request_id: str, index: int, guided: GuidedDecoding, output: list[int]) -> _Matcher:
         matchers = self._matchers.setdefault(request_id, {})
         state = matchers.get(index)
-        if state is None or state.consumed > len(output):
+        if state is None:
             state = matchers[index] = _Matcher(self.compiler.compile(guided).deep_copy())
         if state.consumed < len(output):
             state.matcher.consume_tokens(output[state.consumed :])

@@ -7,8 +7,8 @@ answer.
   asking for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, earlier calls written that
   way into their assistant turns, and tool results as user turns in `<tool_response></tool_response>`.
 - Grammar: `tool_choice` "required" makes the output a JSON array of `{"name", "parameters"}` objects
-  (one or more calls; one without `parallel_tool_calls`), a named function makes it that function's
-  arguments object (vLLM's forms): both always parse and validate.
+  (1 to MAX_PARALLEL_CALLS calls; one without `parallel_tool_calls`), a named function makes it that
+  function's arguments object (vLLM's forms): both always parse and validate.
 - Answer: "auto" parses the model's text with the parser of the template's family (`<tool_call>` blocks,
   or Llama 3.1's bare `{"name", "parameters"}` JSON); calls become `message.tool_calls` with ids and
   `finish_reason: "tool_calls"`. `ToolCallStream` does the same for a stream, as `delta.tool_calls`.
@@ -40,6 +40,8 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 ToolMode = Literal["auto", "required", "named"]
+# Calls in one "required" answer: small models otherwise repeat a call until max_tokens.
+MAX_PARALLEL_CALLS = 4
 ParserName = Literal["hermes", "llama3_json"]
 
 BUILTIN_TOOL_PROMPT = """# Tools
@@ -96,9 +98,8 @@ class ToolPlan:
                     for tool in self.tools
                 ]
             }
-            array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
-            if not self.parallel:
-                array["maxItems"] = 1
+            limit = MAX_PARALLEL_CALLS if self.parallel else 1
+            array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1, "maxItems": limit}
             return GuidedDecoding("json_schema", json.dumps(array))
         return None
 
