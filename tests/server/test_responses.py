@@ -4,8 +4,6 @@ function tools and their outputs, previous_response_id, streaming events, refusa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,32 +11,18 @@ import jsonschema
 import openai
 import pytest
 
+from support.tool_schemas import WEATHER
+
 LiveServer = Any  # tests/server/conftest.py's LiveServer
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS: list[Any] = [
     {"type": "function", "name": "get_weather", "description": "Forecast.", "parameters": WEATHER}
 ]
 
 
 @pytest.fixture(scope="module")
-def live(tiny_llama_dir: Path, start_server_factory: Any) -> Iterator[LiveServer]:
-    server = start_server_factory(tiny_llama_dir, max_model_len=1024, num_kv_blocks=512)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(roomy_live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{roomy_live.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_text_input_with_instructions(client: openai.OpenAI) -> None:
@@ -150,7 +134,7 @@ def test_streamed_function_calls(client: openai.OpenAI) -> None:
         ({"input": [{"role": "robot", "content": "x"}]}, "input"),
     ],
 )
-def test_what_cannot_be_served_is_400(live: LiveServer, change: dict[str, Any], param: str) -> None:
-    response = httpx.post(f"{live.url}/v1/responses", json={"input": "x", **change}, timeout=60)
+def test_what_cannot_be_served_is_400(roomy_live: LiveServer, change: dict[str, Any], param: str) -> None:
+    response = httpx.post(f"{roomy_live.url}/v1/responses", json={"input": "x", **change}, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param

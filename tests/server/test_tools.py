@@ -5,7 +5,6 @@ delta.tool_calls, and an agent loop with the openai SDK's own types."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,10 @@ from inflight.engine.tokenizer import Tokenizer
 from inflight.server.openai.protocol import ChatCompletionRequest, ChatMessage, Tool
 from inflight.server.openai.tools import ToolCallStream, ToolPlan, plan_tools, template_messages
 
+from support.tool_schemas import WEATHER
+
 LiveServer = Any  # tests/server/conftest.py's LiveServer
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TIME = {
     "type": "object",
     "properties": {"zone": {"enum": ["UTC", "CET"]}},
@@ -47,21 +39,13 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def live(tiny_llama_dir: Path, start_server_factory: Any) -> Iterator[LiveServer]:
-    """A server with room for the built-in tool prompt (the shared one holds 256 tokens)."""
-    server = start_server_factory(tiny_llama_dir, max_model_len=1024, num_kv_blocks=512)
-    yield server
-    server.stop()
+def client(roomy_live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{roomy_live.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def chat(live: LiveServer, **body: Any) -> httpx.Response:
+def chat(roomy_live: LiveServer, **body: Any) -> httpx.Response:
     payload = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 80, **body}
-    return httpx.post(f"{live.url}/v1/chat/completions", json=payload, timeout=120)
+    return httpx.post(f"{roomy_live.url}/v1/chat/completions", json=payload, timeout=120)
 
 
 def assert_valid_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
@@ -72,7 +56,7 @@ def assert_valid_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
 
 
-def test_required_and_named_calls_always_validate(live: LiveServer) -> None:
+def test_required_and_named_calls_always_validate(roomy_live: LiveServer) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     for seed in range(10):
         for choice, names in (("required", set(SCHEMAS)), (named, {"get_time"})):
@@ -84,7 +68,7 @@ def test_required_and_named_calls_always_validate(live: LiveServer) -> None:
                 "n": 2,
                 "parallel_tool_calls": False,
             }
-            answer = chat(live, **body).json()
+            answer = chat(roomy_live, **body).json()
             assert "choices" in answer, answer
             for result in answer["choices"]:
                 assert result["finish_reason"] == "tool_calls", result
@@ -93,10 +77,10 @@ def test_required_and_named_calls_always_validate(live: LiveServer) -> None:
                 assert_valid_calls(result["message"]["tool_calls"], names)
 
 
-def test_parallel_tool_calls(live: LiveServer) -> None:
+def test_parallel_tool_calls(roomy_live: LiveServer) -> None:
     counts = []
     for seed in range(6):
-        answer = chat(live, tool_choice="required", seed=seed, temperature=1.0, max_tokens=300).json()
+        answer = chat(roomy_live, tool_choice="required", seed=seed, temperature=1.0, max_tokens=300).json()
         result = answer["choices"][0]
         if result["finish_reason"] == "tool_calls":
             assert_valid_calls(result["message"]["tool_calls"], set(SCHEMAS))
@@ -104,15 +88,15 @@ def test_parallel_tool_calls(live: LiveServer) -> None:
     assert counts and max(counts) > 1, counts
 
 
-def stream(live: LiveServer, **body: Any) -> list[dict[str, Any]]:
+def stream(roomy_live: LiveServer, **body: Any) -> list[dict[str, Any]]:
     payload = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 80, "stream": True, **body}
-    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=payload, timeout=120) as response:
+    with httpx.stream("POST", f"{roomy_live.url}/v1/chat/completions", json=payload, timeout=120) as response:
         return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_streamed_tool_calls_reassemble_to_valid_calls(live: LiveServer, choice: Any) -> None:
-    chunks = stream(live, tool_choice=choice, temperature=1.0, seed=3)
+def test_streamed_tool_calls_reassemble_to_valid_calls(roomy_live: LiveServer, choice: Any) -> None:
+    chunks = stream(roomy_live, tool_choice=choice, temperature=1.0, seed=3)
     calls: dict[int, dict[str, Any]] = {}
     finish = None
     for chunk in chunks:
@@ -130,9 +114,9 @@ def test_streamed_tool_calls_reassemble_to_valid_calls(live: LiveServer, choice:
     assert_valid_calls([calls[i] for i in sorted(calls)], set(SCHEMAS))
 
 
-def test_named_calls_stream_their_arguments_as_they_are_generated(live: LiveServer) -> None:
+def test_named_calls_stream_their_arguments_as_they_are_generated(roomy_live: LiveServer) -> None:
     chunks = stream(
-        live, tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0
+        roomy_live, tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0
     )
     pieces = [p for c in chunks for r in c["choices"] for p in r["delta"].get("tool_calls") or []]
     assert len(pieces) > 2 and pieces[0]["id"] and all(p.get("id") is None for p in pieces[1:])
@@ -287,7 +271,7 @@ def test_an_auto_stream_holds_back_a_tag_and_sends_calls_at_the_end() -> None:
         ),
     ],
 )
-def test_bad_tool_requests_are_400(live: LiveServer, change: dict[str, Any], param: str) -> None:
-    response = chat(live, **change)
+def test_bad_tool_requests_are_400(roomy_live: LiveServer, change: dict[str, Any], param: str) -> None:
+    response = chat(roomy_live, **change)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith(param)
