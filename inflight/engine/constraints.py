@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.engine.guided import GrammarMatchers, allowed_tokens
+from inflight.engine.guided import GrammarMatchers
 from inflight.engine.sampler import SamplingRow
 from inflight.engine.sequence import GuidedDecoding
 
@@ -59,8 +59,8 @@ class PendingLimits:
         failed: dict[int, str] = {}
         device = logits.device
         if self.masks is not None:
-            bitmask, grammar_failed = self.masks.result()
-            allowed = allowed_tokens(bitmask, logits.shape[1]).to(device)
+            allowed, grammar_failed = self.masks.result()
+            allowed = allowed.to(device)
             index = torch.tensor(self.guided_rows, dtype=torch.long, device=device)
             logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
             failed.update({self.guided_rows[k]: why for k, why in grammar_failed.items()})

@@ -178,8 +178,8 @@ class GrammarMatchers:
     def masks(
         self, rows: list[tuple[str, int, GuidedDecoding, list[int]]]
     ) -> tuple[torch.Tensor, dict[int, str]]:
-        """Bitmasks (int32 [len(rows), ceil(vocab / 32)], bit set = allowed) for rows of (request id,
-        sequence index, spec, output tokens so far), and the rows whose grammar failed with why."""
+        """The allowed tokens (bool [len(rows), vocab]) of rows of (request id, sequence index, spec,
+        output tokens so far), and the rows whose grammar failed with why."""
         words = (self.compiler.vocab_size + 31) // 32
         bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
         failed: dict[int, str] = {}
@@ -202,7 +202,7 @@ class GrammarMatchers:
             for matcher, i in ready:
                 if matcher.is_error():  # the grammar has no way forward from here
                     failed[i] = f"the grammar failed: {matcher.get_error().splitlines()[0]}"
-        return bitmask, failed
+        return allowed_tokens(bitmask, self.compiler.vocab_size), failed
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's matchers."""
@@ -215,8 +215,13 @@ class GrammarMatchers:
             return sum(len(m) for m in self._matchers.values())
 
 
+# Bit k of a byte, for every byte value: bitmasks are unpacked a byte at a time (10x torch's shifts).
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [rows, vocab_size] from int32 bitmasks (bit j of word w = token 32 * w + j)."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """bool [rows, vocab_size] from int32 bitmasks (bit j of word w = token 32 * w + j; little-endian, so
+    byte b of the row holds tokens 8 * b .. 8 * b + 7)."""
+    rows = bitmask.shape[0]
+    bits = _BYTE_BITS[bitmask.contiguous().view(torch.uint8).long()]
+    return bits.reshape(rows, -1)[:, :vocab_size]

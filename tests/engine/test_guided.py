@@ -9,10 +9,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from inflight import LLM, SamplingParams
 from inflight.engine.errors import GrammarError
-from inflight.engine.guided import closed_objects
+from inflight.engine.guided import allowed_tokens, closed_objects
 from inflight.engine.sequence import GuidedDecoding
 
 SCHEMA = {
@@ -162,3 +163,9 @@ def test_a_strict_schema_allows_no_extra_keys(llm: LLM) -> None:
     assert not matcher.consume_tokens(llm.engine.tokenizer.encode('{"a": 1, "b"', add_special_tokens=False))
     matcher = llm.engine.grammars.compile(lax).deep_copy()
     assert matcher.consume_tokens(llm.engine.tokenizer.encode('{"a": 1, "b"', add_special_tokens=False))
+
+
+def test_bitmasks_unpack_bit_j_of_word_w_to_token_32w_plus_j() -> None:
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 10), dtype=torch.int32)
+    shifts = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    assert torch.equal(allowed_tokens(bitmask, 300), shifts.reshape(3, -1)[:, :300].bool())
