@@ -5,18 +5,25 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
+# Where pip takes torch from (default: its configured index, PyPI). PyPI's Linux x86_64 torch is the CUDA
+# build (several GB); `make demo TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu` takes the CPU one.
+TORCH_INDEX_URL ?=
 
-.PHONY: venv test lint typecheck pytest demo bench bench-offline bench-serve bench-operator clean k8s-tools chart-crds install-yaml chart-rbac docs-reference
+.PHONY: venv test lint typecheck pytest e2e-kind demo bench bench-offline bench-serve bench-operator clean k8s-tools chart-crds install-yaml chart-rbac docs-reference
 
 venv: $(STAMP)
 
-# Build .venv and install what is missing. torch is pinned to the CPU wheel on this machine's disk;
-# the GPU image installs a CUDA build instead (server/Dockerfile).
+# Build .venv and install what is missing, a line per step (the first run downloads for minutes): torch
+# shows pip's progress bars. The GPU image installs a CUDA build itself (server/Dockerfile).
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { echo "make venv: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make venv: [1/3] upgrading pip"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	@echo "make venv: [2/3] installing torch $(TORCH_VERSION) (the largest download; see README for the CPU build)"
+	$(PY) -m pip install --progress-bar on $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==$(TORCH_VERSION)
+	@echo "make venv: [3/3] installing inflight and its dependencies (.[dev])"
 	$(PY) -m pip install -q -e '.[dev]'
+	@echo "make venv: done"
 	@touch $(STAMP)
 
 lint: $(STAMP)
@@ -52,6 +59,11 @@ install-yaml: k8s-tools chart-crds chart-rbac
 
 # What CI runs.
 test: lint typecheck pytest
+
+# The operator against a real kind cluster (needs kind and Docker; creates the cluster inflight-e2e,
+# deletes it afterwards unless INFLIGHT_E2E_KEEP=1). Skips with the reason where they are missing.
+e2e-kind: $(STAMP) k8s-tools
+	$(PY) -m pytest -rs -m e2e tests/e2e
 
 demo: $(STAMP)
 	$(VENV)/bin/inflight demo

@@ -196,8 +196,10 @@ MODEL_CATALOG: dict[str, ModelShape] = {
             max_position_embeddings=32768,
             architecture="MistralForCausalLM",
         ),
-        # The engine's built-in test model (`inflight serve --model builtin:tiny`).
+        # The engine's built-in random-weight test model (`inflight serve --model builtin:tiny`).
         ModelShape("builtin:tiny", 4, 128, 4, 2, 32, 352, 2048, False, max_position_embeddings=2048),
+        # The engine's larger random-weight model (`--model builtin:small`).
+        ModelShape("builtin:small", 8, 512, 8, 4, 64, 1408, 8192, False, max_position_embeddings=2048),
         # SmolLM2-135M-Instruct (`--model builtin:smollm2`).
         ModelShape("builtin:smollm2", 30, 576, 9, 3, 64, 1536, 49152, True, max_position_embeddings=8192),
     )

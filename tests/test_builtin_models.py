@@ -19,12 +19,22 @@ RESOLVE = "from inflight.checkpoints.resolve import resolve_model; print(resolve
 def test_two_processes_resolving_at_once_on_a_fresh_cache_both_succeed(tmp_path: Path) -> None:
     env = {**os.environ, CACHE_ENV: str(tmp_path)}
     starts = [
-        subprocess.Popen([sys.executable, "-c", RESOLVE], env=env, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", RESOLVE],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
-    paths = [process.communicate(timeout=240)[0].strip() for process in starts]
+    outputs = [process.communicate(timeout=240) for process in starts]
+    paths = [out.strip() for out, _ in outputs]
     assert [process.returncode for process in starts] == [0, 0]
     assert paths[0] == paths[1] == str(tmp_path / "models" / "tiny-llama")
+    messages = "".join(err for _, err in outputs)
+    # The builder names the model where it ends up, never the temporary folder it was written in.
+    assert f"ready: {paths[0]}\n" in messages and ".tmp-" not in messages, messages
     from inflight.engine.model.config import ModelConfig
 
     assert ModelConfig.from_dir(paths[0]).num_hidden_layers > 0

@@ -326,20 +326,28 @@ def start_vllm(args: argparse.Namespace, model_dir: Path, longest: int, work: Pa
 
 
 def _wait_ready(system: ServedSystem) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    wait_until_ready(f"{system.url}{system.ready_path}", system.process, system.name)
+
+
+def wait_until_ready(
+    ready_url: str, process: subprocess.Popen[bytes] | None, name: str, timeout_s: float = READY_TIMEOUT_S
+) -> None:
+    """Poll `ready_url` until it answers 200; SystemExit if `process` (the server, when this started it)
+    exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if system.process is not None and system.process.poll() is not None:
+        if process is not None and process.poll() is not None:
             raise SystemExit(
-                f"the {system.name} server exited with code {system.process.returncode} before it was ready "
+                f"the {name} server exited with code {process.returncode} before it was ready "
                 "(its log is above)"
             )
         try:
-            if httpx.get(f"{system.url}{system.ready_path}", timeout=2).status_code == 200:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise SystemExit(f"the {system.name} server was not ready after {READY_TIMEOUT_S:.0f} s")
+    raise SystemExit(f"the {name} server was not ready after {timeout_s:.0f} s")
 
 
 def _offline_tokens_per_s(

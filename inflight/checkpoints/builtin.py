@@ -120,6 +120,7 @@ def build_once(final: Path, build: Callable[[Path], None], progress: Progress = 
             (tmp / final.name).rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        progress(f"ready: {final}")
     return final
 
 

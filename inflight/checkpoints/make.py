@@ -133,7 +133,8 @@ def make_model(
     progress: Progress | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write a checkpoint folder to `out_dir` and return it.
+    """Write a checkpoint folder to `out_dir` and return it. Its messages name no path: a caller may
+    write into a temporary folder and move it (the built-in models do), so the caller names the result.
 
     `out_dir` must not exist or be empty unless `overwrite`. The folder appears complete or not at all:
     it is written next to `out_dir` and renamed into place.
@@ -154,7 +155,7 @@ def make_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        say(f"make-model: {preset} {arch} (seed {seed}) -> {out_dir}")
+        say(f"make-model: {preset} {arch} (seed {seed})")
         tokenizer = _train_tokenizer(spec, add_bos=arch != "qwen2", say=say)
         tokenizer.save(str(tmp / "tokenizer.json"))
         ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
@@ -169,7 +170,6 @@ def make_model(
         tmp.rename(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    say(f"make-model: done: {out_dir}")
     return out_dir
 
 

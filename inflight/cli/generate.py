@@ -72,7 +72,19 @@ def _generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
+        print(
+            f"inflight generate: loading {model_dir} (weights, tokenizer, kernels)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        loading = time.monotonic()
         engine = LLMEngine(model_dir, config)
+        print(
+            f"inflight generate: loaded in {time.monotonic() - loading:.1f}s; generating "
+            f"{len(prompts) * args.n} completion(s) of up to {args.max_tokens} tokens...",
+            file=sys.stderr,
+            flush=True,
+        )
         if args.chat:
             prompts = [
                 engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts

@@ -31,8 +31,9 @@ def _make_model(args: argparse.Namespace) -> int:
     from inflight.checkpoints.make import make_model
 
     try:
-        make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, overwrite=args.force)
+        out = make_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed, overwrite=args.force)
     except FileExistsError as e:
         print(f"inflight make-model: {e}", file=sys.stderr)
         return 2
+    print(f"make-model: done: {out.resolve()}", file=sys.stderr)
     return 0

@@ -18,7 +18,7 @@
   rest of the batch carries on). Should `step()` itself raise (the model's forward pass), the requests in
   the engine fail with `RequestFailedError`, are aborted, and the loop carries on with new ones.
 - `drain()` stops admissions (`EngineUnavailableError`), waits for in-flight requests up to a grace
-  period, then aborts the rest (`RequestAbortedError`).
+  period (or until told to stop waiting), then aborts the rest (`RequestAbortedError`).
 """
 
 from __future__ import annotations
@@ -237,12 +237,18 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._generations)
 
-    async def drain(self, timeout: float) -> int:
-        """Refuse new requests, wait up to `timeout` s for in-flight ones, abort the rest; return how many."""
+    async def drain(self, timeout: float, stop_waiting: asyncio.Event | None = None) -> int:
+        """Refuse new requests, wait up to `timeout` s (or until `stop_waiting` is set) for in-flight ones,
+        abort the rest; return how many."""
         if self.state in ("loading", "ready"):
             self.state = "draining"
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout)
+        waits = [self._idle.wait(), *([stop_waiting.wait()] if stop_waiting is not None else [])]
+        tasks = [asyncio.ensure_future(wait) for wait in waits]
+        try:
+            await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
         leftover = {generation for generation, _ in self._generations.values()}
         for generation in leftover:
             generation.fail(RequestAbortedError("the server is shutting down"))

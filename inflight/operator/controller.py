@@ -100,7 +100,8 @@ class Controller:
         self._nodes: tuple[float, list[dict[str, str]]] | None = None
         self._measured: dict[tuple[str, str], dict[str, tuple[str, PodSizing]]] = {}  # pod -> (uid, sizing)
         self._http: httpx.AsyncClient | None = None
-        self._download_polls: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._download_polls: dict[tuple[str, str], asyncio.Task[None]] = {}  # pending, by ModelServer
+        self._poll_tasks: set[asyncio.Task[None]] = set()  # every poll not finished, reconciling ones too
 
     def forget(self, namespace: str, name: str) -> None:
         self._locks.pop((namespace, name), None)
@@ -108,7 +109,7 @@ class Controller:
         self.metrics.forget(namespace, name)
 
     async def close(self) -> None:
-        self.stop_download_polls()
+        await self.stop_download_polls()
         if self._http is not None:
             await self._http.aclose()
         await self.kube.close()
@@ -162,14 +163,24 @@ class Controller:
 
         async def later() -> None:
             await asyncio.sleep(self.download_poll_seconds)
-            del self._download_polls[key]
-            await self.reconcile(namespace, name)
+            del self._download_polls[key]  # from here on, the reconcile may schedule the next poll
+            try:
+                await self.reconcile(namespace, name)
+            except Exception:  # the API may be briefly unreachable; the resync tries again
+                log.exception("download poll of %s/%s failed", namespace, name)
 
-        self._download_polls[key] = asyncio.create_task(later())
+        task = asyncio.create_task(later())
+        self._download_polls[key] = task
+        self._poll_tasks.add(task)
+        task.add_done_callback(self._poll_tasks.discard)
 
-    def stop_download_polls(self) -> None:
-        for task in self._download_polls.values():
+    async def stop_download_polls(self) -> None:
+        """Cancel every poll, pending or reconciling, and wait until they are gone (before the client
+        they use is closed)."""
+        tasks = list(self._poll_tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._download_polls.clear()
 
     async def _read_or_create(

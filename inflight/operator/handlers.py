@@ -27,6 +27,7 @@ CHILD_LABELS: dict[str, Any] = {
     "app.kubernetes.io/managed-by": server.MANAGED_BY,
     server.LABEL_MODELSERVER: kopf.PRESENT,
 }
+SERVER_POD_LABELS: dict[str, Any] = {**CHILD_LABELS, **server.SERVER_POD_LABEL}
 
 
 async def resync_forever(controller: Controller, interval: float) -> None:
@@ -80,6 +81,15 @@ def build_registry() -> kopf.OperatorRegistry:
         ("autoscaling", "v2", "horizontalpodautoscalers"),
     ):
         kopf.on.event(group, version, plural, labels=CHILD_LABELS, registry=registry)(child_changed)
+
+    # A server pod that turns ready or unready, restarts or goes away changes the ModelServer's readiness
+    # and what its replicas measure (SizingDrift): reconcile at once, not at the next resync.
+    @kopf.on.event("", "v1", "pods", labels=SERVER_POD_LABELS, registry=registry)
+    async def server_pod_changed(
+        type: str | None, labels: Mapping[str, str], namespace: str | None, memo: Any, **_: Any
+    ) -> None:
+        if type in ("MODIFIED", "DELETED"):
+            await memo.controller.reconcile(namespace or "", labels[server.LABEL_MODELSERVER])
 
     # A download Job is shared by the ModelServers of one model source: a change (it succeeded, failed)
     # reconciles all of them, so their Deployments start at once.

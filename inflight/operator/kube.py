@@ -1,10 +1,12 @@
-"""A small Kubernetes API client for the operator's own calls: get, list, create, merge-patch, delete.
+"""The Kubernetes API calls of the operator and the router: get, list, watch, create, merge-patch, delete.
 
-Kopf watches and posts Events with its own client; this one reads and writes the ModelServer's children
-and status. It never PUTs; children go away through owner references; it deletes an HPA or ScaledObject
-left from an autoscaling actuator no longer in use and an unused model cache's claim and Job. Credentials come
-from `kopf.login_with_service_account()` in a pod, else `kopf.login_with_kubeconfig()`; a 401 logs in again
-once (projected service-account tokens rotate).
+Kopf watches ModelServers and their children with its own client; this one, on kubernetes_asyncio's
+ApiClient, reads and writes the ModelServer's children and status, and the router's discovery lists and
+watches through it. It never PUTs; children go away through owner references; it deletes an HPA or
+ScaledObject left from an autoscaling actuator no longer in use and an unused model cache's claim and Job.
+Credentials come from kubernetes_asyncio's loaders (service account, else kubeconfig); a 401 loads them
+again once (projected service-account tokens rotate). Writes carry a JSON content type and ask for
+strict field validation; each component sends its own User-Agent.
 
 The resources it is called on are defined once in `api/resources.py`; beside the client live the helpers
 every caller shares: Kubernetes timestamps (`rfc3339`), `is_subset` and `controlled_by`.
@@ -15,16 +17,27 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import kopf
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client import ApiClient, Configuration
 
 from inflight.operator.api.resources import PODS
 
 MERGE_PATCH = "application/merge-patch+json"
+# Every write asks the API server to refuse fields it does not know (kubectl's default), so a misspelt
+# field in a builder fails loudly instead of being dropped.
+STRICT = {"fieldValidation": "Strict"}
+REQUEST_TIMEOUT_S = 30.0
+# Each component names itself, so audit logs tell the operator's calls from the router's.
+OPERATOR_USER_AGENT = "inflight-operator"
+ROUTER_USER_AGENT = "inflight-router"
+NO_CREDENTIALS = "no Kubernetes credentials: run in a pod with a service account, or set KUBECONFIG"
 
 
 def rfc3339(moment: float | datetime, *, micro: bool = False) -> str:
@@ -68,57 +81,133 @@ class KubeError(Exception):
 
 
 def login() -> kopf.ConnectionInfo:
-    """The credentials kopf would use: the pod's service account, else KUBECONFIG / ~/.kube/config."""
+    """Kopf's own credentials (for its watches and Events): the pod's service account, else KUBECONFIG."""
     settings = kopf.OperatorSettings()
     info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
     if info is None:
-        raise kopf.LoginError(
-            "no Kubernetes credentials: run in a pod with a service account, or set KUBECONFIG"
-        )
+        raise kopf.LoginError(NO_CREDENTIALS)
     return info
 
 
+async def load_configuration() -> Configuration:
+    """The pod's service account (its projected token re-read as it rotates), else $KUBECONFIG or
+    ~/.kube/config (client certificates, tokens, exec plugins): kubernetes_asyncio's loaders."""
+    configuration = Configuration()
+    try:
+        k8s_config.load_incluster_config(client_configuration=configuration)
+        return configuration
+    except k8s_config.ConfigException:
+        pass
+    # $KUBECONFIG is read now, not when kubernetes_asyncio was imported (its default location is fixed then).
+    kubeconfig = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    try:
+        await k8s_config.load_kube_config(
+            kubeconfig, client_configuration=configuration, persist_config=False
+        )
+    except (k8s_config.ConfigException, OSError) as error:
+        raise kopf.LoginError(f"{NO_CREDENTIALS} ({error})") from error
+    return configuration
+
+
+def configuration_for(server: str) -> Configuration:
+    """A configuration for an API server that needs no credentials (a local proxy, an emulator)."""
+    return Configuration(host=server.rstrip("/"))
+
+
 class KubeClient:
-    """get / list / create / merge-patch against one API server."""
+    """get / list / watch / create / merge-patch / delete against one API server, on kubernetes_asyncio's
+    ApiClient: its credential loaders, TLS and JSON request bodies (`Content-Type: application/json`, or
+    the patch type a call names). Paths are the API's own (`api/resources.py` builds them); answers are
+    plain dicts, as read from the API."""
 
     def __init__(
         self,
-        info: kopf.ConnectionInfo,
-        relogin: Callable[[], kopf.ConnectionInfo] = login,
+        configuration: Configuration,
+        *,
+        user_agent: str,
+        reload: Callable[[], Awaitable[Configuration]] = load_configuration,
         on_error: Callable[[str, str], None] | None = None,
     ) -> None:
-        self._relogin = relogin
+        self._configuration = configuration
+        self._user_agent = user_agent
+        self._reload = reload  # after a 401: projected service-account tokens rotate
         self._on_error = on_error  # (method, HTTP status or "connection") of each failed call
-        self._info = info
-        self._session: aiohttp.ClientSession | None = None
+        self._api: ApiClient | None = None
         self._lock = asyncio.Lock()
 
     @classmethod
-    def from_environment(cls, on_error: Callable[[str, str], None] | None = None) -> KubeClient:
-        return cls(login(), on_error=on_error)
+    async def from_environment(
+        cls, user_agent: str, on_error: Callable[[str, str], None] | None = None
+    ) -> KubeClient:
+        return cls(await load_configuration(), user_agent=user_agent, on_error=on_error)
 
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=32)
-            headers = {"User-Agent": "inflight-operator", **self._info.as_http_headers()}
-            self._session = aiohttp.ClientSession(
-                base_url=self._info.server.rstrip("/") + "/",
-                connector=connector,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=30),
-            )
-        return self._session
+    def _open(self) -> ApiClient:
+        if self._api is None:
+            self._api = ApiClient(self._configuration)
+            self._api.user_agent = self._user_agent
+        return self._api
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the HTTP session (its connections); the next call opens a new one."""
+        if self._api is not None:
+            api, self._api = self._api, None
+            await api.close()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+        accept: str = "application/json",
+        timeout: float | aiohttp.ClientTimeout = REQUEST_TIMEOUT_S,
+    ) -> aiohttp.ClientResponse:
+        """The response, unread (the caller reads and releases it); after a 401, credentials are loaded
+        again once."""
+        headers = {"Accept": accept}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        for attempt in range(2):
+            response: aiohttp.ClientResponse = await self._open().call_api(
+                "/" + path.lstrip("/"),
+                method,
+                query_params=list((params or {}).items()),
+                header_params=dict(headers),
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=timeout,
+            )
+            if response.status != 401 or attempt == 1:
+                return response
+            response.release()
+            async with self._lock:
+                self._configuration = await self._reload()
+                await self.close()
+        raise AssertionError("unreachable: the second attempt returns")
 
     async def _request(
-        self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        content_type: str | None = None,
     ) -> dict[str, Any] | None:
         try:
-            return await self._send(method, path, body, params)
+            async with await self._call(
+                method, path, body=body, params=params, content_type=content_type
+            ) as response:
+                if response.status == 404 and method in ("GET", "PATCH", "DELETE"):
+                    return None
+                text = await response.text()
+                if response.status >= 400:
+                    raise KubeError(response.status, method, path, _status_message(text))
+                parsed: dict[str, Any] = json.loads(text) if text else {}
+                return parsed
         except KubeError as error:
             if self._on_error is not None:
                 self._on_error(method, str(error.status))
@@ -128,41 +217,12 @@ class KubeClient:
                 self._on_error(method, "connection")
             raise
 
-    async def _send(
-        self, method: str, path: str, body: Any, params: Mapping[str, str] | None
-    ) -> dict[str, Any] | None:
-        for attempt in range(2):
-            session = self._open()
-            headers = {"Content-Type": MERGE_PATCH} if method == "PATCH" else {}
-            data = None if body is None else json.dumps(body)
-            async with session.request(
-                method, path.lstrip("/"), data=data, params=params, headers=headers
-            ) as resp:
-                if resp.status == 401 and attempt == 0:
-                    async with self._lock:
-                        self._info = self._relogin()
-                        await self.close()
-                    continue
-                if resp.status == 404 and method in ("GET", "PATCH", "DELETE"):
-                    return None
-                text = await resp.text()
-                if resp.status >= 400:
-                    try:
-                        message = json.loads(text).get("message", text)
-                    except ValueError:
-                        message = text
-                    raise KubeError(resp.status, method, path, message)
-                parsed: dict[str, Any] = json.loads(text) if text else {}
-                return parsed
-        raise KubeError(401, method, path, "unauthorized after logging in again")
-
     async def get(self, path: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         return await self._request("GET", path)
 
     async def list(self, path: str, label_selector: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-        result = await self._request("GET", path, params=_selector_params(label_selector) or None) or {}
-        items: list[dict[str, Any]] = result.get("items") or []
+        items, _ = await self.list_with_version(path, label_selector)
         return items
 
     async def list_with_version(
@@ -179,8 +239,9 @@ class KubeClient:
         label_selector: Mapping[str, str] | None = None,
         timeout_s: int = 300,
     ) -> AsyncIterator[dict[str, Any]]:
-        """The watch events (`{"type", "object"}`) after `resource_version`, until the server ends the
-        watch (after about `timeout_s`). A 410 Gone (the version is too old) raises KubeError: list again."""
+        """The watch events (`{"type", "object"}`, BOOKMARKs included) after `resource_version`, until the
+        server ends the watch (after about `timeout_s`). A 410 Gone (the version is too old), as an answer
+        or as an ERROR event, raises KubeError: list again."""
         params = {
             **_selector_params(label_selector),
             "watch": "true",
@@ -188,12 +249,11 @@ class KubeClient:
             "timeoutSeconds": str(timeout_s),
             "allowWatchBookmarks": "true",
         }
-        session = self._open()
         timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_s + 30)
-        async with session.get(path.lstrip("/"), params=params, timeout=timeout) as resp:
-            if resp.status >= 400:
-                raise KubeError(resp.status, "WATCH", path, await resp.text())
-            async for line in resp.content:
+        async with await self._call("GET", path, params=params, timeout=timeout) as response:
+            if response.status >= 400:
+                raise KubeError(response.status, "WATCH", path, _status_message(await response.text()))
+            async for line in response.content:
                 if line.strip():
                     event: dict[str, Any] = json.loads(line)
                     if event.get("type") == "ERROR":
@@ -203,29 +263,39 @@ class KubeClient:
                     yield event
 
     async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """POST; raises KubeError 409 when the object exists."""
-        created = await self._request("POST", path, body=body)
+        """POST (`fieldValidation=Strict`: a field the API does not know is a 400, not dropped); raises
+        KubeError 409 when the object exists."""
+        created = await self._request("POST", path, body=body, params=STRICT)
         return created or {}
 
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any] | None:
-        """JSON merge patch (RFC 7386); None when the object does not exist."""
-        return await self._request("PATCH", path, body=patch)
+        """JSON merge patch (RFC 7386, `fieldValidation=Strict`); None when the object does not exist. A
+        `metadata.resourceVersion` in the patch makes it conditional: 409 when the object changed since."""
+        return await self._request("PATCH", path, body=patch, params=STRICT, content_type=MERGE_PATCH)
 
     async def log(self, path: str, container: str, tail_lines: int) -> str | None:
         """The last lines of a container's log (`path` is the pod's); None when the pod is gone."""
-        session = self._open()
         params = {"container": container, "tailLines": str(tail_lines)}
-        async with session.get(f"{path.lstrip('/')}/log", params=params) as resp:
-            if resp.status in (400, 404):  # no such pod, or its container has not started yet
+        async with await self._call("GET", f"{path}/log", params=params, accept="text/plain") as response:
+            if response.status in (400, 404):  # no such pod, or its container has not started yet
                 return None
-            text = await resp.text()
-            if resp.status >= 400:
-                raise KubeError(resp.status, "GET", f"{path}/log", text)
+            text = await response.text()
+            if response.status >= 400:
+                raise KubeError(response.status, "GET", f"{path}/log", _status_message(text))
             return text
 
     async def delete(self, path: str) -> None:
         """DELETE with background propagation (a Job's pods go too); an object already gone is fine."""
         await self._request("DELETE", path, body={"propagationPolicy": "Background"})
+
+
+def _status_message(text: str) -> str:
+    """The message of a Kubernetes Status body; the text itself when it is not one."""
+    try:
+        status = json.loads(text)
+    except ValueError:
+        return text
+    return str(status.get("message", text)) if isinstance(status, dict) else text
 
 
 async def pods_of(client: KubeClient, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:

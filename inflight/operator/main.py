@@ -20,7 +20,7 @@ from inflight.operator.api.resources import EVENTS
 from inflight.operator.builtin_autoscaler import BuiltinAutoscaling
 from inflight.operator.controller import Controller
 from inflight.operator.handlers import build_registry
-from inflight.operator.kube import KubeClient, event_body, rfc3339
+from inflight.operator.kube import OPERATOR_USER_AGENT, KubeClient, event_body, rfc3339
 from inflight.operator.leader import LeaderElector, default_identity
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
 
@@ -114,7 +114,7 @@ async def run(
 ) -> int:
     """Run until `stop_flag` is set (0) or leadership is lost (1); a threading.Event works across threads."""
     metrics = OperatorMetrics()
-    client = client or KubeClient.from_environment(on_error=metrics.api_error)
+    client = client or await KubeClient.from_environment(OPERATOR_USER_AGENT, on_error=metrics.api_error)
     stop_flag = stop_flag or asyncio.Event()
     controller = Controller(client, event_poster(client), metrics, options.scrape_timeout_seconds)
     metrics_server = None
@@ -124,6 +124,7 @@ async def run(
     try:
         return await _lead_and_operate(options, client, controller, stop_flag)
     finally:
+        await client.close()
         if metrics_server is not None:
             await metrics_server.cleanup()
 

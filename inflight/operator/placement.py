@@ -1,9 +1,9 @@
 """From a ModelServer spec and the labels of the nodes it may land on to a sizing plan (pure).
 
 Model shape: `model.shape`, else `model.catalogName`, else the catalog entry of an hf:// source or
-builtin:tiny. GPU memory: the smallest GPU among the nodes matching `nodeSelector` that carry GPU
-feature discovery labels, else the catalog's `resources.gpu.type`, else `resources.gpu.memoryMiB`.
-On CPU (`gpu.count: 0`) the container's memory limit is the budget.
+a built-in model (builtin:NAME). GPU memory: the smallest GPU among the nodes matching `nodeSelector`
+that carry GPU feature discovery labels, else the catalog's `resources.gpu.type`, else
+`resources.gpu.memoryMiB`. On CPU (`gpu.count: 0`) the container's memory limit is the budget.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from inflight import sizing
-from inflight.operator.api.types import BUILTIN_TINY, ModelServerSpec
+from inflight.operator.api.types import BUILTIN_SOURCES, ModelServerSpec
 
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][-+]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
 _SUFFIX: dict[str | None, Decimal | int] = {
@@ -88,7 +88,7 @@ def _shape_of(spec: ModelServerSpec) -> sizing.ModelShape:
         )
     if model.catalog_name:
         lookup = model.catalog_name
-    elif model.source.startswith("hf://") or model.source == BUILTIN_TINY:
+    elif model.source.startswith("hf://") or model.source in BUILTIN_SOURCES:
         lookup = model.source.removeprefix("hf://")
     else:
         lookup = model.source

@@ -25,7 +25,7 @@ from inflight.router.pool import ModelPool
 from inflight.router.proxy import Policy, forward, forwarded_headers, upstream_session
 from inflight.router.routing_key import DEFAULT_KEY_CHARS, routing_key
 from inflight.router.scrape import scrape_forever
-from inflight.server.errors import APIError, install_error_handlers
+from inflight.server.errors import APIError, echoed, install_error_handlers
 
 RETRY_AFTER_S = 10
 WAKE_REPEAT_S = 10.0  # while requests are held, the operator is asked again this often
@@ -253,5 +253,5 @@ def _rest_app(
 
 
 def _unknown_model(model: str) -> APIError:
-    return APIError(404, f"The model {model!r} does not exist; see /v1/models.", param="model",
+    return APIError(404, f"The model {echoed(model)} does not exist; see /v1/models.", param="model",
                     code="model_not_found")  # fmt: skip

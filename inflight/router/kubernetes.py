@@ -27,14 +27,13 @@ from inflight.operator import kube
 from inflight.operator.api import resources
 from inflight.operator.api.types import Actuator, ModelServer
 from inflight.operator.autoscaling.pod_metrics import ready_pod_endpoints
-from inflight.operator.children.server import LABEL_MODELSERVER, SERVER_CONTAINER
+from inflight.operator.children.server import LABEL_MODELSERVER, SERVER_CONTAINER, SERVER_POD_LABEL
 from inflight.operator.status import WAKE_ANNOTATION, wake_requested_at
 from inflight.router.app import Discovery, Router
 from inflight.router.pool import ModelPool
 
 log = logging.getLogger("inflight.router")
 
-SERVER_PODS = {"app.kubernetes.io/name": "inflight-server"}
 WAKE_INTERVAL_S = 10.0  # one wake request per ModelServer per this many seconds
 RETRY_S = 1.0
 
@@ -100,7 +99,7 @@ class KubernetesDiscovery:
         await asyncio.gather(
             when_listed(),
             self._informer(resources.MODELSERVERS.path(self.namespace), None, on_modelserver, listed[0]),
-            self._informer(resources.PODS.path(self.namespace), SERVER_PODS, on_pod, listed[1]),
+            self._informer(resources.PODS.path(self.namespace), SERVER_POD_LABEL, on_pod, listed[1]),
         )
 
     def apply(self, router: Router) -> None:
@@ -178,7 +177,7 @@ class KubernetesDiscovery:
 
 def kubernetes_discovery(namespace: str, default_hold_timeout_s: float) -> Discovery:
     async def discover(router: Router) -> None:
-        client = kube.KubeClient.from_environment()
+        client = await kube.KubeClient.from_environment(kube.ROUTER_USER_AGENT)
         try:
             await KubernetesDiscovery(client, namespace, default_hold_timeout_s).run(router)
         finally:

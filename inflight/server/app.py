@@ -9,12 +9,12 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Security
 
 from inflight import __version__
 from inflight.engine.async_engine import AsyncEngine, EngineUnavailableError
 from inflight.server.access_log import AccessLogMiddleware
-from inflight.server.auth import require_api_key
+from inflight.server.auth import API_KEY, ApiKeyMiddleware, needs_api_key
 from inflight.server.context import ServerContext, ServerSettings
 from inflight.server.demo import demo_router
 from inflight.server.docs import docs_router
@@ -28,6 +28,11 @@ logger = logging.getLogger("inflight.server")
 
 # Behind the API key (when set) and answered only while the engine serves (else 503).
 MODEL_ROUTERS = (info_router, models.router, completions.router, chat.router, responses.router, tokens.router)
+# What ApiKeyMiddleware guards: the model routes and the routes that declare the key themselves.
+KEYED_ROUTES = [
+    *(route for router in MODEL_ROUTERS for route in router.routes),
+    *(route for route in demo_router.routes if needs_api_key(route)),
+]
 
 
 def model_loaded(engine: AsyncEngine) -> bool:
@@ -82,13 +87,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.api_key = settings.api_key
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, routes=KEYED_ROUTES)
     app.add_middleware(ResponseCountingMiddleware, metrics=metrics)
     app.add_middleware(AccessLogMiddleware)
     app.include_router(probe_router)
     for router in MODEL_ROUTERS:
         app.include_router(
             router,
-            dependencies=[Depends(require_api_key), Depends(require_serving)],
+            dependencies=[Security(API_KEY), Depends(require_serving)],
             responses=error_responses(400, 401, 503),
         )
     app.include_router(demo_router)

@@ -56,7 +56,8 @@ class ServerContext:
     responses: ResponseStore = field(default_factory=ResponseStore)
 
     async def off_loop(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a tokenizer call in the tokenizer threads, not on the event loop."""
+        """Run a tokenizer call, or the building of an answer, in the tokenizer threads, not on the event
+        loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_pool, partial(function, *args, **kwargs))
 

@@ -25,6 +25,8 @@ RATE_LIMIT = "rate_limit_error"
 UNAVAILABLE = "service_unavailable_error"
 SERVER_ERROR = "server_error"
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only the access log sees it
+
 _TYPE_BY_STATUS = {
     400: INVALID_REQUEST,
     401: AUTHENTICATION,
@@ -81,6 +83,17 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse} for status in statuses}
 
 
+MAX_ECHOED_CHARS = 100
+
+
+def echoed(value: str) -> str:
+    """A client's value quoted for an error message, cut to MAX_ECHOED_CHARS characters (a wrong model
+    name may be a megabyte)."""
+    if len(value) <= MAX_ECHOED_CHARS:
+        return repr(value)
+    return f"{value[:MAX_ECHOED_CHARS]!r}... ({len(value)} characters)"
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -110,10 +123,27 @@ def _common_prefix(locations: list[tuple[int | str, ...]]) -> tuple[int | str, .
     return prefix
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def _is_json(content_type: str) -> bool:
+    """Whether a Content-Type names JSON (as FastAPI decides whether to parse the body as JSON)."""
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
+    """`content_type`: the request's header (None: absent; FastAPI then parses the body as JSON)."""
     errors = exc.errors()
     if not errors:
         return bad_request("The request body is invalid.", code="invalid_body")
+    if (
+        content_type is not None
+        and not _is_json(content_type)
+        and any(e.get("loc") == ("body",) for e in errors)
+    ):
+        return bad_request(
+            f"The request body was sent as {content_type!r}; send JSON with 'Content-Type: application/json' "
+            "(curl: -H 'Content-Type: application/json').",
+            code="invalid_content_type",
+        )
     if any(error.get("type") == "json_invalid" for error in errors):
         return bad_request("The request body is not valid JSON.", code="invalid_json")
     locations = [tuple(error.get("loc", ())) for error in errors]
@@ -138,9 +168,9 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, APIError)
         return exc.response()
 
-    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return validation_error(exc).response()
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

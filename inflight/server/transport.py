@@ -1,5 +1,5 @@
-"""Enforces limits.py: the body-size middleware (413) and uvicorn's protocol with a connection cap and
-header/body read deadlines (408)."""
+"""Enforces limits.py: the request-body middleware (413; a body that never completes is answered as what
+ended it, 408 or 499) and uvicorn's protocol with a connection cap and header/body read deadlines (408)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from inflight.server.errors import APIError
+from inflight.server.errors import CLIENT_CLOSED_REQUEST, APIError
 from inflight.server.limits import ConnectionLimits
 
 logger = logging.getLogger("inflight.server")
@@ -27,8 +27,16 @@ def body_too_large(max_body_bytes: int) -> APIError:
     )
 
 
+# Put in a request's ASGI scope by the protocol when it closes the connection before the body arrived
+# (the status it answered, 408); a body cut off without it was closed by the client or evicted (499).
+CLOSED_WITH_STATUS = "inflight.closed_with_status"
+
+
 class BodySizeLimitMiddleware:
-    """413 for a request body over `max_body_bytes`, before the app parses it."""
+    """413 for a request body over `max_body_bytes`, before the app parses it; a body whose connection
+    closed before it was complete is answered (to nobody, but counted and logged) with the status that
+    ended it: 408 at the body timeout, else 499 (client closed, or evicted by the connection cap). Left
+    to FastAPI it would be a 400 "error parsing the body"."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app = app
@@ -44,15 +52,20 @@ class BodySizeLimitMiddleware:
                 await error.response()(scope, receive, send)
                 return
         received = 0
+        complete = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, complete
             message = await receive()
+            # An HTTPException passes FastAPI's body parsing unchanged; errors.py renders it.
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > self.max_body_bytes:
-                    # An HTTPException passes FastAPI's body parsing unchanged; errors.py renders it.
                     raise StarletteHTTPException(413, error.message)
+            elif message["type"] == "http.disconnect" and not complete:
+                status = scope.get(CLOSED_WITH_STATUS, CLIENT_CLOSED_REQUEST)
+                raise StarletteHTTPException(status, "The connection closed before the request body arrived.")
             return message
 
         await self.app(scope, limited_receive, send)
@@ -68,8 +81,47 @@ def _raw_error(status: int, reason: str, message: str) -> bytes:
     return head.encode() + body
 
 
+EVICTION_LOG_INTERVAL = 10.0  # seconds; at most one eviction WARNING per interval
+
+
+class EvictionWarnings:
+    """The connection cap's WARNING, at most one line per `interval` seconds (a flood of connections
+    evicts hundreds a second): the first eviction is logged at once, the ones after it are counted and
+    logged as one line when the interval ends."""
+
+    def __init__(self, max_connections: int, interval: float = EVICTION_LOG_INTERVAL) -> None:
+        self.max_connections = max_connections
+        self.interval = interval
+        self._unlogged = 0
+        self._interval_end: asyncio.TimerHandle | None = None
+
+    def evicted(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._interval_end is None:
+            logger.warning(
+                "more than %d open connections (--max-connections): closing the oldest idle one",
+                self.max_connections,
+            )
+            self._interval_end = loop.call_later(self.interval, self._end_interval, loop)
+        else:
+            self._unlogged += 1
+
+    def _end_interval(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._unlogged:
+            self._interval_end = None
+            return
+        logger.warning(
+            "more than %d open connections (--max-connections): closed %d more in the last %gs",
+            self.max_connections,
+            self._unlogged,
+            self.interval,
+        )
+        self._unlogged = 0
+        self._interval_end = loop.call_later(self.interval, self._end_interval, loop)
+
+
 def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with a connection cap and header/body read deadlines."""
+    warnings = EvictionWarnings(limits.max_connections)
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -110,10 +162,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
         def _evict_one(self) -> None:
             idle = [c for c in self.connections if isinstance(c, GuardedHttpToolsProtocol) and not c._busy()]
             victim = min(idle, key=lambda c: c._opened_at) if idle else self
-            logger.warning(
-                "more than %d open connections (--max-connections): closing the oldest idle one",
-                limits.max_connections,
-            )
+            warnings.evicted(self.loop)
             victim.transport.close()
             victim.connections.discard(victim)
 
@@ -134,6 +183,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
                 flag = "--header-timeout" if what == "headers" else "--body-timeout"
                 message = f"The request {what} did not arrive within {seconds:g} s ({flag}); closing."
                 self.transport.write(_raw_error(408, "Request Timeout", message))
+                if self.cycle is not None:
+                    self.cycle.scope[CLOSED_WITH_STATUS] = 408  # type: ignore[literal-required]
             self.transport.close()
 
     return GuardedHttpToolsProtocol

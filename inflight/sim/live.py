@@ -30,6 +30,18 @@ PROGRESS_EVERY_S = 5.0
 
 
 @dataclass
+class LiveProgress:
+    """How far a real run is: written by the thread running it after every step, read by whoever shows it
+    (the demo page polls it). `elapsed_s` and `output_tokens` count the current policy's run only."""
+
+    requests_total: int = 0
+    policy: Policy | None = None
+    requests_done: int = 0
+    output_tokens: int = 0
+    elapsed_s: float = 0.0
+
+
+@dataclass
 class LiveRun:
     recorder: TimelineRecorder
     # (tokens in the step, seconds it took), per step: the calibration's samples.
@@ -63,11 +75,13 @@ def run_live_policy(
     base_config: EngineConfig | None = None,
     progress: Callable[[str], None] | None = None,
     share_model_of: LLMEngine | None = None,
+    tracker: LiveProgress | None = None,
 ) -> LiveRun:
     """All `requests` (arriving together) through a fresh engine with `policy`, stepped to the end.
 
-    `progress` (if given) hears about the run every few seconds. `share_model_of`: an engine whose
-    loaded weights to use (the server's live engine) instead of loading them again.
+    `progress` (if given) hears about the run every few seconds; `tracker` (if given) is brought up to
+    date after every step. `share_model_of`: an engine whose loaded weights to use (the server's live
+    engine) instead of loading them again.
     """
     from inflight.engine.engine import LLMEngine
 
@@ -82,8 +96,11 @@ def run_live_policy(
     for request in requests:
         engine.add_request(request.request_id, list(request.prompt_token_ids), sampling_params(request))
     step_times: list[tuple[int, float]] = []
+    generated_before = engine.stats().num_generation_tokens  # the warm-up's
     begin = last_report = time.perf_counter()
     finished = 0
+    if tracker is not None:
+        tracker.policy, tracker.requests_done, tracker.output_tokens, tracker.elapsed_s = policy, 0, 0, 0.0
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         outputs = engine.step()
@@ -96,6 +113,10 @@ def run_live_policy(
             step_times.append((sum(tokens for _, tokens in record.scheduled), end - start))
             finished += len(record.finished)
         records.clear()
+        if tracker is not None:
+            tracker.requests_done = finished
+            tracker.output_tokens = engine.stats().num_generation_tokens - generated_before
+            tracker.elapsed_s = end - begin
         if progress is not None and end - last_report >= PROGRESS_EVERY_S:
             last_report = end
             progress(f"  {policy}: {len(step_times)} steps, {finished}/{len(requests)} requests done")
@@ -109,17 +130,20 @@ def run_live(
     requests: Sequence[DemoRequest] | None = None,
     progress: Callable[[str], None] | None = None,
     share_model_of: LLMEngine | None = None,
+    tracker: LiveProgress | None = None,
 ) -> tuple[DemoComparison, list[tuple[int, float]]]:
     """Both policies for real at `slots` slots; the comparison and every step's (tokens, seconds)."""
     validate_slots(slots)
     workload = list(requests) if requests is not None else demo_workload()
     settings = DemoEngineSettings(slots=slots)
+    if tracker is not None:
+        tracker.requests_total = len(workload)
     runs: dict[Policy, LiveRun] = {}
     for policy in POLICIES:
         if progress is not None:
             progress(f"running {len(workload)} requests with {policy} batching at {slots} slots")
         runs[policy] = run_live_policy(
-            model_dir, policy, workload, settings, base_config, progress, share_model_of
+            model_dir, policy, workload, settings, base_config, progress, share_model_of, tracker
         )
     comparison = compare(
         "measured", runs["static"].recorder.result(), runs["continuous"].recorder.result(), cost_model=None
@@ -127,7 +151,9 @@ def run_live(
     return comparison, [sample for run in runs.values() for sample in run.step_times]
 
 
-def run_live_demo(live_engine: LLMEngine, slots: int) -> DemoComparison:
+def run_live_demo(live_engine: LLMEngine, slots: int, tracker: LiveProgress | None = None) -> DemoComparison:
     """What `POST /v1/demo/run` answers: both policies on the live engine's model and device."""
-    comparison, _ = run_live(live_engine.model_dir, slots, live_engine.config, share_model_of=live_engine)
+    comparison, _ = run_live(
+        live_engine.model_dir, slots, live_engine.config, share_model_of=live_engine, tracker=tracker
+    )
     return comparison

@@ -56,6 +56,7 @@ def test_demo_page_slider_and_real_run(demo_url: str) -> None:
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.on("pageerror", lambda error: errors.append(str(error)))
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
             page.goto(f"{demo_url}/demo")
             page.wait_for_selector("body[data-slots='8']")
             at_8 = _page_figures(page, "data-figure")
@@ -78,8 +79,21 @@ def test_demo_page_slider_and_real_run(demo_url: str) -> None:
                 assert figures != at_8
                 assert page.text_content("#ratio") == f"{body['throughput_ratio']:.2f}×"
 
+            # While the run is pending, the status line follows the server's progress (not one fixed line):
+            # the run's request is held and the progress answered by the test, so that is seen however
+            # fast the machine runs the workload.
+            held: list[Any] = []
+            page.route("**/v1/demo/run", lambda route: held.append(route))
+            progress = {"running": True, "policy": "continuous", "requests_done": 7, "requests_total": 30,
+                        "output_tokens": 900, "tokens_per_s": 450.0}  # fmt: skip
+            page.route("**/v1/demo/run/progress", lambda route: route.fulfill(json=progress))
+            page.click("#run")
+            page.wait_for_selector("#run-status[data-progress]", timeout=60_000)
+            status = page.text_content("#run-status") or ""
+            assert "continuous batching (2 of 2): 7/30 requests done, 450 output tokens/s so far" in status
+            page.unroute("**/v1/demo/run/progress")
             with page.expect_response(lambda r: r.url.endswith("/v1/demo/run"), timeout=240_000) as run:
-                page.click("#run")
+                held[0].continue_()
             assert run.value.status == 200
             measured_body = run.value.json()
             page.wait_for_selector("#measured-summary[data-ratio]")
@@ -93,11 +107,14 @@ def test_demo_page_slider_and_real_run(demo_url: str) -> None:
             assert page.is_visible("#measured-static-head")
             summary = page.text_content("#measured-summary") or ""
             assert f"{measured_body['throughput_ratio']:.2f}×" in summary
-            # The charts now draw the measured timelines; the toggle switches back to the simulated ones.
+            # The headline and the charts show the measured run; the toggle switches back to the simulated.
             assert (page.text_content("#static-caption") or "").startswith("measured:")
+            assert page.text_content("#ratio") == f"{measured_body['throughput_ratio']:.2f}×"
+            assert page.text_content("#summary") == measured_body["summary"]
             page.screenshot(path=str(ARTIFACTS / "demo-page-measured.png"), full_page=True)
             page.check("input[name=view][value=simulated]")
             assert (page.text_content("#static-caption") or "").startswith("simulated:")
+            assert page.text_content("#ratio") == f"{body['throughput_ratio']:.2f}×"
             page.locator("#slots").fill("8")
             page.wait_for_selector("body[data-slots='8']")
             assert page.is_disabled("#view-measured")

@@ -1,9 +1,12 @@
 """End to end on a real cluster: kind, the generated CRD, `inflight operator`, the tiny-cpu example.
 
-Needs `kind` and a running Docker daemon; skipped with the reason otherwise. kubectl is taken from PATH
-or from .venv/bin (`make k8s-tools`). The operator runs on this machine against the kind cluster (as in
-development); the cluster's garbage collector, admission (schema + CEL) and Deployment controller are
-real. With INFLIGHT_E2E_SERVER_IMAGE set to a server image loaded into kind (`kind load docker-image`),
+`make e2e-kind` runs it. Needs `kind` and a running Docker daemon; skipped with the reason otherwise.
+kubectl is taken from PATH or from .venv/bin (`make k8s-tools`). The operator runs on this machine
+against the kind cluster (as in development), with leader election on as in the chart; the cluster's
+CRD admission (structural schema, defaults checked against their CEL rules), content negotiation, strict
+field validation, garbage collector and Deployment controller are real, so each refusal the emulated
+API server in tests/support copies is checked here against the real one too. With
+INFLIGHT_E2E_SERVER_IMAGE set to a server image loaded into kind (`kind load docker-image`),
 the test also waits for the ModelServer to become Ready. INFLIGHT_E2E_KEEP=1 keeps the cluster.
 """
 
@@ -23,6 +26,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = "inflight-e2e"
+INVALID = sorted((REPO / "tests" / "operator" / "data" / "invalid").glob("*.yaml"))
+EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())
 
 
 def _skip_reason() -> str | None:
@@ -94,19 +99,46 @@ def operator(kubeconfig: Path) -> Iterator[subprocess.Popen[bytes]]:
         kubeconfig, "wait", "--for=condition=Established", "crd/modelservers.inflight.dev", "--timeout=60s"
     )
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    command = [sys.executable, "-m", "inflight.cli", "operator", "--no-leader-election", "--liveness", ""]
-    command += ["--metrics-address", ""]
+    command = [sys.executable, "-m", "inflight.cli", "operator", "--lease-namespace", "default"]
+    command += ["--liveness", "", "--metrics-address", ""]
     process = subprocess.Popen(command, env=env, cwd=REPO)
     yield process
     process.terminate()
     process.wait(timeout=30)
 
 
-def test_invalid_modelserver_is_rejected_by_the_api_server(kubeconfig: Path) -> None:
+def test_the_crd_is_admitted_and_established(kubeconfig: Path) -> None:
+    for crd in (
+        REPO / "crds" / "modelserver.yaml",
+        REPO / "charts" / "inflight" / "crds" / "modelserver.yaml",
+    ):
+        result = kubectl(
+            kubeconfig, "apply", "--server-side", "--force-conflicts", "-f", str(crd), check=False
+        )
+        assert result.returncode == 0, result.stderr
+    kubectl(
+        kubeconfig, "wait", "--for=condition=Established", "crd/modelservers.inflight.dev", "--timeout=60s"
+    )
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[p.name for p in INVALID])
+def test_invalid_modelservers_are_refused_by_the_api_server(kubeconfig: Path, path: Path) -> None:
+    """The same files, and the same messages, as the emulator's and crd_check's tests."""
     kubectl(kubeconfig, "apply", "--server-side", "-f", str(REPO / "crds" / "modelserver.yaml"))
-    bad = REPO / "tests" / "operator" / "data" / "invalid" / "min-above-max.yaml"
-    result = kubectl(kubeconfig, "apply", "-f", str(bad), check=False)
-    assert result.returncode != 0 and "minReplicas must be <= maxReplicas" in result.stderr
+    expected = path.read_text().splitlines()[0].removeprefix("# expect: ")
+    result = kubectl(kubeconfig, "apply", "--dry-run=server", "-f", str(path), check=False)
+    assert result.returncode != 0 and expected in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_modelservers_are_accepted_and_defaulted(kubeconfig: Path, path: Path) -> None:
+    kubectl(kubeconfig, "apply", "--server-side", "-f", str(REPO / "crds" / "modelserver.yaml"))
+    result = kubectl(kubeconfig, "apply", "--dry-run=server", "-o", "json", "-f", str(path), check=False)
+    assert result.returncode == 0, result.stderr
+    answered = json.loads(result.stdout)
+    for item in answered.get("items", [answered]):
+        if item["kind"] == "ModelServer":
+            assert item["spec"]["engine"]["blockSize"] > 0  # the CRD's defaults were applied
 
 
 def test_tiny_cpu_reconciles_and_cleans_up(kubeconfig: Path, operator: subprocess.Popen[bytes]) -> None:
@@ -141,6 +173,8 @@ def test_tiny_cpu_reconciles_and_cleans_up(kubeconfig: Path, operator: subproces
         60,
         "2 replicas",
     )
+    lease = get(kubeconfig, "lease", "inflight-operator", "-n", "default")
+    assert lease is not None and lease["spec"]["holderIdentity"], "the operator did not take the Lease"
     kubectl(kubeconfig, "delete", "modelserver", "tiny", "--wait=true")
     wait(lambda: get(kubeconfig, "deployment", "tiny") is None, 120, "garbage collection of the Deployment")
     assert operator.poll() is None, "the operator exited"

@@ -21,6 +21,9 @@ def test_generate_prints_completions_as_json(
     assert [line["prompt"] for line in lines] == ["def main(", "import os"]
     assert all(len(line["completions"][0]["token_ids"]) == 5 for line in lines)
     assert "tokens/s" in captured.err
+    # What it is doing while the model loads (seconds to half a minute), on stderr: stdout stays JSON.
+    assert f"inflight generate: loading {tiny_llama_dir}" in captured.err
+    assert "inflight generate: loaded in " in captured.err and "generating 2 completion(s)" in captured.err
 
 
 def test_generate_text_output_with_n_and_chat(

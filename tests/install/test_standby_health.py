@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from inflight.operator import main
+from inflight.operator.kube import OPERATOR_USER_AGENT, KubeClient, configuration_for
 from inflight.operator.main import OperatorOptions, serve_standby_health
 
 from support.processes import free_port
@@ -63,7 +64,8 @@ async def test_operator_waiting_for_the_lease_is_healthy(monkeypatch: pytest.Mon
         lease_namespace="inflight-system",
         metrics_address=f"127.0.0.1:{metrics_port}",
     )
-    operator = asyncio.create_task(main.run(options, client=object()))  # type: ignore[arg-type]
+    never_called = KubeClient(configuration_for("http://127.0.0.1:9"), user_agent=OPERATOR_USER_AGENT)
+    operator = asyncio.create_task(main.run(options, client=never_called))
     try:
         await asyncio.wait_for(waiting.wait(), timeout=60)  # hang guard
         status, body = await get(f"http://127.0.0.1:{port}/healthz")

@@ -39,7 +39,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tiny_llama_dir: Path, tmp
     progress = capsys.readouterr().err.splitlines()
     assert any("training a byte-level BPE tokenizer" in line for line in progress)
     assert any("1,262,720 parameters" in line for line in progress)
-    assert progress[-1].startswith("make-model: done")
+    assert progress[-1] == f"make-model: done: {(tmp_path / 'seed1').resolve()}"
 
 
 def test_refuses_to_overwrite_without_force(tiny_llama_dir: Path, tmp_path: Path, capsys) -> None:

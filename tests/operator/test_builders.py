@@ -9,10 +9,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from inflight.checkpoints.builtin import BUILTIN_NAMES
+from inflight.operator.api.crd import render_crd
 from inflight.operator.api.types import ModelServer, ModelServerStatus
 from inflight.operator.children import server
 from inflight.operator.placement import Placement, SizingError, parse_quantity, place
 from inflight.operator.status import desired_replicas
+
+from support.crd_check import admission_errors
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())
@@ -307,3 +311,23 @@ def test_a_mixture_of_experts_shape_is_refused_as_unsupported() -> None:
         place(ms.spec, [H100_NODE])
     assert error.value.reason == "UnsupportedArchitecture"
     assert "architecture not supported by the server" in error.value.message
+
+
+@pytest.mark.parametrize("name", BUILTIN_NAMES)
+def test_every_builtin_model_the_server_makes_is_a_source_the_operator_serves(name: str) -> None:
+    """One list: the server's built-in models are the CRD's allowed builtin sources, each sized from the
+    catalog and passed to `inflight serve --model` as it is."""
+    source = f"builtin:{name}"
+    model = {"name": "t", "source": source, "maxModelLen": 512}
+    spec = {"model": model, "resources": {"gpu": {"count": 0}, "memory": "8Gi"}}
+    crd_schema = render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    body = {
+        "apiVersion": "inflight.dev/v1alpha1",
+        "kind": "ModelServer",
+        "metadata": {"name": "t"},
+        "spec": spec,
+    }
+    assert admission_errors(crd_schema, body) == []
+    placement, deployment, _ = built(tiny(**spec))
+    assert placement.plan.fits and placement.plan.model == source
+    assert flags(deployment)["--model"] == source

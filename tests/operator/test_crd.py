@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,13 @@ from inflight.cli import main
 from inflight.operator.api.crd import render_crd, render_crd_yaml, render_reference_markdown
 from inflight.operator.api.types import ModelServerSpec
 
-from support.crd_check import admission_errors, apply_defaults, cel_errors, structural_errors
+from support.crd_check import (
+    admission_errors,
+    apply_defaults,
+    cel_errors,
+    default_errors,
+    structural_errors,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "manifests").glob("*.yaml") if "\nkind: ModelServer\n" in p.read_text())
@@ -65,6 +72,20 @@ def test_crd_schema_is_structural_and_documented() -> None:
     assert undocumented == []
 
 
+def test_list_map_rules_are_checked_as_the_api_server_does() -> None:
+    conditions = copy.deepcopy(render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    conditions = conditions["properties"]["status"]["properties"]["conditions"]
+    assert structural_errors(conditions, ".status.conditions") == []
+    conditions["items"]["required"].remove("type")
+    assert structural_errors(conditions, ".status.conditions") == [
+        ".status.conditions.x-kubernetes-list-map-keys: all map keys must be required or have a default"
+    ]
+    del conditions["x-kubernetes-list-type"]
+    assert structural_errors(conditions, ".status.conditions") == [
+        ".status.conditions.x-kubernetes-list-map-keys: must only be used if x-kubernetes-list-type == map"
+    ]
+
+
 def test_crd_has_scale_and_status_subresources_and_printer_columns() -> None:
     version = render_crd()["spec"]["versions"][0]
     assert version["subresources"] == {
@@ -78,6 +99,38 @@ def test_crd_has_scale_and_status_subresources_and_printer_columns() -> None:
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns[:7] == ["Model", "GPUs", "GPU", "Slots", "KV Planned", "KV Measured", "Ready"]
     assert columns[-1] == "Age"
+
+
+def test_every_default_passes_the_api_servers_checks_as_written() -> None:
+    """kube-apiserver validates each `default` of a CRD, before nested defaults apply, against the schema
+    and the CEL rules of its level; a CRD failing this is refused whole (the engine's `{}` default was)."""
+    assert default_errors(render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]) == []
+
+
+def test_default_check_refuses_what_kube_apiserver_refused() -> None:
+    """The real server's answer (v1.36) to the CRD whose `spec.engine` default was `{}`, word for word."""
+    engine = copy.deepcopy(schema()["properties"]["spec"]["properties"]["engine"])
+    engine["default"] = {}
+    crd_schema = {
+        "type": "object",
+        "properties": {"spec": {"type": "object", "properties": {"engine": engine}}},
+    }
+    assert default_errors(crd_schema) == [
+        "spec.validation.openAPIV3Schema.properties[spec].properties[engine].default: Invalid value: "
+        '"object": no such key: maxBatchedTokens evaluating rule: engine.maxBatchedTokens must be at least '
+        "engine.blockSize"
+    ]
+    engine["default"] = {"maxBatchedTokens": 8, "blockSize": 16}
+    assert default_errors(crd_schema) == [
+        "spec.validation.openAPIV3Schema.properties[spec].properties[engine].default: Invalid value: "
+        '"object": engine.maxBatchedTokens must be at least engine.blockSize'
+    ]
+    engine["default"] = {"blockSize": 0, "maxBatchedTokens": 8}
+    default = "spec.validation.openAPIV3Schema.properties[spec].properties[engine].default"
+    assert default_errors(crd_schema) == [
+        f"{default}.blockSize: Invalid value: 0: {default}.blockSize in body should be greater than or equal "
+        "to 1"
+    ]
 
 
 def test_defaults_live_in_the_schema() -> None:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import kmock
-import kopf
 import kubernetes_validate
 import pytest
 import yaml
@@ -33,7 +32,7 @@ from inflight.operator.api.crd import render_crd
 from inflight.operator.api.types import ModelServer
 from inflight.operator.children import server as builders
 from inflight.operator.controller import Controller
-from inflight.operator.kube import KubeClient
+from inflight.operator.kube import OPERATOR_USER_AGENT, KubeClient, configuration_for
 from inflight.operator.placement import place
 from inflight.operator.status import CONDITION_TYPES, condition_of
 
@@ -243,7 +242,9 @@ async def test_the_quoted_degraded_message_is_what_the_operator_writes(guide: Gu
             f"/apis/{spec.GROUP}/{spec.VERSION}/namespaces/{namespace}/{spec.PLURAL}", json=obj
         )
         assert response.status in (200, 201), await response.text()
-        controller = Controller(KubeClient(kopf.ConnectionInfo(server=str(cluster.url))), lambda *_: None)
+        controller = Controller(
+            KubeClient(configuration_for(str(cluster.url)), user_agent=OPERATOR_USER_AGENT), lambda *_: None
+        )
         try:
             await controller.reconcile(namespace, name)
         finally:

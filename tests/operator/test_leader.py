@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 
-import kopf
 import pytest
 
 from inflight.operator import leader
-from inflight.operator.kube import KubeClient
+from inflight.operator.kube import OPERATOR_USER_AGENT, KubeClient, configuration_for
 from inflight.operator.leader import LeaderElector
 
 from support.emulated import emulated_cluster
@@ -41,7 +40,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 
 def elector(url: str, identity: str, lease_seconds: int = 1) -> LeaderElector:
-    client = KubeClient(kopf.ConnectionInfo(server=url))
+    client = KubeClient(configuration_for(url), user_agent=OPERATOR_USER_AGENT)
     return LeaderElector(
         client, "ops", identity, lease_seconds=lease_seconds, renew_seconds=0.1, retry_seconds=0.05
     )

@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from inflight.operator.autoscaling.pod_metrics import KV_BLOCKS, SLOTS
+
+from support.autoscale_harness import mark_ready, pod_from_template, report_deployment_status
 from support.emulated import (
     DEPLOYMENTS,
     MODELSERVERS,
@@ -276,3 +280,53 @@ async def test_missing_secret_is_degraded_and_heals_on_resync(cluster: KubeEmula
             what="the Deployment after the Secret appeared",
         )
         assert "--api-key-file" in args_of(dep)
+
+
+def settled(cluster: KubeEmulator) -> bool:
+    """Whether the operator listed the pods after its last status write (the reconcile that wrote nothing)."""
+    status_path = f"{MS_URL}/tiny/status"
+    writes = [
+        i for i, (_, method, path) in enumerate(cluster.audit) if method == "PATCH" and path == status_path
+    ]
+    pods_path = f"/api/v1/namespaces/{NS}/pods"
+    return bool(writes) and any(
+        method == "GET" and path == pods_path for _, method, path in cluster.audit[writes[-1] + 1 :]
+    )
+
+
+async def test_a_replica_short_of_its_kv_plan_is_noticed_from_the_pod_watch(cluster: KubeEmulator) -> None:
+    """Pods are watched: a server pod turning ready reconciles its ModelServer at once, so SizingDrift
+    follows within seconds (the resync is an hour away here)."""
+    metrics = f"{KV_BLOCKS} 1\n{SLOTS} 1\n"
+    app = web.Application()
+
+    async def serve_metrics(_: web.Request) -> web.Response:
+        return web.Response(text=metrics)
+
+    app.router.add_get("/metrics", serve_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with running_operator(resync_seconds=3600):
+            await cluster.post(MS_URL, json=tiny())
+            dep = await eventually(lambda: cluster.stored(DEPLOYMENTS, NS, "tiny"), what="the Deployment")
+            pod = pod_from_template(dep, "tiny-0", port)
+            assert (await cluster.post(f"/api/v1/namespaces/{NS}/pods", json=pod)).status == 201
+            ready_pod = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+            await report_deployment_status(cluster, dep, {"tiny-0": ready_pod}, {})
+            # The Deployment says ready before the pod is. That reconcile writes the status, whose own event
+            # reconciles once more, writing nothing; once that one has looked at the pods (the audit shows
+            # it), nothing but the pod's own event can bring the measurement.
+            await eventually(lambda: settled(cluster), what="the reconciles after the Deployment's status")
+            pod_url = f"/api/v1/namespaces/{NS}/pods/tiny-0"
+            await mark_ready(cluster, pod_url)
+            drift = await eventually(
+                lambda: condition(cluster.stored(MODELSERVERS, NS, "tiny"), "SizingDrift") or None,
+                what="the SizingDrift condition",
+            )
+            assert drift["status"] == "True" and "1 KV" in drift["message"], drift
+    finally:
+        await runner.cleanup()

@@ -6,13 +6,12 @@ import json
 from typing import Any
 
 import httpx
-import kopf
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inflight.operator.api.resources import MODELSERVERS as MODELSERVER_RESOURCE
 from inflight.operator.controller import Controller
-from inflight.operator.kube import KubeClient, KubeError
+from inflight.operator.kube import OPERATOR_USER_AGENT, KubeClient, KubeError, configuration_for
 from inflight.operator.metrics import OperatorMetrics, serve_metrics
 
 from support.emulated import MODELSERVERS, emulated_cluster
@@ -43,7 +42,9 @@ def modelserver(name: str, memory: str) -> dict[str, Any]:
 async def test_reconciles_api_errors_and_conditions_are_counted() -> None:
     metrics = OperatorMetrics()
     async with emulated_cluster() as cluster:
-        client = KubeClient(kopf.ConnectionInfo(server=str(cluster.url)), on_error=metrics.api_error)
+        client = KubeClient(
+            configuration_for(str(cluster.url)), user_agent=OPERATOR_USER_AGENT, on_error=metrics.api_error
+        )
         controller = Controller(client, lambda *_: None, metrics)
         try:
             for name, memory in (("fits", "2Gi"), ("too-small", "256Mi")):
@@ -76,7 +77,9 @@ async def test_reconciles_api_errors_and_conditions_are_counted() -> None:
 
 async def test_an_exception_counts_as_an_error_and_an_unreachable_api_as_a_connection_error() -> None:
     metrics = OperatorMetrics()
-    client = KubeClient(kopf.ConnectionInfo(server="http://127.0.0.1:9"), on_error=metrics.api_error)
+    client = KubeClient(
+        configuration_for("http://127.0.0.1:9"), user_agent=OPERATOR_USER_AGENT, on_error=metrics.api_error
+    )
     controller = Controller(client, lambda *_: None, metrics)
     try:
         with pytest.raises(Exception):  # noqa: B017 - whatever aiohttp raises for a refused connection
@@ -100,3 +103,22 @@ async def test_the_metrics_endpoint_serves_prometheus_text(unused_tcp_port: int)
     assert response.headers["content-type"].startswith("text/plain")
     assert 'inflight_operator_autoscaling_decisions_total{direction="up"} 1.0' in response.text
     assert json.dumps("inflight_operator_reconciles_total")[1:-1] in response.text
+
+
+async def test_a_download_poll_that_fails_is_logged_and_close_waits_for_every_poll(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A delayed reconcile is a task of its own: an API error in it must not end the operator (Kopf
+    re-raises its tasks' errors), and closing the controller cancels it before the client closes."""
+    client = KubeClient(configuration_for("http://127.0.0.1:9"), user_agent=OPERATOR_USER_AGENT)
+    controller = Controller(client, lambda *_: None)
+    controller.download_poll_seconds = 0
+    controller._poll_download("ns", "a")
+    (task,) = controller._poll_tasks
+    await task
+    assert "download poll of ns/a failed" in caplog.text
+    controller.download_poll_seconds = 3600
+    controller._poll_download("ns", "b")
+    (pending,) = controller._poll_tasks
+    await controller.close()
+    assert pending.cancelled() and not controller._poll_tasks

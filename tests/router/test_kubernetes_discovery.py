@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from inflight.operator.kube import ROUTER_USER_AGENT
 from inflight.operator.status import WAKE_ANNOTATION
 from inflight.router.app import RouterSettings
 from inflight.router.kubernetes import kubernetes_discovery
@@ -112,6 +113,11 @@ async def test_scale_from_zero_holds_the_request_until_a_replica_is_ready(
             )  # fmt: skip
             assert woken.endswith("Z")
             assert not request.done()
+            # The wake annotation is the router's write, and says so in the audit trail.
+            wakes = [
+                agent for agent, method, path in cluster.audit if method == "PATCH" and path.endswith("/tiny")
+            ]
+            assert wakes and set(wakes) == {ROUTER_USER_AGENT}, wakes
             # the operator scales up; the pod starts (not ready), then turns Ready
             response = await cluster.post(
                 f"/api/v1/namespaces/{NS}/pods", json=pod("tiny-0", "tiny", server.port, False)

@@ -68,6 +68,8 @@ def test_models_and_openai_errors(router: LiveRouter) -> None:
                                          "type": "not_found_error", "param": "model",
                                          "code": "model_not_found"}}  # fmt: skip
     assert httpx.get(f"{router.url}/v1/models/nope").status_code == 404
+    huge = httpx.post(f"{router.url}/v1/completions", json={"model": "m" * 1_000_000, "prompt": "x"}).json()
+    assert len(huge["error"]["message"]) < 300 and "(1000000 characters)" in huge["error"]["message"]
     missing = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"})
     assert missing.status_code == 400 and missing.json()["error"]["code"] == "missing_model"
     bad = httpx.post(f"{router.url}/v1/completions", content=b"{not json")
@@ -77,7 +79,9 @@ def test_models_and_openai_errors(router: LiveRouter) -> None:
         f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}
     )
     assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "max_tokens"
-    assert router.metric("inflight_router:requests_total", 'model="",outcome="unknown_model"') == 1
+    assert (
+        router.metric("inflight_router:requests_total", 'model="",outcome="unknown_model"') == 2
+    )  # nope, m...
 
 
 def test_servers_export_prefix_cache_counters_in_tokens(servers: list[ServerProcess]) -> None:

@@ -84,6 +84,14 @@ BAD_COMPLETIONS = [
     ({"suffix": "x"}, "suffix", None),
     ({"best_of": 3}, "best_of", None),
     ({"max_token": 5}, "max_token", None),  # a typo is an error, not silently ignored
+    # Numbers and booleans are not coerced from strings (OpenAI and vLLM reject these too).
+    ({"max_tokens": "16"}, "max_tokens", None),
+    ({"max_tokens": 16.0}, "max_tokens", None),
+    ({"n": "1"}, "n", None),
+    ({"temperature": "0.5"}, "temperature", None),
+    ({"seed": True}, "seed", None),
+    ({"stream": "true"}, "stream", None),
+    ({"echo": 1}, "echo", None),
 ]
 
 
@@ -128,6 +136,46 @@ def test_malformed_bodies_are_400(guarded: Any) -> None:
     assert_error(post(guarded, "/v1/completions", b""), 400, "invalid_request_error")
     plain = httpx.post(f"{guarded.url}/v1/completions", content=b"hello", headers=AUTH)
     assert_error(plain, 400, "invalid_request_error")
+
+
+def test_a_body_not_sent_as_json_names_the_content_type(guarded: Any) -> None:
+    """curl -d sends application/x-www-form-urlencoded: the answer says which header to send."""
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        sent = httpx.post(
+            f"{guarded.url}{path}",
+            content=json.dumps(body).encode(),
+            headers={"Content-Type": "application/x-www-form-urlencoded", **AUTH},
+        )
+        error = assert_error(sent, 400, "invalid_request_error")
+        assert error["code"] == "invalid_content_type"
+        assert "application/x-www-form-urlencoded" in error["message"]
+        assert "Content-Type: application/json" in error["message"]
+
+
+def test_a_huge_wrong_model_name_is_cut_short_in_the_error(guarded: Any) -> None:
+    name = "m" * 1_000_000
+    for response in (
+        post(guarded, "/v1/completions", {**COMPLETION, "model": name}),
+        httpx.get(f"{guarded.url}/v1/models/{name[:4000]}", headers=AUTH),
+    ):
+        error = assert_error(response, response.status_code, response.json()["error"]["type"])
+        assert error["code"] == "model_not_found"
+        assert len(error["message"]) < 300 and " characters)" in error["message"], error["message"][:300]
+
+
+def test_the_api_key_is_checked_before_the_body(guarded: Any) -> None:
+    """Without the key, a malformed or oversized body still gets 401: nothing is parsed for a stranger."""
+    for content in (b'{"model": "tiny", ', b"hello", b"[1, 2]"):
+        response = httpx.post(
+            f"{guarded.url}/v1/completions", content=content, headers={"Content-Type": "application/json"}
+        )
+        assert_error(response, 401, "authentication_error")
+    wrong = httpx.post(
+        f"{guarded.url}/v1/chat/completions",
+        content=b"{",
+        headers={"Content-Type": "application/json", "Authorization": "Bearer wrong"},
+    )
+    assert_error(wrong, 401, "authentication_error")
 
 
 def test_token_endpoints_reject_bad_input(guarded: Any) -> None:

@@ -11,6 +11,7 @@ for an event or a condition with a generous timeout.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -25,6 +26,10 @@ import pytest
 from inflight.checkpoints.make import IM_END, IM_START
 from inflight.server.auth import load_api_key
 from inflight.server.limits import ConnectionLimits
+from inflight.server.openai import completions
+from inflight.server.openai.chat import _Chat
+from inflight.server.openai.completions import _Completion
+from inflight.server.transport import EvictionWarnings
 
 LiveServer = Any  # tests/server/conftest.py's LiveServer (test modules cannot import the conftest)
 
@@ -166,6 +171,67 @@ def test_health_answers_while_a_long_text_is_really_tokenized(
         big.join(PATIENCE * 5)
 
 
+ANSWERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "/v1/completions": (
+        _Completion,
+        {"prompt": "a b c d", "max_tokens": 2, "n": 2, "echo": True, "logprobs": 5},
+    ),
+    "/v1/chat/completions": (
+        _Chat,
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "logprobs": True,
+            "top_logprobs": 5,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(ANSWERS))
+def test_health_answers_while_a_json_answer_is_built(
+    server: Any, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Building the JSON answer is held (a gate in the endpoint's json()); /health must answer before it
+    is let go, i.e. a large answer (tens of MB with echo, logprobs and n) is not built on the event loop."""
+    owner, body = ANSWERS[path]
+    gate = Gate()
+    monkeypatch.setattr(owner, "json", gate.wrap(owner.json))
+    result: dict[str, httpx.Response] = {}
+    big = threading.Thread(target=lambda: result.setdefault("r", post(server, path, body)))
+    big.start()
+    try:
+        assert gate.entered.wait(PATIENCE), "the request never reached its answer"
+        assert httpx.get(f"{server.url}/health", timeout=PATIENCE / 3).status_code == 200
+        assert big.is_alive() and "r" not in result  # /health answered while the answer was held
+    finally:
+        gate.release.set()
+        big.join(PATIENCE)
+    assert result["r"].status_code == 200, result["r"].text
+    assert len(result["r"].json()["choices"]) == body.get("n", 1)
+
+
+def test_echoed_prompt_logprobs_are_bounded_with_a_400_naming_the_limit(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prompt tokens x n x (logprobs + 1) over the limit is a 400 (the limit lowered to fit the test's
+    small context); at the limit the request runs, and every choice echoes the same prompt logprobs."""
+    prompt = list(range(10, 30))  # 20 tokens
+    monkeypatch.setattr(completions, "MAX_PROMPT_LOGPROBS", 20 * 2 * 6)
+    body = {"prompt": prompt, "max_tokens": 1, "n": 2, "echo": True, "logprobs": 5}
+    answer = post(server, "/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    first, second = (choice["logprobs"] for choice in answer.json()["choices"])
+    assert (
+        first["tokens"][:20] == second["tokens"][:20]
+        and first["top_logprobs"][:20] == second["top_logprobs"][:20]
+    )
+    assert len(first["tokens"]) == 21 and first["token_logprobs"][0] is None
+    error = assert_error(post(server, "/v1/completions", {**body, "logprobs": 6}), 400, "too_many_logprobs")
+    assert "280 logprob entries" in error["message"] and "limit is 240" in error["message"], error
+    assert error["param"] == "n"
+
+
 def test_long_texts_tokenize_exactly_as_short_ones(server: Any) -> None:
     """Long texts take the GIL-free batch call; the tokens must be the same as the single call's."""
     tokenizer = server.engine.tokenizer
@@ -248,6 +314,104 @@ def test_a_stalled_body_gets_408_and_is_closed(server: Any) -> None:
     assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
     assert httpx.get(f"{server.url}/health", timeout=PATIENCE).status_code == 200
+
+
+@pytest.fixture
+def access_log() -> Iterator[list[dict[str, Any]]]:
+    """The access log's records (parsed) while the test runs."""
+    records: list[dict[str, Any]] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(json.loads(record.getMessage()))
+
+    access, handler = logging.getLogger("inflight.access"), Collect()
+    access.addHandler(handler)
+    level = access.level
+    access.setLevel(logging.INFO)
+    yield records
+    access.removeHandler(handler)
+    access.setLevel(level)
+
+
+def logged_status(records: list[dict[str, Any]], path: str) -> int:
+    wait_until(lambda: any(r["path"] == path for r in records), f"the access log line of {path}")
+    return int(next(r["status"] for r in records if r["path"] == path))
+
+
+def test_a_stalled_body_is_counted_as_408_not_400(server: Any, access_log: list[dict[str, Any]]) -> None:
+    """In the access log and inflight:http_responses_total, as the client was answered."""
+    counted = {
+        status: server.metric("inflight:http_responses_total", f'status_code="{status}"')
+        for status in (400, 408)
+    }
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+    )
+    sock = half_sent(server, head + b'{"prompt": ')
+    assert read_until_closed(sock).startswith(b"HTTP/1.1 408")
+    sock.close()
+    assert logged_status(access_log, "/v1/completions") == 408
+    assert server.metric("inflight:http_responses_total", 'status_code="408"') == counted[408] + 1
+    assert server.metric("inflight:http_responses_total", 'status_code="400"') == counted[400]
+
+
+def test_an_evicted_half_sent_body_is_counted_as_closed(
+    tiny_llama_dir: Path, start_server_factory: Any, access_log: list[dict[str, Any]]
+) -> None:
+    """A connection cap of 2 and timeouts that never fire: the third connection evicts the first, which
+    was sending a body; it is logged and counted as 499 (closed), not as a 400."""
+    live = start_server_factory(
+        tiny_llama_dir,
+        connection_limits=ConnectionLimits(max_connections=2, header_timeout=600, body_timeout=600),
+    )
+    try:
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n"
+        )
+        sending = half_sent(live, head + b'{"prompt": ')
+        connections = live.server.server_state.connections
+        wait_until(lambda: any(c.cycle is not None for c in connections), "the first request's headers")
+        others = [half_sent(live, b"") for _ in range(2)]
+        assert read_until_closed(sending) == b""  # evicted: closed without an answer
+        assert logged_status(access_log, "/v1/completions") == 499
+        assert live.metric("inflight:http_responses_total", 'status_code="499"') == 1
+        assert live.metric("inflight:http_responses_total", 'status_code="400"') == 0
+        for sock in (sending, *others):
+            sock.close()
+    finally:
+        live.stop()
+
+
+class FakeLoop:
+    """call_later that only records: the test runs the timers itself."""
+
+    def __init__(self) -> None:
+        self.timers: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+
+    def call_later(self, _delay: float, callback: Callable[..., None], *args: Any) -> object:
+        self.timers.append((callback, args))
+        return object()  # stands for the timer's handle
+
+    def run_next_timer(self) -> None:
+        callback, args = self.timers.pop(0)
+        callback(*args)
+
+
+def test_evictions_are_logged_once_per_interval_with_a_count(caplog: pytest.LogCaptureFixture) -> None:
+    warnings, loop = EvictionWarnings(max_connections=6, interval=10), FakeLoop()
+    with caplog.at_level(logging.WARNING, logger="inflight.server"):
+        for _ in range(489):
+            warnings.evicted(loop)  # type: ignore[arg-type]
+        loop.run_next_timer()  # the interval ends: one line counts the rest
+        loop.run_next_timer()  # a quiet interval: nothing to say, the next eviction is logged at once
+        warnings.evicted(loop)  # type: ignore[arg-type]
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 3, lines
+    assert lines[0].endswith("closing the oldest idle one") and lines[2] == lines[0]
+    assert "closed 488 more in the last 10s" in lines[1]
 
 
 # ---------------------------------------------------------------- items 8, 9: failures and metrics

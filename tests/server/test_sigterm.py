@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -125,3 +126,35 @@ def test_the_drain_timeout_cuts_what_is_left_and_still_exits_0(serve: object, ho
     assert "drain timeout: cut 1 unfinished request(s) short" in (
         process.stdout.read() if process.stdout else ""
     )
+
+
+def test_a_second_sigterm_ends_every_stream_with_its_error_and_exits_143(serve: object, hold: Path) -> None:
+    """The drain would wait a minute; a second SIGTERM ends it now: both open streams get the error event
+    and [DONE], the access log counts them as served (not as clients that left), no traceback, exit 143."""
+    process, url = serve("--drain-timeout", "60")  # type: ignore[operator]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    hold.touch()  # neither stream can finish before the second signal
+    events: list[list[str]] = [[], []]
+    with httpx.Client(timeout=60) as client, contextlib.ExitStack() as open_streams:
+        responses = [
+            open_streams.enter_context(client.stream("POST", f"{url}/v1/completions", json=body))
+            for _ in range(2)
+        ]
+        wait_until(lambda: held(hold), "the requests to reach the engine")
+        process.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(f"{url}/ready").status_code != 200, "SIGTERM to start a drain")
+        process.send_signal(signal.SIGTERM)
+        for response, received in zip(responses, events, strict=True):
+            received += [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+        hold.unlink()  # cut short: let the engine thread finish its step and stop
+    for received in events:
+        assert received[-1] == "[DONE]"
+        assert json.loads(received[-2])["error"]["code"] == "shutting_down"
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    log = process.stdout.read() if process.stdout else ""
+    assert "SIGTERM again: cutting the drain short" in log
+    assert "drain cut short: ended 2 unfinished request(s)" in log
+    assert "Traceback" not in log and "CancelledError" not in log
+    access = [json.loads(line) for line in log.splitlines() if line.startswith('{"method": "POST"')]
+    assert [(a["path"], a["status"]) for a in access] == [("/v1/completions", 200)] * 2
+    assert not any(a.get("disconnected") for a in access), access

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import httpx
 import pytest
 
 from inflight.sim.comparison import DemoComparison
 from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
+from inflight.sim.live import LiveProgress
 from inflight.sim.simulator import simulate
 from inflight.sim.workload import demo_workload
 
@@ -95,8 +97,48 @@ def test_demo_page_is_self_contained(demo_server: DemoServer) -> None:
     assert 'id="slots"' in page and 'id="run"' in page
     assert "/v1/demo/simulate" in page and "/v1/demo/run" in page
     # No CDN: nothing is loaded from elsewhere (the only URL is the SVG namespace name).
-    assert re.findall(r"https?://[^\s\"'`]+", page) == ["http://www.w3.org/2000/svg"]
-    assert "<link" not in page and "<script src" not in page
+    assert set(re.findall(r"https?://[^\s\"'`]+", page)) == {"http://www.w3.org/2000/svg"}
+    assert "<script src" not in page
+    # The one link is the icon, inline: the browser asks the server for no /favicon.ico (a 404 before).
+    links = re.findall(r"<link [^>]*>", page)
+    assert len(links) == 1 and links[0].startswith('<link rel="icon" href="data:image/svg+xml,'), links
+
+
+def test_run_progress_says_how_far_the_real_run_is(
+    demo_server: DemoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page polls it while POST /v1/demo/run runs: the policy, requests done, output tokens/s so far."""
+    from inflight.server import demo
+
+    halfway, finish = threading.Event(), threading.Event()
+
+    def held_run(engine: object, slots: int, tracker: LiveProgress) -> DemoComparison:
+        tracker.requests_total, tracker.policy, tracker.requests_done = 30, "static", 12
+        tracker.output_tokens, tracker.elapsed_s = 600, 2.0
+        halfway.set()
+        assert finish.wait(60), "the test never let the run finish"
+        return simulate(slots, DEFAULT_COST_MODEL)
+
+    monkeypatch.setattr(demo, "run_live_demo", held_run)
+    assert httpx.get(f"{demo_server.url}/v1/demo/run/progress").json() == {
+        "running": False, "policy": None, "requests_done": 0, "requests_total": 0, "output_tokens": 0,
+        "tokens_per_s": 0.0,
+    }  # fmt: skip
+    run = threading.Thread(
+        target=lambda: httpx.post(f"{demo_server.url}/v1/demo/run", json={"slots": 2}, timeout=60)
+    )
+    run.start()
+    try:
+        assert halfway.wait(60), "the run never started"
+        progress = httpx.get(f"{demo_server.url}/v1/demo/run/progress").json()
+    finally:
+        finish.set()
+        run.join(60)
+    assert progress == {
+        "running": True, "policy": "static", "requests_done": 12, "requests_total": 30, "output_tokens": 600,
+        "tokens_per_s": 300.0,
+    }  # fmt: skip
+    assert httpx.get(f"{demo_server.url}/v1/demo/run/progress").json()["running"] is False
 
 
 def test_run_measures_both_policies_for_real_with_the_simulated_decisions(demo_server: DemoServer) -> None:

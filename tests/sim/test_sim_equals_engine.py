@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from inflight.sim.cost_model import DEFAULT_COST_MODEL
-from inflight.sim.live import run_live_policy
+from inflight.sim.live import LiveProgress, run_live_policy
 from inflight.sim.simulator import DemoEngineSettings, simulate_policy
 from inflight.sim.timeline import Policy
 from inflight.sim.workload import small_workload
@@ -31,8 +31,12 @@ def test_simulated_steps_equal_the_real_engine_steps(
     tiny_llama_dir: Path, policy: Policy, settings: DemoEngineSettings
 ) -> None:
     requests = small_workload()
-    real = run_live_policy(tiny_llama_dir, policy, requests, settings)
+    tracker = LiveProgress(requests_total=len(requests))
+    real = run_live_policy(tiny_llama_dir, policy, requests, settings, tracker=tracker)
     simulated = simulate_policy(policy, requests, settings, DEFAULT_COST_MODEL)
+    # What the demo page shows while a real run goes on, at its end.
+    assert (tracker.policy, tracker.requests_done) == (policy, len(requests))
+    assert tracker.output_tokens == sum(r.output_tokens for r in requests) and tracker.elapsed_s > 0
 
     assert simulated.steps == real.recorder.steps
     # Not trivially equal: requests were admitted over several steps and finished in a mixed order.

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import traceback
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import kmock
 import pytest
+import yaml
 
 from inflight.operator.main import OperatorOptions, run
 
@@ -22,12 +24,14 @@ SERVICES = "v1/services"
 JOBS = "batch/v1/jobs"
 PVCS = "v1/persistentvolumeclaims"
 PODS = "v1/pods"
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "modelserver.yaml"
 
 
 @contextlib.asynccontextmanager
 async def emulated_cluster() -> AsyncIterator[KubeEmulator]:
     async with KubeEmulator() as cluster, kmock.Server(cluster):
-        cluster.declare(MODELSERVERS, "ModelServer", subresources=("status", "scale"))
+        crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+        cluster.declare(crds.removeprefix("/apis/"), "CustomResourceDefinition", False)
         cluster.declare(DEPLOYMENTS, "Deployment", subresources=("status", "scale"))
         cluster.declare(SERVICES, "Service")
         cluster.declare("v1/secrets", "Secret")
@@ -39,9 +43,10 @@ async def emulated_cluster() -> AsyncIterator[KubeEmulator]:
         cluster.declare("coordination.k8s.io/v1/leases", "Lease")
         # Every cluster serves these; kopf waits for them in discovery even with scanning disabled.
         cluster.declare("v1/namespaces", "Namespace", namespaced=False)
-        cluster.declare(
-            "apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False
-        )
+        # The CRD as `kubectl apply -f crds/modelserver.yaml` sends it: admitted (or refused) as the API
+        # server admits it, it serves ModelServers defaulted and validated by its schema.
+        applied = await cluster.post(crds, json=yaml.safe_load(CRD_FILE.read_text()))
+        assert applied.status == 201, await applied.text()
         yield cluster
 
 
@@ -110,4 +115,6 @@ async def running_operator(**options: Any) -> AsyncIterator[None]:
         stop.set()
         await asyncio.to_thread(thread.join, 15)
         assert not thread.is_alive(), "the operator did not stop"
-        assert outcome == [0], outcome
+        assert outcome == [0], [
+            "".join(traceback.format_exception(o)) if isinstance(o, BaseException) else o for o in outcome
+        ]

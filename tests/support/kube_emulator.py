@@ -9,6 +9,13 @@ has no garbage collector. This adapter supplies, over the same real HTTP:
 - the status subresource (`/status` writes only `status`, the main resource ignores `status`) and the
   scale subresource (`/scale` writes `spec.replicas`);
 - 422 when a JSON patch's `test` op fails, 409 when a merge patch carries a stale `resourceVersion`;
+- what the real API server refuses before it stores a write (support/api_strictness.py): 415 for a body
+  that is not JSON/YAML/protobuf/CBOR or an unknown patch type, strict field validation
+  (`fieldValidation=Strict`) against the Kubernetes schemas and the CRDs given to `declare`, custom
+  resources defaulted and validated (schema + CEL) as the CRD says;
+- `compact()`: the watch history before the current version is gone, so a watch from an older version
+  gets the API server's `410 Expired` ERROR event (`too old resource version`); a watch that asked for
+  bookmarks gets a BOOKMARK with the current version before it ends;
 - list with `labelSelector`, `kind` and the current `resourceVersion`; watch that resumes after the
   `resourceVersion` it is given (from an event log) and ends after `timeoutSeconds`;
 - garbage collection of objects whose owner references all point at deleted objects (cascading), also
@@ -37,6 +44,8 @@ import jsonpatch
 import kmock
 from kmock._internal import k8s_dicts, rendering  # types of the handler hooks we override
 from kmock._internal.enums import action
+
+from support import api_strictness as strict
 
 STATUS_SUBRESOURCE = {"modelservers", "deployments", "jobs"}
 
@@ -117,14 +126,34 @@ class KubeEmulator(kmock.KubernetesEmulator):
     created_at: dict[tuple[Any, ...], float] = attrs.field(factory=dict, init=False)
     _alive_uids: set[str] = attrs.field(factory=set, init=False)
     pod_logs: dict[tuple[str, str], str] = attrs.field(factory=dict, init=False)
+    # (User-Agent, method, path) of every request served, as an audit log records them.
+    audit: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
+    # The openAPIV3Schema of each custom resource (by plural), from its CRD.
+    _custom_schemas: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    # Watches from a resourceVersion below this get 410 Expired (see `compact`).
+    _oldest_watchable: int = attrs.field(default=0, init=False)
 
     def declare(
-        self, key: str, kind: str, namespaced: bool = True, subresources: tuple[str, ...] = ()
+        self,
+        key: str,
+        kind: str,
+        namespaced: bool = True,
+        subresources: tuple[str, ...] = (),
+        schema: dict[str, Any] | None = None,
     ) -> None:
+        """Serve a resource; `schema` (a CRD's openAPIV3Schema) makes it a custom resource that is
+        defaulted and validated as its CRD says."""
         verbs = {"get", "list", "watch", "create", "patch", "delete"}
         self.resources[key] = kmock.ResourceInfo(
             kind=kind, namespaced=namespaced, verbs=verbs, subresources=set(subresources)
         )
+        if schema is not None:
+            self._custom_schemas[key.rsplit("/", 1)[-1]] = schema
+
+    def compact(self) -> None:
+        """Forget the watch history up to now, as etcd compaction and the watch cache's window do."""
+        self._oldest_watchable = self.resource_version
+        self._log.clear()
 
     def _find(self, key: tuple[Any, ...]) -> kmock.Object | None:
         if key not in self.objects:
@@ -141,10 +170,17 @@ class KubeEmulator(kmock.KubernetesEmulator):
         # kmock decides which reaction serves a request by scanning its log of every request served so
         # far (O(n) per request); the tests assert on stored objects instead, so only the current one is kept.
         del self._requests[:-1]
+        self.audit.append((request.headers.get("User-Agent", ""), request.method, request.url.path))
         if request.resource is not None and (request.resource.plural, request.subresource) == ("pods", "log"):
             return self._serve_log(request)
+        if request.resource is not None:
+            strict.check_accept(request.headers.get("Accept"))
         if request.resource is None or request.action not in (action.CREATE, action.UPDATE, action.DELETE):
             return await super()._handle(request)
+        plural = request.resource.plural
+        if request.action in (action.CREATE, action.UPDATE):
+            custom = plural in self._custom_schemas
+            strict.check_body_type(request.method, request.headers.get("Content-Type"), custom)
         async with self._write_lock:
             key = (request.resource, request.namespace, request.name)
             # kmock matches reactions against the very request object it recorded, so the body it is
@@ -156,6 +192,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 object.__setattr__(request, "data", self._prepare_update(request, key))
             response = await super()._handle(request)
             await self._record(request, key)
+            if request.action == action.CREATE and response.status == 200 and not response.prepared:
+                response.set_status(201)  # Created, as the API server answers a create
             return response
 
     def _serve_log(self, request: rendering.Request) -> aiohttp.web.Response:
@@ -175,6 +213,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(422, "Invalid", "metadata.name or generateName is required")
         if request.namespace:
             meta["namespace"] = request.namespace
+        body = self._admit(request, body, created=True)
+        if request.resource is not None and request.resource.plural == "customresourcedefinitions":
+            self._serve_custom_resource(body)
+        meta = body["metadata"]
         meta.update(
             uid=str(uuid.uuid4()),
             generation=1,
@@ -182,6 +224,37 @@ class KubeEmulator(kmock.KubernetesEmulator):
             creationTimestamp=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
         return body
+
+    def _serve_custom_resource(self, crd: dict[str, Any]) -> None:
+        """Admit a CRD (422 when the API server would refuse it); its resource is then defaulted and
+        validated by its schema."""
+        schemas = strict.admit_crd(crd)
+        spec = crd["spec"]
+        for version, schema in schemas.items():
+            key = f"{spec['group']}/{version}/{spec['names']['plural']}"
+            self.declare(
+                key, spec["names"]["kind"], spec.get("scope") == "Namespaced", ("status", "scale"), schema
+            )
+
+    def _admit(self, request: rendering.Request, obj: dict[str, Any], *, created: bool) -> dict[str, Any]:
+        """The object as the API server would store it (custom resources pruned and defaulted), or the
+        API server's refusal: unknown fields under `fieldValidation=Strict`, an invalid custom resource."""
+        plural = request.resource.plural if request.resource is not None else ""
+        is_strict = request.params.get("fieldValidation") == "Strict"
+        schema = self._custom_schemas.get(plural)
+        if schema is None:
+            unknown = strict.builtin_unknown_fields(obj) if is_strict else []
+        else:
+            obj = copy.deepcopy(obj)
+            unknown = strict.custom_unknown_fields(schema, obj, prune=not is_strict)
+        if is_strict and created:
+            strict.refuse_unknown_fields_on_create(obj.get("kind", ""), obj.get("apiVersion", ""), unknown)
+        elif is_strict:
+            strict.refuse_unknown_fields_on_patch(obj, unknown)
+        if schema is None:
+            return obj
+        group = request.resource.group if request.resource is not None else ""
+        return strict.admit_custom_resource(schema, obj, group or "")
 
     def _prepare_update(self, request: rendering.Request, key: tuple[Any, ...]) -> dict[str, Any]:
         stored = self._find(key)
@@ -201,7 +274,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         else:
             expected = patch.get("metadata", {}).get("resourceVersion")
             if expected is not None and expected != old["metadata"].get("resourceVersion"):
-                raise kmock.KubernetesError(409, "Conflict", "the object has been modified (resourceVersion)")
+                resource = request.resource
+                raise strict.conflict(resource.plural or "", resource.group or "", old["metadata"]["name"])
             patched = merge_patch(old, patch)
         plural = request.resource.plural if request.resource is not None else None
         if request.subresource == "status":  # only status changes
@@ -220,6 +294,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         for field in ("uid", "creationTimestamp", "name", "namespace", "generation", "resourceVersion"):
             if field in old["metadata"]:
                 new["metadata"][field] = old["metadata"][field]
+        new = self._admit(request, new, created=False)
         if new.get("spec") != old.get("spec"):
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
         if new != old:
@@ -337,6 +412,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 and not obj.deleted
                 and self._visible(request, obj.raw, namespace)
             ]
+        elif int(since) < self._oldest_watchable:
+            yield {"type": "ERROR", "object": self._expired(int(since))}
+            return
         else:
             position = next(
                 (i for i, e in enumerate(self._log) if e.resource_version > int(since)), len(self._log)
@@ -349,7 +427,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
             while position >= len(self._log):
                 remaining = deadline - asyncio.get_running_loop().time()
                 gone = raw is None or raw.transport is None or raw.transport.is_closing()
-                if remaining <= 0 or gone:
+                if gone:
+                    return
+                if remaining <= 0:
+                    if request.params.get("allowWatchBookmarks") == "true":
+                        yield self._bookmark(request)
                     return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._appended.wait(), min(remaining, 0.1))
@@ -360,6 +442,35 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     request, logged.event["object"], logged.namespace
                 ):
                     yield logged.event
+
+    def _expired(self, since: int) -> dict[str, Any]:
+        """The Status of a watch from a compacted version, as the API server words it."""
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": f"too old resource version: {since} ({self._oldest_watchable})",
+            "reason": "Expired",
+            "code": 410,
+        }
+
+    def _bookmark(self, request: rendering.Request) -> dict[str, Any]:
+        """A BOOKMARK event: an object of the watched kind with only the current resourceVersion."""
+        resource = request.resource
+        info = self.resources.get(resource) if resource is not None else None
+        if resource is not None and resource.group:
+            api_version = f"{resource.group}/{resource.version}"
+        else:
+            api_version = (resource.version if resource is not None else None) or "v1"
+        return {
+            "type": "BOOKMARK",
+            "object": {
+                "kind": info.kind if info is not None else "",
+                "apiVersion": api_version,
+                "metadata": {"resourceVersion": str(self.resource_version)},
+            },
+        }
 
     # -- test helpers ----------------------------------------------------------------------------------
 

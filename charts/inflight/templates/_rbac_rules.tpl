@@ -43,10 +43,10 @@
 - apiGroups: [""]
   resources: ["pods/log"]
   verbs: ["get"]
-# read the ready server pods' /metrics (measured sizing, builtin autoscaling); find the download Job's pods
+# read the ready server pods' /metrics (measured sizing, builtin autoscaling); find the download Job's pods; watch the server pods so readiness and SizingDrift follow within seconds
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 # create and repair (watch) the HPA of actuator hpa; delete it when the actuator changes
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]

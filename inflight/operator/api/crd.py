@@ -3,7 +3,8 @@
 The pydantic JSON Schema is turned into a Kubernetes *structural* schema: `$ref`s inlined, optional
 fields (`anyOf [X, null]`) reduced to X, titles dropped, numeric `exclusiveMinimum` turned into the
 OpenAPI v3.0 boolean form, `additionalProperties: false` dropped (the API server prunes unknown
-fields instead), and the CEL rules of each model kept as `x-kubernetes-validations`.
+fields instead), object defaults written out with the defaults nested in them (the API server checks a
+default as written), and the CEL rules of each model kept as `x-kubernetes-validations`.
 """
 
 from __future__ import annotations
@@ -95,11 +96,32 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
+def _fill_object_defaults(node: dict[str, Any]) -> None:
+    """Write the nested defaults into every object-valued `default` (`{}` becomes `{"blockSize": 16, ...}`).
+
+    The API server checks a `default` as written, against the schema and the CEL rules of its level,
+    before the defaults nested inside it apply (apiextensions-apiserver, schema/defaulting/validation.go):
+    a `{}` default under a rule that reads `self.maxBatchedTokens` makes it refuse the whole CRD. Objects
+    defaulted here come out of the API server the same either way."""
+    for child in node.get("properties", {}).values():
+        _fill_object_defaults(child)
+    if isinstance(node.get("items"), dict):
+        _fill_object_defaults(node["items"])
+    if isinstance(node.get("default"), dict) and "properties" in node:
+        nested = {
+            name: copy.deepcopy(prop["default"])
+            for name, prop in node["properties"].items()
+            if "default" in prop
+        }
+        node["default"] = {**nested, **node["default"]}
+
+
 def openapi_schema(model: type[types.SpecModel]) -> dict[str, Any]:
     """The structural openAPIV3Schema of one pydantic model."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     result: dict[str, Any] = _structural(raw, defs)
+    _fill_object_defaults(result)
     return result
 
 
@@ -206,7 +228,8 @@ def _rows(node: dict[str, Any], path: str, required: bool) -> list[str]:
     rows = []
     if path:
         default = node.get("default")
-        shown = "" if default is None or default == {} else f"`{json.dumps(default)}`"
+        object_of_defaults = isinstance(default, dict) and "properties" in node  # its fields show theirs
+        shown = "" if default is None or object_of_defaults else f"`{json.dumps(default)}`"
         name = f"`{path}`" + (" (required)" if required else "")
         description = " ".join(str(node.get("description", "")).split()).replace("|", "\\|")
         bounds = _bounds(node)

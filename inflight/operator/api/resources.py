@@ -96,9 +96,9 @@ OPERATOR_ACCESS: tuple[Access, ...] = (
     Access(NODES, ("list",), "read GPU feature discovery labels for sizing", scope=CLUSTER),
     Access(
         PODS,
-        ("list",),
+        ("list", "watch"),
         "read the ready server pods' /metrics (measured sizing, builtin autoscaling); find the download "
-        "Job's pods",
+        "Job's pods; watch the server pods so readiness and SizingDrift follow within seconds",
     ),
     Access(
         HORIZONTAL_POD_AUTOSCALERS,

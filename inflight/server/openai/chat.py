@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from inflight.engine.sequence import GuidedDecoding, PositionLogprobs, SamplingParams
 from inflight.server.context import Context, ServerContext
@@ -15,6 +15,7 @@ from inflight.server.openai.common import (
     GENERATION_RESPONSES,
     ChoiceState,
     RunState,
+    answer_json,
     chat_prompt,
     check_prompts,
     check_sampling,
@@ -80,7 +81,7 @@ class _Chat:
     ctx: ServerContext
     body: ChatCompletionRequest
     run: RunState
-    tools: ToolPlan | None
+    tools: ToolPlan | None = None
     created: int = field(default_factory=now)
     # Per streamed choice: its text turned into content and tool-call deltas (requests with tools).
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
@@ -103,10 +104,11 @@ class _Chat:
             role = ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
             yield sse(self.chunk([role], chunk_usage(self.body, self.run)).model_dump_json(exclude=exclude))
         async for choice, text, tokens, logprobs in self.run.updates():
-            if not text and not tokens and choice.finish_reason is None:
-                continue
+            with_logprobs = bool(tokens) and self.body.logprobs
             deltas, finish_reason = self.deltas(choice, text)
-            for k, delta in enumerate(deltas or [DeltaMessage()]):
+            if not deltas and not with_logprobs and finish_reason is None:
+                continue  # tokens without text yet (part of a character, a possible stop string, a tag)
+            for k, delta in enumerate(deltas or [DeltaMessage(content="" if with_logprobs else None)]):
                 last = k == max(len(deltas), 1) - 1
                 piece = ChatChunkChoice(
                     index=choice.index,
@@ -138,7 +140,7 @@ class _Chat:
         message = AssistantMessage(content=content, tool_calls=calls or None)
         return message, _finish_reason(choice.finish_reason, bool(calls))
 
-    def json(self) -> JSONResponse:
+    def json(self) -> bytes:
         choices = []
         for index, choice in sorted(self.run.choices.items()):
             message, finish_reason = self.message(choice)
@@ -158,7 +160,7 @@ class _Chat:
             choices=choices,
             usage=self.run.usage(),
         )
-        return JSONResponse(response.model_dump())
+        return answer_json(response)
 
 
 def _finish_reason(reason: str | None, made_calls: bool) -> str | None:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from inflight.engine.async_engine import (
     EngineUnavailableError,
@@ -33,11 +34,13 @@ from inflight.engine.async_engine import (
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 from inflight.engine.tokenizer import TokenizerError
 from inflight.server.context import ServerContext
-from inflight.server.errors import APIError, bad_request, error_responses
+from inflight.server.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, echoed, error_responses
 from inflight.server.openai.protocol import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     SamplingFields,
     Usage,
 )
@@ -46,8 +49,6 @@ if TYPE_CHECKING:
     from inflight.engine.output_processor import CompletionOutput  # imports torch; the type only
 
 logger = logging.getLogger(__name__)
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only the access log sees it
 
 # The OpenAPI `responses=` of a generating endpoint.
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -67,7 +68,7 @@ def check_model(ctx: ServerContext, model: str | None, status: int = 400) -> Non
     if model is not None and model != served:
         raise APIError(
             status,
-            f"The model {model!r} does not exist; this server serves {served!r} (see /v1/models).",
+            f"The model {echoed(model)} does not exist; this server serves {served!r} (see /v1/models).",
             param="model" if status == 400 else None,
             code="model_not_found",
         )
@@ -106,7 +107,7 @@ def check_sampling(ctx: ServerContext, body: SamplingFields) -> None:
     if len(guided) > 1:
         names = " and ".join(name for name, _ in guided)
         raise bad_request(f"{names} each constrain the output; send one of them.", param=guided[1][0])
-    check_in_vocabulary(ctx, list(body.logit_bias or {}), "logit_bias")
+    check_in_vocabulary(ctx, list(body.token_bias or {}), "logit_bias")
     check_in_vocabulary(ctx, body.allowed_token_ids or [], "allowed_token_ids")
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if len(stops) > MAX_STOP_SEQUENCES:
@@ -408,16 +409,27 @@ def _sse_stream(
     )
 
 
+def answer_json(response: CompletionResponse | ChatCompletionResponse) -> bytes:
+    """`response` as JSON, its choices serialized one at a time: a thread building a large answer (tens of
+    MB with echo and logprobs) then holds the GIL for one choice at a time, not for the whole answer
+    (json.dumps of a 36 MB answer held it for ~0.9 s), so the event loop answers in between."""
+    head = to_json(response.model_copy(update={"choices": []}))
+    choices = b",".join(to_json(choice) for choice in response.choices)
+    # Quotes inside JSON strings are escaped: the first '"choices":[]' is the field itself.
+    return head.replace(b'"choices":[]', b'"choices":[' + choices + b"]", 1)
+
+
 async def respond(
     run: RunState,
     request: Request,
     stream: bool,
     chunks: Callable[[], AsyncIterator[str]],
-    answer: Callable[[], JSONResponse],
+    answer: Callable[[], bytes],
 ) -> Response:
-    """The SSE stream of `chunks`, or (once every choice finished) the JSON `answer`."""
+    """The SSE stream of `chunks`, or (once every choice finished) the JSON `answer`, built in a worker
+    thread: an answer can be tens of MB, and building it on the event loop stalled every other request."""
     if stream:
         return _sse_stream(run, request, chunks)
     if not await _collect(run, request):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return answer()
+    return Response(await run.ctx.off_loop(answer), media_type="application/json")

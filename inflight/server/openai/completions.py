@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from inflight.engine.sequence import PositionLogprobs
 from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -17,6 +17,7 @@ from inflight.server.openai.common import (
     GENERATION_RESPONSES,
     ChoiceState,
     RunState,
+    answer_json,
     check_prompts,
     check_sampling,
     chunk_usage,
@@ -39,6 +40,10 @@ from inflight.server.openai.protocol import (
 
 router = APIRouter(tags=["openai"])
 
+# With echo and logprobs every choice repeats its prompt's logprobs: at most this many entries (prompt
+# tokens x n x (logprobs + 1), over all prompts) per request. 1024 tokens x n=48 x 21 is ~27 MB of JSON.
+MAX_PROMPT_LOGPROBS = 2**20
+
 
 def _is_prompt_list(prompt: Any) -> bool:
     """Several prompts (texts or token-id lists), as opposed to one text or one list of token ids."""
@@ -54,6 +59,21 @@ def _check_fits(ctx: ServerContext, num_prompts: int, n: int) -> None:
             f"{capacity} ({ctx.engine.max_slots} slots + {ctx.engine.max_queue} queued); "
             "send fewer prompts per request or lower n.",
             param="prompt" if n == 1 else "n",
+        )
+
+
+def _check_prompt_logprobs(body: CompletionRequest, prompts: list[list[int]]) -> None:
+    """A 400 when the echoed prompts' logprobs would pass MAX_PROMPT_LOGPROBS."""
+    if not body.echo or body.logprobs is None:
+        return
+    entries = sum(len(ids) for ids in prompts) * body.n * (body.logprobs + 1)
+    if entries > MAX_PROMPT_LOGPROBS:
+        raise bad_request(
+            f"echo with logprobs returns prompt tokens x n x (logprobs + 1) = {entries:,} logprob entries; "
+            f"this server's limit is {MAX_PROMPT_LOGPROBS:,} per request: lower n or logprobs, or send "
+            "fewer or shorter prompts.",
+            param="n" if body.n > 1 else "logprobs",
+            code="too_many_logprobs",
         )
 
 
@@ -129,6 +149,8 @@ class _Completion:
     created: int = field(default_factory=now)
     # choice index -> offsets of its generated tokens
     generated_offsets: dict[int, TextOffsets] = field(default_factory=dict)
+    # prompt index -> its tokens' logprobs, made once for the n choices that echo it
+    echoed_logprobs: dict[int, CompletionLogprobs] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -171,21 +193,29 @@ class _Completion:
     ) -> CompletionLogprobs:
         top_n = self.body.logprobs or 0
         prompt_ids = self.run.prompts[choice.prompt_index]
-        result = CompletionLogprobs()
-        if with_prompt:
-            prompt_positions = self.run.prompt_logprobs.get(choice.prompt_index) or [None] * len(prompt_ids)
-            result = _logprobs(
-                self.ctx, prompt_ids, prompt_positions, top_n, TextOffsets(self.tokenizer, (), 0)
-            )
         if choice.index not in self.generated_offsets:
             start = len(self.echo_text(choice.prompt_index)) if self.body.echo else 0
             self.generated_offsets[choice.index] = TextOffsets(self.tokenizer, prompt_ids, start)
         step = _logprobs(self.ctx, tokens, positions, top_n, self.generated_offsets[choice.index])
-        result.tokens += step.tokens
-        result.token_logprobs += step.token_logprobs
-        result.top_logprobs += step.top_logprobs
-        result.text_offset += step.text_offset
-        return result
+        if not with_prompt:
+            return step
+        prompt = self.prompt_logprobs(choice.prompt_index)
+        return CompletionLogprobs(
+            tokens=prompt.tokens + step.tokens,
+            token_logprobs=prompt.token_logprobs + step.token_logprobs,
+            top_logprobs=prompt.top_logprobs + step.top_logprobs,
+            text_offset=prompt.text_offset + step.text_offset,
+        )
+
+    def prompt_logprobs(self, prompt_index: int) -> CompletionLogprobs:
+        """The logprobs of a prompt's tokens (made once; every choice of the prompt echoes them)."""
+        if prompt_index not in self.echoed_logprobs:
+            prompt_ids = self.run.prompts[prompt_index]
+            positions = self.run.prompt_logprobs.get(prompt_index) or [None] * len(prompt_ids)
+            self.echoed_logprobs[prompt_index] = _logprobs(
+                self.ctx, prompt_ids, positions, self.body.logprobs or 0, TextOffsets(self.tokenizer, (), 0)
+            )
+        return self.echoed_logprobs[prompt_index]
 
     async def chunks(self) -> AsyncIterator[str]:
         with_usage = include_usage(self.body)
@@ -201,12 +231,12 @@ class _Completion:
         if with_usage:
             yield sse(self.response([], usage=self.run.usage()).model_dump_json())
 
-    def json(self) -> JSONResponse:
+    def json(self) -> bytes:
         choices = [
             self.choice(choice, choice.text, choice.token_ids, choice.logprobs, first=True)
             for _, choice in sorted(self.run.choices.items())
         ]
-        return JSONResponse(self.response(choices, usage=self.run.usage()).model_dump())
+        return answer_json(self.response(choices, usage=self.run.usage()))
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
@@ -220,6 +250,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Cont
     await check_request_grammar(ctx, body)
     prompts, prompt_texts = await ctx.off_loop(_prompts, ctx, body)
     check_prompts(ctx, prompts, body.max_tokens, param="prompt")
+    _check_prompt_logprobs(body, prompts)
     run = start_run(ctx, request, "cmpl", prompts, sampling_params(body), body.stream)
     completion = _Completion(ctx, body, run, prompt_texts)
     return await respond(run, request, body.stream, completion.chunks, completion.json)

@@ -13,7 +13,15 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from inflight.engine.sequence import (
     GREEDY_TEMPERATURE,
@@ -54,9 +62,10 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):
-    """Unknown fields are an error (a typo such as `max_token` must not be silently ignored)."""
+    """Unknown fields are an error (a typo such as `max_token` must not be silently ignored), and values
+    are not coerced: `"max_tokens": "16"` or `"stream": "true"` is a 400, as with OpenAI and vLLM."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -99,6 +108,7 @@ class ResponseFormat(Strict):
 
 
 Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # JSON object keys are strings
 
 
 class SamplingFields(Strict):
@@ -150,8 +160,9 @@ class SamplingFields(Strict):
     )
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    logit_bias: dict[TokenId, Bias] | None = Field(
-        default=None, description="Token id -> a value in [-100, 100] added to its logit."
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+        default=None,
+        description="Token id (a JSON key: a string of digits) -> a value in [-100, 100] added to its logit.",
     )
     allowed_token_ids: list[TokenId] | None = Field(
         default=None, min_length=1, description="Only these tokens may be drawn (vLLM's)."
@@ -164,6 +175,11 @@ class SamplingFields(Strict):
     guided_choice: list[Text] | None = Field(
         default=None, min_length=1, description="vLLM's: the output is one of these strings."
     )
+
+    @property
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids."""
+        return None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
 
     def guided_requests(self) -> list[tuple[str, GuidedDecoding]]:
         """Every grammar the request asks for, with the field that asks (at most one is allowed)."""
@@ -204,7 +220,7 @@ class SamplingFields(Strict):
             prompt_logprobs=prompt_logprobs,
             cache_salt=self.cache_salt,
             guided=next((guided for _, guided in self.guided_requests()), None),
-            logit_bias=self.logit_bias,
+            logit_bias=self.token_bias,
             allowed_token_ids=self.allowed_token_ids,
         )
 
@@ -433,9 +449,16 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """Only the fields that are set are sent: the last chunk's delta is `{}`, as OpenAI's."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields: dict[str, Any] = handler(self)
+        return {name: value for name, value in fields.items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
+from pydantic_core import to_json
 
 from inflight.server.context import Context, ServerContext
 from inflight.server.errors import APIError, bad_request, not_supported
@@ -211,11 +212,11 @@ class _Response:
             turn["tool_calls"] = [call.model_dump() for call in calls]
         self.ctx.responses.put(self.response_id, [*self.conversation, turn])
 
-    def json(self) -> JSONResponse:
+    def json(self) -> bytes:
         choice = self.run.choices[0]
         content, calls = self.tools.parse(choice.text) if self.tools is not None else (choice.text, [])
         self.remember(content, calls)
-        return JSONResponse(self.response(self.output(content, calls), choice.finish_reason).model_dump())
+        return to_json(self.response(self.output(content, calls), choice.finish_reason))
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
