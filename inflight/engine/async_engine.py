@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from inflight.engine.engine import LLMEngine
     from inflight.engine.output_processor import RequestOutput
     from inflight.engine.scheduler import CapacityError
-    from inflight.engine.sequence import SamplingParams
+    from inflight.engine.sequence import GuidedDecoding, SamplingParams
     from inflight.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("inflight.engine")
@@ -223,6 +223,11 @@ class AsyncEngine:
     @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
+
+    def compile_grammar(self, guided: GuidedDecoding) -> None:
+        """Compile (or find in the cache) a request's grammar; raises GrammarError. Thread-safe: the
+        server calls it off the event loop, before submitting the request."""
+        self.engine.grammars.compile(guided)
 
     def capacity_error(self, num_prompt_tokens: int, max_tokens: int | None) -> CapacityError | None:
         """Why a request of this size could never run here (the engine's sizes never change after load)."""

@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 
 from inflight.engine.config import EngineConfig
+from inflight.engine.constraints import TokenConstraints
 from inflight.engine.cpu.allocator import retain_freed_memory
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepare_linears
 from inflight.engine.dtypes import resolve_dtype_name
+from inflight.engine.guided import GrammarCompiler, GrammarMatchers
 from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.loader import load_model
@@ -94,6 +96,7 @@ class LLMEngine:
             self.tokenizer, self.model = donor.tokenizer, donor.model
         self.model_config: ModelConfig = self.model.config
         self.eos_token_ids = frozenset(self.tokenizer.all_eos_ids) | frozenset(self.model_config.eos_token_id)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.num_kv_blocks = self._plan_num_blocks()
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
@@ -132,6 +135,7 @@ class LLMEngine:
             config.block_size,
             Sampler(config.seed, self.device),
             self.device,
+            TokenConstraints(GrammarMatchers(self.grammars)),
             broadcast=self.workers,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
@@ -142,6 +146,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing to do without them); no step may run afterwards."""
         if self.workers is not None:
             self.workers.close()
+        if hasattr(self, "runner"):
+            self.runner.constraints.close()
 
     def set_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         """`callback(error)` runs (on another thread) when a tensor-parallel rank dies between steps."""
@@ -203,6 +209,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.guided is not None:
+            self.grammars.compile(params.guided)  # GrammarError (a ValueError) now, not at its first step
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
@@ -226,6 +234,7 @@ class LLMEngine:
         """Stop a request now and free its KV blocks; unknown or finished ids are ignored."""
         if self.outputs.remove(request_id):
             self.scheduler.abort(request_id)
+            self.runner.constraints.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs) or self.scheduler.has_unfinished()
@@ -242,7 +251,11 @@ class LLMEngine:
         )
         self.outputs.add_forks(forked)
         self._last_step_tokens = out.num_batched_tokens
-        return self.outputs.process(out, result)
+        outputs = self.outputs.process(out, result)
+        for output in outputs:
+            if output.finished:
+                self.runner.constraints.release(output.request_id)
+        return outputs
 
     # ---- figures and the offline loop
 

@@ -8,3 +8,8 @@ class EngineDeadError(RuntimeError):
 
     Unlike an error in one step, retrying is pointless: the server fails every request and exits non-zero
     so that the process (the pod) is restarted."""
+
+
+class GrammarError(ValueError):
+    """A request's grammar (JSON schema, regex, choices) cannot be used: invalid, unsupported by the
+    grammar library, or too large."""

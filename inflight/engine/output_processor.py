@@ -214,7 +214,8 @@ class OutputProcessor:
             found = [(i, s) for s in stops if (i := detok.text.find(s, search_from)) >= 0]
             if found:
                 index, stop = min(found)
-                detok.text = detok.text[:index]
+                keep = len(stop) if seq.params.include_stop_str_in_output else 0
+                detok.text = detok.text[: index + keep]
                 if not seq.is_finished:
                     self.scheduler.finish(seq.seq_id, "stop", stop_reason=stop)
                 elif seq.finish_reason == "length":

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.constraints import TokenConstraints
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.sampler import Sampler, SampleResult, SamplingRow, top_logprobs
@@ -147,13 +148,16 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         device: torch.device,
+        constraints: TokenConstraints,
         broadcast: StepBroadcast | None = None,
     ) -> None:
-        """`broadcast`: the other tensor-parallel ranks (None without tensor parallelism)."""
+        """`constraints`: the requests' limits on what each row may draw (grammars, logit_bias, ...);
+        `broadcast`: the other tensor-parallel ranks (None without tensor parallelism)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
+        self.constraints = constraints
         self.device = device
         self.broadcast = broadcast
 
@@ -196,6 +200,8 @@ class ModelRunner:
                             num_prompt_tokens=seq.num_prompt_tokens,
                             index=seq.index + draw,
                             output_position=seq.num_output_tokens,
+                            eos_token_ids=seq.eos_token_ids,
+                            request_id=seq.request_id,
                         )
                     )
                     owners.append(seq.seq_id)
@@ -208,6 +214,7 @@ class ModelRunner:
             inputs.last_rows_of = sample_seqs
         else:
             inputs.logit_rows = logit_rows + sample_rows
+        limits = self.constraints.start(sampling) if sampling else None
         logits = self._run(inputs)
         if logits is None:
             return result
@@ -218,8 +225,29 @@ class ModelRunner:
             if any(d > 1 for d in draws_per_row):
                 repeat = torch.tensor(draws_per_row, device=self.device)
                 sample_logits = sample_logits.repeat_interleave(repeat, dim=0)
-            self._sample(sample_logits, sampling, owners, result)
+            assert limits is not None
+            limited, failed = limits.apply(sample_logits)
+            self._sample_allowed(limited, sampling, owners, failed, result)
         return result
+
+    def _sample_allowed(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        owners: list[str],
+        failed: dict[int, str],
+        result: RunnerOutput,
+    ) -> None:
+        """Sample every row except those of sequences with a row that cannot draw (they fail alone)."""
+        for i, why in failed.items():
+            logger.warning("sequence %s failed: %s", owners[i], why)
+            result.failed[owners[i]] = why
+        if not failed:
+            self._sample(logits, rows, owners, result)
+            return
+        keep = [i for i, owner in enumerate(owners) if owner not in result.failed]
+        if keep:
+            self._sample(logits[keep], [rows[i] for i in keep], [owners[i] for i in keep], result)
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], owners: list[str], result: RunnerOutput

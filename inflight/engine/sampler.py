@@ -33,6 +33,10 @@ class SamplingRow:
     # Sequence index within its request and position of the token being drawn (seeded noise key).
     index: int
     output_position: int
+    # The sequence's end-of-sequence ids (min_tokens keeps them from being drawn early).
+    eos_token_ids: frozenset[int] = frozenset()
+    # The request it belongs to (constrained decoding keeps one grammar matcher per sequence).
+    request_id: str = ""
 
 
 @dataclass

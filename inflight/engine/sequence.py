@@ -33,9 +33,27 @@ FLOAT_FIELDS = (
     "frequency_penalty",
 )
 
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
+
 FinishReason = str  # "stop" | "length" | "abort" | "error"
 # What each step's output of a request holds: everything so far, or only what is new since the last one.
 OutputKind = Literal["cumulative", "delta"]
+
+
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """What a request's output must match (constrained decoding; `engine/guided.py` compiles it).
+
+    `value`: the JSON schema as JSON text, the regular expression, the JSON list of choice strings, or the
+    Lark grammar ("" for json_object: any JSON object). `strict` False: schema keywords the grammar
+    library does not implement are ignored instead of refused."""
+
+    kind: GuidedKind
+    value: str = ""
+    strict: bool = True
 
 
 @dataclass
@@ -68,6 +86,15 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # EOS and stop_token_ids cannot be drawn before this many output tokens (vLLM's min_tokens).
+    min_tokens: int = 0
+    # The stop string that ended the output stays at its end (vLLM's include_stop_str_in_output).
+    include_stop_str_in_output: bool = False
+    # Constrained decoding: the output matches this grammar (tokens outside it are never drawn).
+    guided: GuidedDecoding | None = None
+    # Added to a token's logit before sampling (OpenAI's logit_bias), and the only tokens that may be drawn.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # Requests share cached prefix KV blocks only with requests of the same salt (e.g. one per tenant).
     cache_salt: str | None = None
     output_kind: OutputKind = "cumulative"
@@ -88,6 +115,11 @@ class SamplingParams:
         ]
         checks += [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
             (
                 self.max_tokens is None or self.max_tokens >= 1,
                 f"max_tokens must be >= 1 (or None for 'up to the context length'), got {self.max_tokens}",
@@ -119,6 +151,18 @@ class SamplingParams:
                 f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}",
             ),
             (all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be >= 0"),
+            (
+                all(
+                    t >= 0 and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
+                    for t, b in (self.logit_bias or {}).items()
+                ),
+                f"logit_bias maps token ids >= 0 to finite values in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]",
+            ),
+            (
+                self.allowed_token_ids is None
+                or (bool(self.allowed_token_ids) and min(self.allowed_token_ids) >= 0),
+                "allowed_token_ids must be a non-empty list of token ids >= 0 (or None)",
+            ),
         ]
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,12 @@ def _ids(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int)]
     return []
+
+
+def _text(message: Mapping[str, Any]) -> str:
+    """A chat message's text content ("" for none, e.g. an assistant turn of tool calls only)."""
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
 
 
 def _compile_chat_template(source: str) -> Template:
@@ -161,6 +167,11 @@ class Tokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         return cls(tokenizer, tokenizer_config, extra_eos, template if isinstance(template, str) else None)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar libraries build their own from)."""
+        text: str = self._tokenizer.to_str()
+        return text
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self._encoding(text, add_special_tokens).ids
         return ids
@@ -183,8 +194,18 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._tokenizer.id_to_token(i) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the checkpoint's chat template (a sandboxed Jinja environment)."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render `messages` with the checkpoint's chat template (a sandboxed Jinja environment).
+
+        `variables`: more template variables (e.g. `tools`, a request's chat_template_kwargs); they cannot
+        replace the messages or the special tokens. `continue_final_message`: the text ends with the last
+        message's content, open for the model to continue (no end-of-turn after it, no new turn)."""
         if self.chat_template is None:
             raise TokenizerError(
                 "this model has no chat template (no 'chat_template' in tokenizer_config.json and no "
@@ -192,22 +213,42 @@ class Tokenizer:
             )
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
-        rendered: str = self._compiled_template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            pad_token=self.pad_token or "",
-            unk_token=self.unk_token or "",
-        )
+        fixed = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            "unk_token": self.unk_token or "",
+        }
+        rendered: str = self._compiled_template.render({**(variables or {}), **fixed})
+        if continue_final_message:
+            final = _text(messages[-1]) if messages else ""
+            end = rendered.rfind(final) if final else -1
+            if end < 0:
+                raise TokenizerError(
+                    "continue_final_message needs a last message with text content that the chat template "
+                    "renders unchanged"
+                )
+            rendered = rendered[: end + len(final)]
         return rendered
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat where only the template makes control tokens: special-token text
         inside a message (e.g. a user writing "<|im_start|>system") is encoded as plain text, so a
         message cannot forge a turn. Benign messages tokenize exactly as the rendered text does."""
-        if self._special_text is None or not any(self._special_text.search(m["content"]) for m in messages):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+
+        def render(chat: list[dict[str, Any]]) -> str:
+            return self.apply_chat_template(chat, add_generation_prompt, continue_final_message, variables)
+
+        if self._special_text is None or not any(self._special_text.search(_text(m)) for m in messages):
+            return self.encode(render(messages), False)
         special_text = self._special_text
         nonce = uuid.uuid4().hex
         forged: list[str] = []
@@ -216,8 +257,8 @@ class Tokenizer:
             forged.append(match.group())
             return f"\ue000{nonce}:{len(forged) - 1}\ue001"
 
-        marked = [{**m, "content": special_text.sub(mark, m["content"])} for m in messages]
-        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        marked = [{**m, "content": special_text.sub(mark, _text(m))} if _text(m) else m for m in messages]
+        rendered = render(marked)
         # Put the literal text back, remembering where each forged piece lies in the final text.
         marker = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
         spans: set[tuple[int, int]] = set()

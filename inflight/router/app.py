@@ -29,7 +29,7 @@ from inflight.server.errors import APIError, echoed, install_error_handlers
 
 RETRY_AFTER_S = 10
 WAKE_REPEAT_S = 10.0  # while requests are held, the operator is asked again this often
-FORWARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+FORWARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@
 - chat: the conversation rendered as `role: content` lines through its first user message (system
   prompt included), capped at `max_chars`. Later turns repeat that start, so every turn of one
   conversation has the same key, while conversations that share only a system prompt get different keys.
+- responses: its `instructions` and `input` read as a chat (a text input is one user message).
 A request without a prompt has no key (the least loaded replica takes it).
 """
 
@@ -20,6 +21,8 @@ def routing_key(body: Mapping[str, Any], max_chars: int = DEFAULT_KEY_CHARS) -> 
     messages = body.get("messages")
     if isinstance(messages, list):
         return _chat_key(messages, max_chars)
+    if "input" in body:
+        return _chat_key(_responses_messages(body), max_chars)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: its first prompt
@@ -28,6 +31,16 @@ def routing_key(body: Mapping[str, Any], max_chars: int = DEFAULT_KEY_CHARS) -> 
     if isinstance(prompt, list) and prompt:  # token ids
         return " ".join(str(token) for token in prompt)[:max_chars]
     return None
+
+
+def _responses_messages(body: Mapping[str, Any]) -> list[Any]:
+    """A /v1/responses request's instructions and input as chat messages."""
+    instructions = body.get("instructions")
+    system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*system, {"role": "user", "content": items}]
+    return [*system, *(items if isinstance(items, list) else [])]
 
 
 def _chat_key(messages: list[Any], max_chars: int) -> str | None:
@@ -50,6 +63,6 @@ def _text(content: Any) -> str:
         return "".join(
             str(part.get("text", ""))
             for part in content
-            if isinstance(part, Mapping) and part.get("type") == "text"
+            if isinstance(part, Mapping) and part.get("type") in ("text", "input_text")
         )
     return ""

@@ -20,14 +20,14 @@ from inflight.server.demo import demo_router
 from inflight.server.docs import docs_router
 from inflight.server.errors import error_responses, install_error_handlers
 from inflight.server.metrics import ResponseCountingMiddleware, ServerMetrics
-from inflight.server.openai import chat, completions, models, tokens
+from inflight.server.openai import chat, completions, models, responses, tokens
 from inflight.server.routes import info_router, probe_router, require_serving
 from inflight.server.transport import BodySizeLimitMiddleware
 
 logger = logging.getLogger("inflight.server")
 
 # Behind the API key (when set) and answered only while the engine serves (else 503).
-MODEL_ROUTERS = (info_router, models.router, completions.router, chat.router, tokens.router)
+MODEL_ROUTERS = (info_router, models.router, completions.router, chat.router, responses.router, tokens.router)
 # What ApiKeyMiddleware guards: the model routes and the routes that declare the key themselves.
 KEYED_ROUTES = [
     *(route for router in MODEL_ROUTERS for route in router.routes),

@@ -19,6 +19,7 @@ from fastapi import Depends, Request
 from inflight.engine.async_engine import AsyncEngine
 from inflight.server.limits import DEFAULT_MAX_BODY_BYTES
 from inflight.server.metrics import ServerMetrics
+from inflight.server.response_store import ResponseStore
 
 T = TypeVar("T")
 
@@ -51,6 +52,8 @@ class ServerContext:
     settings: ServerSettings
     metrics: ServerMetrics
     tokenizer_pool: ThreadPoolExecutor = field(default_factory=tokenizer_pool)
+    # /v1/responses kept for previous_response_id (in memory, this process only).
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     async def off_loop(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a tokenizer call, or the building of an answer, in the tokenizer threads, not on the event

@@ -21,6 +21,7 @@ TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
 
 
 API_PATH_PREFIX = "/v1/"  # responses counted by status code: the OpenAI API, not probes or /metrics
@@ -102,6 +103,18 @@ class ServerMetrics:
             "inflight:request_success",
             "Finished sequences by finish reason (stop, length, abort).",
             ["finished_reason"],
+            registry=self.registry,
+        )
+        self.constrained_requests = Counter(
+            "inflight:constrained_requests",
+            "Requests whose output is constrained, by what asked (response_format, guided_json, tools, ...).",
+            ["field"],
+            registry=self.registry,
+        )
+        self.grammar_compile_time = Histogram(
+            "inflight:grammar_compile_seconds",
+            "Seconds a request waited for its grammar (about 0 when the grammar cache had it).",
+            buckets=GRAMMAR_COMPILE_BUCKETS,
             registry=self.registry,
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import signal
 import threading
 import time
@@ -149,6 +150,74 @@ def test_streaming_through_the_router_equals_streaming_direct(
     assert stream_summary(through) == stream_summary(direct)
     assert stream_summary(through)["choices"][0]["text"]
     assert through[-1] == "[DONE]" and through[-2]["usage"]["completion_tokens"] == 12
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                       "required": ["n"], "additionalProperties": False},
+    },
+}  # fmt: skip
+
+
+PER_REQUEST = r'"(id|call_id|created|created_at)": ?("[^"]*"|[0-9.]+)'  # differ per request
+TEXT_KEYS = ("content", "arguments", "delta", "text", "name", "finish_reason", "status")
+
+
+def stream_text(url: str, path: str, body: dict[str, Any]) -> str:
+    """What a stream says, whatever its chunking (chunks merge steps when the reader falls behind): its
+    text-bearing fields in order, concatenated."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        payloads = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    pieces: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in TEXT_KEYS and isinstance(item, str):
+                    pieces.append(item)
+                else:
+                    walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    for payload in payloads:
+        walk(json.loads(payload))
+    return "".join(pieces)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "JSON please"}],
+                                  "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "n", "schema": TOOL["function"]["parameters"]}}}),  # type: ignore[index]
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Pick"}], "tools": [TOOL],
+                                  "tool_choice": {"type": "function", "function": {"name": "pick"}}}),
+        ("/v1/responses", {"input": "Say hi", "instructions": "Be brief."}),
+        ("/v1/responses", {"input": "Pick", "tools": [{"type": "function", **TOOL["function"]}],  # type: ignore[dict-item]
+                           "tool_choice": "required"}),
+    ],
+    ids=["response_format", "tool_choice", "responses", "responses-tools"],
+)  # fmt: skip
+def test_structured_output_tools_and_responses_pass_through_unchanged(
+    router: LiveRouter, servers: list[ServerProcess], path: str, body: dict[str, Any]
+) -> None:
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    body = {"model": MODEL, "temperature": 0, limit: 40, **body}
+    for stream in (False, True):
+        request = {**body, "stream": stream}
+        if stream:
+            assert stream_text(router.url, path, request) == stream_text(servers[0].url, path, request)
+            continue
+        through = httpx.post(f"{router.url}{path}", json=request, timeout=60)
+        direct = httpx.post(f"{servers[0].url}{path}", json=request, timeout=60)
+        assert through.status_code == direct.status_code == 200, through.text
+        assert re.sub(PER_REQUEST, "", through.text) == re.sub(PER_REQUEST, "", direct.text)
 
 
 def test_prefix_affinity_nearly_doubles_prefix_cache_hits_over_round_robin(

@@ -190,6 +190,14 @@ def live(tiny_llama_dir: Path) -> Iterator[LiveServer]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def roomy_live(tiny_llama_dir: Path) -> Iterator[LiveServer]:
+    """A server with room for long prompts (tool listings): max_model_len 1024, 512 KV blocks."""
+    server = start_server(tiny_llama_dir, max_model_len=1024, num_kv_blocks=512)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def offline_engine(tiny_llama_dir: Path) -> LLMEngine:
     """The same model in an offline engine, for 'served equals offline' checks."""

@@ -80,7 +80,7 @@ BAD_COMPLETIONS = [
     ({"stop": [""]}, "stop", None),
     ({"stop_token_ids": [10**6]}, "stop_token_ids", None),
     ({"stream_options": {"include_usage": True}}, "stream_options", None),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", None),
+    ({"logit_bias": {"5": 101.0}}, "logit_bias.5", None),
     ({"suffix": "x"}, "suffix", None),
     ({"best_of": 3}, "best_of", None),
     ({"max_token": 5}, "max_token", None),  # a typo is an error, not silently ignored
@@ -115,7 +115,7 @@ BAD_CHATS = [
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_tokens"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"model": "other"}, "model"),
 ]
 

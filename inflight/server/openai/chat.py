@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from inflight.engine.sequence import PositionLogprobs
+from inflight.engine.sequence import GuidedDecoding, PositionLogprobs, SamplingParams
 from inflight.server.context import Context, ServerContext
-from inflight.server.errors import bad_request, not_supported
+from inflight.server.errors import bad_request
 from inflight.server.openai.common import (
     GENERATION_RESPONSES,
+    ChoiceState,
     RunState,
     answer_json,
     chat_prompt,
     check_prompts,
     check_sampling,
+    chunk_usage,
     include_usage,
     respond,
     sampling_params,
@@ -25,6 +27,7 @@ from inflight.server.openai.common import (
     start_run,
     token_text,
 )
+from inflight.server.openai.grammar import check_grammar, check_request_grammar
 from inflight.server.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -39,6 +42,7 @@ from inflight.server.openai.protocol import (
     Usage,
     now,
 )
+from inflight.server.openai.tools import ToolCallStream, ToolPlan, plan_tools, template_messages
 
 router = APIRouter(tags=["openai"])
 
@@ -70,22 +74,6 @@ def _logprobs(
     return ChatLogprobs(content=content)
 
 
-def _check_unsupported_features(body: ChatCompletionRequest) -> None:
-    """Tool calling and structured output are not implemented: say so instead of ignoring them."""
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise not_supported(f"{name} (tool calling) is not supported by this server; leave it out.", name)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise not_supported(
-            f"response_format {body.response_format.type!r} (structured output) is not supported by this "
-            'server; only {"type": "text"}.',
-            "response_format",
-        )
-
-
 @dataclass
 class _Chat:
     """One submitted /v1/chat/completions request: its choices as JSON or as SSE chunks."""
@@ -93,7 +81,10 @@ class _Chat:
     ctx: ServerContext
     body: ChatCompletionRequest
     run: RunState
+    tools: ToolPlan | None = None
     created: int = field(default_factory=now)
+    # Per streamed choice: its text turned into content and tool-call deltas (requests with tools).
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def logprobs(self, tokens: list[int], positions: list[PositionLogprobs]) -> ChatLogprobs | None:
         top_n = self.body.top_logprobs or 0
@@ -111,33 +102,57 @@ class _Chat:
         exclude = set() if with_usage else {"usage"}
         for j in range(self.body.n):
             role = ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
-            yield sse(self.chunk([role]).model_dump_json(exclude=exclude))
+            yield sse(self.chunk([role], chunk_usage(self.body, self.run)).model_dump_json(exclude=exclude))
         async for choice, text, tokens, logprobs in self.run.updates():
             with_logprobs = bool(tokens) and self.body.logprobs
-            if not text and not with_logprobs and choice.finish_reason is None:
-                continue  # tokens without text yet (part of a character, a possible stop string)
-            delta = ChatChunkChoice(
-                index=choice.index,
-                delta=DeltaMessage(content=text) if text or with_logprobs else DeltaMessage(),
-                logprobs=self.logprobs(tokens, logprobs),
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
-            )
-            yield sse(self.chunk([delta]).model_dump_json(exclude=exclude))
+            deltas, finish_reason = self.deltas(choice, text)
+            if not deltas and not with_logprobs and finish_reason is None:
+                continue  # tokens without text yet (part of a character, a possible stop string, a tag)
+            for k, delta in enumerate(deltas or [DeltaMessage(content="" if with_logprobs else None)]):
+                last = k == max(len(deltas), 1) - 1
+                piece = ChatChunkChoice(
+                    index=choice.index,
+                    delta=delta,
+                    logprobs=self.logprobs(tokens, logprobs) if k == 0 else None,
+                    finish_reason=finish_reason if last else None,
+                    stop_reason=choice.stop_reason if last else None,
+                )
+                usage = chunk_usage(self.body, self.run)
+                yield sse(self.chunk([piece], usage).model_dump_json(exclude=exclude))
         if with_usage:
             yield sse(self.chunk([], usage=self.run.usage()).model_dump_json())
 
+    def deltas(self, choice: ChoiceState, text: str) -> tuple[list[DeltaMessage], str | None]:
+        """A streamed choice's new text as deltas (content, tool calls) and its finish reason."""
+        if self.tools is None:
+            return ([DeltaMessage(content=text)] if text else []), choice.finish_reason
+        stream = self.streams.setdefault(choice.index, ToolCallStream(self.tools))
+        deltas = stream.feed(text)
+        if choice.finish_reason is not None:
+            deltas += stream.finish()
+        return deltas, _finish_reason(choice.finish_reason, bool(stream.calls))
+
+    def message(self, choice: ChoiceState) -> tuple[AssistantMessage, str | None]:
+        """A whole choice's message (content, tool calls) and its finish reason."""
+        if self.tools is None:
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        content, calls = self.tools.parse(choice.text)
+        message = AssistantMessage(content=content, tool_calls=calls or None)
+        return message, _finish_reason(choice.finish_reason, bool(calls))
+
     def json(self) -> bytes:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=choice.text),
-                logprobs=self.logprobs(choice.token_ids, choice.logprobs),
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
+        choices = []
+        for index, choice in sorted(self.run.choices.items()):
+            message, finish_reason = self.message(choice)
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=self.logprobs(choice.token_ids, choice.logprobs),
+                    finish_reason=finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
             )
-            for index, choice in sorted(self.run.choices.items())
-        ]
         response = ChatCompletionResponse(
             id=self.run.request_id,
             created=self.created,
@@ -148,14 +163,74 @@ class _Chat:
         return answer_json(response)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """The finish reason: "tool_calls" for a choice that ended (stop) with calls, else the engine's."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+async def _check_grammar(
+    ctx: ServerContext, body: ChatCompletionRequest, tools: ToolPlan | None
+) -> GuidedDecoding | None:
+    """Compile the grammar tool_choice or response_format asks for (400s naming the field); the tool
+    grammar, which replaces the request's own (None without one)."""
+    tool_grammar = tools.grammar() if tools is not None else None
+    if tool_grammar is None:
+        await check_request_grammar(ctx, body)
+        return None
+    if body.guided_requests():
+        raise bad_request(
+            f"tool_choice {body.tool_choice!r} and {body.guided_requests()[0][0]} both constrain the output; "
+            "send one of them.",
+            param="tool_choice",
+        )
+    await check_grammar(ctx, "tool_choice", tool_grammar)
+    return tool_grammar
+
+
+@dataclass
+class PreparedChat:
+    """A chat request ready to run: its prompt, its sampling parameters (with any tool grammar) and tools."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tools: ToolPlan | None
+
+
+async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> PreparedChat:
+    """Check a chat request against the served model, compile its grammar, render and check its prompt
+    (400s naming the field). /v1/responses runs its requests through this too."""
     check_sampling(ctx, body)
-    _check_unsupported_features(body)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true.", param="top_logprobs")
-    prompt = await ctx.off_loop(chat_prompt, ctx, body.messages)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true; set add_generation_prompt "
+            "to false.",
+            param="continue_final_message",
+        )
+    template = ctx.engine.tokenizer.chat_template
+    tools = plan_tools(body, template)
+    tool_grammar = await _check_grammar(ctx, body, tools)
+    messages, tool_variables = template_messages(body.messages, tools, template)
+    prompt = await ctx.off_loop(
+        chat_prompt,
+        ctx,
+        messages,
+        body.add_generation_prompt,
+        body.continue_final_message,
+        {**(body.chat_template_kwargs or {}), **tool_variables},
+    )
+    prompt = body.truncate(prompt)
     check_prompts(ctx, [prompt], body.max_new_tokens, param="messages")
-    run = start_run(ctx, request, "chatcmpl", [prompt], sampling_params(body), body.stream)
-    chat = _Chat(ctx, body, run)
+    params = sampling_params(body)
+    if tool_grammar is not None:
+        params = replace(params, guided=tool_grammar)
+    return PreparedChat(prompt, params, tools)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+    prepared = await prepare_chat(ctx, body)
+    run = start_run(ctx, request, "chatcmpl", [prepared.prompt], prepared.params, body.stream)
+    chat = _Chat(ctx, body, run, prepared.tools)
     return await respond(run, request, body.stream, chat.chunks, chat.json)

@@ -9,7 +9,9 @@ sequence `j` of prompt `i`. Usage counts each prompt once and every generated to
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from pydantic_core import to_json
 
 from inflight.engine.async_engine import (
@@ -36,7 +39,6 @@ from inflight.server.openai.protocol import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     CompletionRequest,
     CompletionResponse,
     SamplingFields,
@@ -46,11 +48,15 @@ from inflight.server.openai.protocol import (
 if TYPE_CHECKING:
     from inflight.engine.output_processor import CompletionOutput  # imports torch; the type only
 
+logger = logging.getLogger(__name__)
+
 # The OpenAPI `responses=` of a generating endpoint.
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"},
     **error_responses(429, 500),
 }
+# An unknown field this close to a known one (difflib's ratio) is taken for a typo: max_token, temprature.
+TYPO_SIMILARITY = 0.85
 
 
 # ---------------------------------------------------------------- checks against the loaded model
@@ -75,13 +81,34 @@ def check_in_vocabulary(ctx: ServerContext, token_ids: Sequence[int], param: str
         raise bad_request(f"token ids {outside[:5]} are outside the vocabulary (size {vocab}).", param=param)
 
 
+def check_extra_fields(body: BaseModel) -> None:
+    """Unknown fields are ignored with a log line (vLLM's rule: clients written for other servers send
+    their own extras), except one that looks like a typo of a known field (`max_token`): a 400."""
+    extra = sorted(body.model_extra or {})
+    if not extra:
+        return
+    known = list(type(body).model_fields)
+    for name in extra:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=TYPO_SIMILARITY)
+        if close:
+            raise bad_request(f"Unknown field {name!r}; did you mean {close[0]!r}?", param=name)
+    logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+
+
 def check_sampling(ctx: ServerContext, body: SamplingFields) -> None:
     """The shared fields against the served model and what the server supports."""
     check_model(ctx, body.model)
+    check_extra_fields(body)
+    if body.use_beam_search:
+        raise bad_request("use_beam_search is not supported; leave it out.", param="use_beam_search")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported; leave it out.", param="logit_bias")
+    guided = body.guided_requests()
+    if len(guided) > 1:
+        names = " and ".join(name for name, _ in guided)
+        raise bad_request(f"{names} each constrain the output; send one of them.", param=guided[1][0])
+    check_in_vocabulary(ctx, list(body.token_bias or {}), "logit_bias")
+    check_in_vocabulary(ctx, body.allowed_token_ids or [], "allowed_token_ids")
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if len(stops) > MAX_STOP_SEQUENCES:
         raise bad_request(f"stop takes at most {MAX_STOP_SEQUENCES} strings, got {len(stops)}.", param="stop")
@@ -117,14 +144,21 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> Sampling
 
 
 def chat_prompt(
-    ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ctx: ServerContext,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    variables: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The token ids of `messages` rendered with the model's chat template."""
+    """The token ids of `messages` (as the template reads them: tools.template_messages) rendered with the
+    model's chat template (`variables`: more template variables, e.g. tools, chat_template_kwargs)."""
     tokenizer = ctx.engine.tokenizer
     try:
         return tokenizer.encode_chat(
-            [{"role": m.role, "content": m.text()} for m in messages],
+            messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            variables=variables,
         )
     except TokenizerError as error:
         raise bad_request(str(error), param="messages") from error
@@ -134,6 +168,13 @@ def chat_prompt(
 
 def include_usage(body: SamplingFields) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
+
+
+def chunk_usage(body: SamplingFields, run: RunState) -> Usage | None:
+    """A stream chunk's usage: the counts so far with `continuous_usage_stats` (and include_usage)."""
+    options = body.stream_options
+    continuous = options is not None and options.include_usage and options.continuous_usage_stats
+    return run.usage() if continuous else None
 
 
 def token_text(ctx: ServerContext, token_id: int, logprob: Logprob | None) -> str:

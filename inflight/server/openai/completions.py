@@ -20,6 +20,7 @@ from inflight.server.openai.common import (
     answer_json,
     check_prompts,
     check_sampling,
+    chunk_usage,
     include_usage,
     respond,
     sampling_params,
@@ -27,6 +28,7 @@ from inflight.server.openai.common import (
     start_run,
     token_text,
 )
+from inflight.server.openai.grammar import check_request_grammar
 from inflight.server.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -75,17 +77,23 @@ def _check_prompt_logprobs(body: CompletionRequest, prompts: list[list[int]]) ->
         )
 
 
-def _prompts(ctx: ServerContext, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids and (for text prompts) the text of each prompt in a completions request."""
-    tokenizer = ctx.engine.tokenizer
+def _prompts(ctx: ServerContext, body: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids (truncated as the request asks) and, for untruncated text prompts, the text of each
+    prompt in a completions request."""
+    ids, texts = _tokenized(ctx.engine.tokenizer, body.prompt, body.add_special_tokens)
+    truncated = [body.truncate(p) for p in ids]
+    return truncated, [t if len(p) == len(q) else None for t, p, q in zip(texts, truncated, ids, strict=True)]
+
+
+def _tokenized(tokenizer: Tokenizer, prompt: Any, special: bool) -> tuple[list[list[int]], list[str | None]]:
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)], [prompt]
+        return [tokenizer.encode(prompt, special)], [prompt]
     if not prompt:
         raise bad_request("The prompt list is empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)], [None]
     if all(isinstance(p, str) for p in prompt):
-        return [tokenizer.encode(p) for p in prompt], list(prompt)
+        return [tokenizer.encode(p, special) for p in prompt], list(prompt)
     if all(isinstance(p, list) for p in prompt):
         return [list(p) for p in prompt], [None] * len(prompt)
     raise bad_request("prompt must be a string, a list of strings, or token ids.", param="prompt")
@@ -217,7 +225,8 @@ class _Completion:
             if not (first or text or tokens or choice.finish_reason):
                 continue
             started.add(choice.index)
-            chunk = self.response([self.choice(choice, text, tokens, logprobs, first)], usage=None)
+            usage = chunk_usage(self.body, self.run)
+            chunk = self.response([self.choice(choice, text, tokens, logprobs, first)], usage=usage)
             yield sse(chunk.model_dump_json(exclude=None if with_usage else {"usage"}))
         if with_usage:
             yield sse(self.response([], usage=self.run.usage()).model_dump_json())
@@ -238,7 +247,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Cont
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is only supported equal to n.", param="best_of")
     _check_fits(ctx, len(body.prompt) if _is_prompt_list(body.prompt) else 1, body.n)
-    prompts, prompt_texts = await ctx.off_loop(_prompts, ctx, body.prompt)
+    await check_request_grammar(ctx, body)
+    prompts, prompt_texts = await ctx.off_loop(_prompts, ctx, body)
     check_prompts(ctx, prompts, body.max_tokens, param="prompt")
     _check_prompt_logprobs(body, prompts)
     run = start_run(ctx, request, "cmpl", prompts, sampling_params(body), body.stream)

@@ -8,6 +8,7 @@ engine's `SamplingParams` (`to_sampling_params()`), once, here.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -19,10 +20,12 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 from inflight.engine.sequence import (
     GREEDY_TEMPERATURE,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -30,12 +33,14 @@ from inflight.engine.sequence import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
+    GuidedDecoding,
     SamplingParams,
 )
 
 MAX_N = 64
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_TOKEN_IDS = 256
+MAX_TOOLS = 128
 MAX_TOKENS_LIMIT = 2**31 - 1  # the context length is checked per model in common.py; this bounds the type
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -65,10 +70,54 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        default=False, description="With include_usage: every chunk carries the usage so far (vLLM's)."
+    )
+
+
+class JsonSchemaFormat(Strict):
+    """OpenAI's `response_format.json_schema`: the schema the output must validate against."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text = Field(default="response", max_length=64)
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(alias="schema", description="A JSON schema (an object).")
+    strict: bool | None = Field(
+        default=None, description="true: unsupported schema keywords are a 400; else they are ignored."
+    )
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema" and only with it')
+        return self
+
+    def guided(self) -> GuidedDecoding | None:
+        if self.type == "json_object":
+            return GuidedDecoding("json_object")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            return GuidedDecoding("json_schema", json.dumps(schema.json_schema), strict=bool(schema.strict))
+        return None
+
+
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # JSON object keys are strings
 
 
 class SamplingFields(Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    Unknown top-level fields are kept (`model_extra`), not refused: clients written for other servers
+    send their own extras; `common.check_extra_fields` refuses the likely typos and logs the others."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: Text | None = Field(default=None, description="The served model name (see /v1/models).")
     n: int = Field(default=1, ge=1, le=MAX_N, description="Completions to generate per prompt.")
@@ -88,6 +137,18 @@ class SamplingFields(Strict):
     stop: Text | list[Text] | None = Field(default=None, description="Stop strings (not in the output).")
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT, description="No EOS or stop token before.")
+    skip_special_tokens: bool = Field(default=True, description="Leave special tokens out of the text.")
+    include_stop_str_in_output: bool = Field(default=False, description="Keep the stop string that hit.")
+    spaces_between_special_tokens: bool = Field(
+        default=True, description="Accepted (vLLM's); the tokenizer's decoder decides the spacing."
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS_LIMIT, description="Keep only the prompt's last k tokens."
+    )
+    priority: int = Field(default=0, description="Accepted (vLLM's); requests are served first come first.")
+    use_beam_search: bool = Field(default=False, description="Beam search is not supported; false only.")
+    length_penalty: float = Field(default=1.0, description="Accepted (beam search only; not used).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(default=None, description="Accepted for compatibility; not used.")
@@ -99,8 +160,39 @@ class SamplingFields(Strict):
     )
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    # Accepted for compatibility only when empty; anything else is a 400.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+        default=None,
+        description="Token id (a JSON key: a string of digits) -> a value in [-100, 100] added to its logit.",
+    )
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None, min_length=1, description="Only these tokens may be drawn (vLLM's)."
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text, json_object (any JSON object) or json_schema: the output matches."
+    )
+    guided_json: dict[str, Any] | None = Field(default=None, description="vLLM's: a JSON schema to match.")
+    guided_regex: Text | None = Field(default=None, description="vLLM's: a regular expression to match.")
+    guided_choice: list[Text] | None = Field(
+        default=None, min_length=1, description="vLLM's: the output is one of these strings."
+    )
+
+    @property
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids."""
+        return None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+
+    def guided_requests(self) -> list[tuple[str, GuidedDecoding]]:
+        """Every grammar the request asks for, with the field that asks (at most one is allowed)."""
+        asked: list[tuple[str, GuidedDecoding]] = []
+        if self.response_format is not None and (guided := self.response_format.guided()) is not None:
+            asked.append(("response_format", guided))
+        if self.guided_json is not None:
+            asked.append(("guided_json", GuidedDecoding("json_schema", json.dumps(self.guided_json))))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", GuidedDecoding("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", GuidedDecoding("choice", json.dumps(self.guided_choice))))
+        return asked
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -121,10 +213,21 @@ class SamplingFields(Strict):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             cache_salt=self.cache_salt,
+            guided=next((guided for _, guided in self.guided_requests()), None),
+            logit_bias=self.token_bias,
+            allowed_token_ids=self.allowed_token_ids,
         )
+
+    def truncate(self, token_ids: list[int]) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (all of them when unset)."""
+        k = self.truncate_prompt_tokens
+        return token_ids if k is None else token_ids[-k:]
 
 
 PromptType = Text | list[Text] | list[TokenId] | list[list[TokenId]]
@@ -136,6 +239,7 @@ class CompletionRequest(SamplingFields):
         default=16, le=MAX_TOKENS_LIMIT, description="Tokens to generate (>= 1); default 16."
     )
     echo: bool = Field(default=False, description="Return the prompt before the completion.")
+    add_special_tokens: bool = Field(default=True, description="Add the tokenizer's BOS to text prompts.")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="Top alternatives.")
     best_of: int | None = Field(default=None, ge=1, description="Only best_of == n is supported.")
     suffix: Text | None = Field(default=None, description="Not supported; must be null.")
@@ -151,10 +255,49 @@ class TextPart(Strict):
     text: Text
 
 
+class FunctionCall(Strict):
+    name: Text
+    arguments: Text = Field(description="The arguments as JSON text.")
+
+
+class ToolCall(Strict):
+    """A call the assistant made: in an answer's `message.tool_calls`, and in the history sent back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="A JSON schema (an object).")
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="An assistant turn's calls.")
+    tool_call_id: Text | None = Field(default=None, description="The call a tool message answers.")
 
     def text(self) -> str:
         if self.content is None:
@@ -162,13 +305,6 @@ class ChatMessage(Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
-
-
-class ResponseFormat(BaseModel):
-    """Only "text" is supported; the others are accepted by the schema so the answer can say so."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -181,14 +317,23 @@ class ChatCompletionRequest(SamplingFields):
     )
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    # Tool calling is not supported: accepted by the schema only so that the answer is a clear 400.
-    tools: list[dict[str, Any]] | None = Field(default=None, description="Not supported; must be empty.")
-    tool_choice: str | dict[str, Any] | None = Field(default=None, description='Not supported; "none".')
-    parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = Field(default=None, description="Not supported; must be empty.")
+    add_generation_prompt: bool = Field(default=True, description="End the prompt with the assistant turn.")
+    continue_final_message: bool = Field(
+        default=False, description="Continue the last message (no end of turn, no new turn)."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="More variables for the chat template (e.g. enable_thinking)."
+    )
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS, description="Function tools.")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description='"none", "auto" (the default with tools), "required" or a named function.'
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="Several calls in one answer (default)."
+    )
+    functions: list[dict[str, Any]] | None = Field(default=None, description="Deprecated; use tools.")
     function_call: str | dict[str, Any] | None = Field(
-        default=None, description='Not supported; "none" only.'
+        default=None, description="Deprecated; use tool_choice."
     )
 
     @property
@@ -268,7 +413,22 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: the first carries id, type and name, later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -293,6 +453,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from inflight.server.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from inflight.server.openai.tools import template_messages
 
 router = APIRouter(tags=["tokens"])
 
@@ -25,7 +26,8 @@ async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
     if body.messages is not None:
         if not body.messages:
             raise bad_request("messages is empty.", param="messages")
-        tokens = await ctx.off_loop(chat_prompt, ctx, body.messages, body.add_generation_prompt)
+        messages, _ = template_messages(body.messages, None, ctx.engine.tokenizer.chat_template)
+        tokens = await ctx.off_loop(chat_prompt, ctx, messages, body.add_generation_prompt)
     else:
         assert body.prompt is not None
         tokens = await ctx.off_loop(

@@ -1,0 +1,112 @@
+"""Which tokens a row may draw: the per-request limits applied to a step's logits before sampling.
+
+Limits: a grammar (`SamplingParams.guided`, masks from `engine/guided.py`), `allowed_token_ids`,
+`logit_bias`, and `min_tokens` (EOS and stop token ids are not drawn before it). `start()` runs before
+the forward pass and begins the grammar masks on a worker thread; `apply()` waits for them and limits the
+logits. A row is touched only when its request carries a limit: every other row keeps its logits bit
+for bit, so unconstrained requests draw exactly the tokens they drew without this step. A forbidden
+token's logit is -inf, so reported logprobs are those of the constrained distribution.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from inflight.engine.guided import GrammarMatchers
+from inflight.engine.sampler import SamplingRow
+from inflight.engine.sequence import GuidedDecoding
+
+Masks = tuple[torch.Tensor, dict[int, str]]
+
+
+def banned_tokens(row: SamplingRow) -> list[int]:
+    """Tokens that would end the sequence before its `min_tokens` (EOS unless ignored, stop token ids)."""
+    params = row.params
+    if row.output_position >= params.min_tokens:
+        return []
+    eos = [] if params.ignore_eos else sorted(row.eos_token_ids)
+    return [*eos, *(params.stop_token_ids or [])]
+
+
+def is_limited(row: SamplingRow) -> bool:
+    params = row.params
+    return bool(
+        params.guided is not None
+        or params.logit_bias
+        or params.allowed_token_ids is not None
+        or row.output_position < params.min_tokens
+    )
+
+
+@dataclass
+class PendingLimits:
+    """One step's limits, its grammar masks possibly still being computed."""
+
+    rows: list[SamplingRow]
+    guided_rows: list[int]
+    masks: Future[Masks] | None
+
+    def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
+        """`logits` [len(rows), vocab] limited (a new tensor; the same one when no row has a limit), and
+        the rows that cannot draw at all, with why (their grammar failed, or no token is left)."""
+        limited = [i for i, row in enumerate(self.rows) if is_limited(row)]
+        if not limited:
+            return logits, {}
+        logits = logits.clone()
+        failed: dict[int, str] = {}
+        device = logits.device
+        if self.masks is not None:
+            allowed, grammar_failed = self.masks.result()
+            allowed = allowed.to(device)
+            index = torch.tensor(self.guided_rows, dtype=torch.long, device=device)
+            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+            failed.update({self.guided_rows[k]: why for k, why in grammar_failed.items()})
+        for i in limited:
+            params = self.rows[i].params
+            if params.allowed_token_ids is not None:
+                keep = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)
+                outside = torch.ones(logits.shape[1], dtype=torch.bool, device=device)
+                outside[keep] = False
+                logits[i] = logits[i].masked_fill(outside, float("-inf"))
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+                bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=device)
+                logits[i].index_add_(0, ids, bias)
+            banned = banned_tokens(self.rows[i])
+            if banned:
+                logits[i, torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+            if i not in failed and bool(torch.isneginf(logits[i]).all()):
+                failed[i] = (
+                    "no token may be drawn (its grammar, allowed_token_ids and min_tokens exclude all)"
+                )
+        return logits, failed
+
+
+class TokenConstraints:
+    """Starts each step's limits (grammar masks on a worker thread, overlapping the forward pass)."""
+
+    def __init__(self, grammars: GrammarMatchers) -> None:
+        self.grammars = grammars
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="inflight-masks")
+
+    def start(self, rows: list[SamplingRow]) -> PendingLimits:
+        """Called before the forward pass, with the rows it will sample."""
+        guided: list[int] = []
+        specs: list[tuple[str, int, GuidedDecoding, list[int]]] = []
+        for i, row in enumerate(rows):
+            if row.params.guided is not None:
+                guided.append(i)
+                # A copy of the output so far: the engine thread appends to token_ids after sampling.
+                output = row.token_ids[row.num_prompt_tokens :]
+                specs.append((row.request_id, row.index, row.params.guided, output))
+        masks = self._pool.submit(self.grammars.masks, specs) if specs else None
+        return PendingLimits(rows, guided, masks)
+
+    def release(self, request_id: str) -> None:
+        self.grammars.release(request_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
