@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,13 +19,7 @@ import time
 
 import httpx
 
-from inflight.bench.served import wait_until_ready
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from inflight.bench.served import free_port, wait_until_ready
 
 
 def percentile(values: list[float], fraction: float) -> float:

@@ -23,7 +23,7 @@ PACKAGE = "inflight"
 
 # Bottom to top; a module may import its own layer and the layers below.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("leaves", frozenset({"cache", "download"})),
+    ("leaves", frozenset({"cache", "download", "openai_errors"})),
     ("core", frozenset({"engine", "sizing", "checkpoints", PACKAGE})),
     ("services", frozenset({"sim", "server", "bench", "router", "operator"})),
     ("cli", frozenset({"cli"})),

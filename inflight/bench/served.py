@@ -230,7 +230,7 @@ def cpu_per_output_token(cpu_seconds: float | None, output_tokens: int) -> float
     return round(cpu_seconds / output_tokens * 1e6, 1)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -315,13 +315,13 @@ def start_inflight(args: argparse.Namespace, model_dir: Path, num_kv_blocks: int
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    return _start("inflight", _inflight_command(args, model_dir, _free_port(), num_kv_blocks), env, "/ready")
+    return _start("inflight", _inflight_command(args, model_dir, free_port(), num_kv_blocks), env, "/ready")
 
 
 def start_vllm(args: argparse.Namespace, model_dir: Path, longest: int, work: Path) -> ServedSystem:
     from inflight.bench.vllm_cpu import vllm_env
 
-    command = _vllm_command(args, model_dir, _free_port(), longest)
+    command = _vllm_command(args, model_dir, free_port(), longest)
     return _start("vllm", command, vllm_env(work, args.threads), "/health")
 
 

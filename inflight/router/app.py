@@ -20,12 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Message, Receive, Scope, Send
 
 from inflight import __version__
+from inflight.openai_errors import APIError, echoed, install_error_handlers
 from inflight.router.metrics import Outcome, RouterMetrics
 from inflight.router.pool import ModelPool
 from inflight.router.proxy import Policy, forward, forwarded_headers, upstream_session
 from inflight.router.routing_key import DEFAULT_KEY_CHARS, routing_key
 from inflight.router.scrape import scrape_forever
-from inflight.server.errors import APIError, echoed, install_error_handlers
 
 RETRY_AFTER_S = 10
 WAKE_REPEAT_S = 10.0  # while requests are held, the operator is asked again this often

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import aiohttp
 from starlette.types import Send
 
+from inflight.openai_errors import APIError
 from inflight.router.metrics import Decision, Outcome, RouterMetrics
 from inflight.router.pool import ModelPool, Replica
-from inflight.server.errors import APIError
 
 log = logging.getLogger("inflight.router")
 

@@ -13,12 +13,12 @@ from fastapi import Depends, FastAPI, Security
 
 from inflight import __version__
 from inflight.engine.async_engine import AsyncEngine, EngineUnavailableError
+from inflight.openai_errors import error_responses, install_error_handlers
 from inflight.server.access_log import AccessLogMiddleware
 from inflight.server.auth import API_KEY, ApiKeyMiddleware, needs_api_key
 from inflight.server.context import ServerContext, ServerSettings
 from inflight.server.demo import demo_router
 from inflight.server.docs import docs_router
-from inflight.server.errors import error_responses, install_error_handlers
 from inflight.server.metrics import ResponseCountingMiddleware, ServerMetrics
 from inflight.server.openai import chat, completions, models, responses, tokens
 from inflight.server.routes import info_router, probe_router, require_serving

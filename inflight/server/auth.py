@@ -18,7 +18,7 @@ from fastapi.security import HTTPBearer
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from inflight.server.errors import APIError
+from inflight.openai_errors import APIError
 
 API_KEY_ENV = "INFLIGHT_API_KEY"
 

@@ -28,9 +28,9 @@ from fastapi import APIRouter, Query, Request, Security
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from inflight.openai_errors import APIError, bad_request, error_responses
 from inflight.server.auth import API_KEY
 from inflight.server.context import Context
-from inflight.server.errors import APIError, bad_request, error_responses
 from inflight.sim.comparison import DemoComparison
 from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
 from inflight.sim.live import LiveProgress, run_live_demo

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 
-from inflight.server.errors import APIError
+from inflight.openai_errors import APIError
 
 ASSETS = {
     "swagger-ui-bundle.js": "text/javascript",

@@ -9,8 +9,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from inflight import __version__
+from inflight.openai_errors import APIError
 from inflight.server.context import Context
-from inflight.server.errors import APIError
 
 
 class HealthResponse(BaseModel):

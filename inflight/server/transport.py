@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from inflight.server.errors import CLIENT_CLOSED_REQUEST, APIError
+from inflight.openai_errors import CLIENT_CLOSED_REQUEST, APIError
 from inflight.server.limits import ConnectionLimits
 
 logger = logging.getLogger("inflight.server")

@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 from starlette.types import Message
 
+from inflight.openai_errors import APIError
 from inflight.router.app import Router, RouterApp, RouterSettings
 from inflight.router.pool import ModelPool
 from inflight.router.static import static_discovery
-from inflight.server.errors import APIError
 
 
 async def test_a_held_request_goes_on_when_a_replica_appears_and_the_model_is_woken_once() -> None:

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from inflight.engine.sequence import GuidedDecoding, PositionLogprobs, SamplingParams
+from inflight.openai_errors import bad_request
 from inflight.server.context import Context, ServerContext
-from inflight.server.errors import bad_request
 from inflight.server.openai.common import (
     GENERATION_RESPONSES,
     ChoiceState,

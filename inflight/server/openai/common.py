@@ -33,8 +33,8 @@ from inflight.engine.async_engine import (
 )
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 from inflight.engine.tokenizer import TokenizerError
+from inflight.openai_errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, echoed, error_responses
 from inflight.server.context import ServerContext
-from inflight.server.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, echoed, error_responses
 from inflight.server.openai.protocol import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,

@@ -11,8 +11,8 @@ from fastapi.responses import Response
 
 from inflight.engine.sequence import PositionLogprobs
 from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from inflight.openai_errors import bad_request
 from inflight.server.context import Context, ServerContext
-from inflight.server.errors import bad_request
 from inflight.server.openai.common import (
     GENERATION_RESPONSES,
     ChoiceState,

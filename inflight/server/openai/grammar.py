@@ -7,8 +7,8 @@ import asyncio
 
 from inflight.engine.errors import GrammarError
 from inflight.engine.sequence import GuidedDecoding
+from inflight.openai_errors import bad_request
 from inflight.server.context import ServerContext
-from inflight.server.errors import bad_request
 from inflight.server.openai.protocol import SamplingFields
 
 # Seconds a grammar may take to compile before the request is refused (llguidance's own limits bound the

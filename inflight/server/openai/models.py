@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from inflight.openai_errors import error_responses
 from inflight.server.context import Context, ServerContext
-from inflight.server.errors import error_responses
 from inflight.server.openai.common import check_model
 from inflight.server.openai.protocol import ModelCard, ModelList
 

@@ -21,8 +21,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from pydantic_core import to_json
 
+from inflight.openai_errors import APIError, bad_request, not_supported
 from inflight.server.context import Context, ServerContext
-from inflight.server.errors import APIError, bad_request, not_supported
 from inflight.server.openai.chat import prepare_chat
 from inflight.server.openai.common import (
     GENERATION_RESPONSES,

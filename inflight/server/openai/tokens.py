@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from inflight.openai_errors import bad_request
 from inflight.server.context import Context
-from inflight.server.errors import bad_request
 from inflight.server.openai.common import chat_prompt, check_in_vocabulary, check_model
 from inflight.server.openai.protocol import (
     DetokenizeRequest,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from inflight.engine.sequence import GuidedDecoding
-from inflight.server.errors import bad_request, not_supported
+from inflight.openai_errors import bad_request, not_supported
 from inflight.server.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
