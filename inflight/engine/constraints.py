@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.engine.errors import ConstraintFailure
 from inflight.engine.guided import GrammarMatchers
 from inflight.engine.sampler import SamplingRow
 from inflight.engine.sequence import GuidedDecoding
@@ -79,7 +80,7 @@ class PendingLimits:
             if banned:
                 logits[i, torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
             if i not in failed and bool(torch.isneginf(logits[i]).all()):
-                failed[i] = (
+                failed[i] = ConstraintFailure(
                     "no token may be drawn (its grammar, allowed_token_ids and min_tokens exclude all)"
                 )
         return logits, failed

@@ -13,3 +13,9 @@ class EngineDeadError(RuntimeError):
 class GrammarError(ValueError):
     """A request's grammar (JSON schema, regex, choices) cannot be used: invalid, unsupported by the
     grammar library, or too large."""
+
+
+class ConstraintFailure(str):
+    """Why a sequence failed when its own constraint (a grammar) had no way on: a schema the grammar
+    library cannot follow to the end. The request's to fix, not an engine fault; a plain `str` otherwise,
+    so it travels wherever a failure message does."""

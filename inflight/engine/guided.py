@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import torch
 
-from inflight.engine.errors import GrammarError
+from inflight.engine.errors import ConstraintFailure, GrammarError
 from inflight.engine.sequence import GuidedDecoding
 from inflight.engine.tokenizer import Tokenizer
 
@@ -189,10 +189,12 @@ class GrammarMatchers:
                 try:
                     state = self._synced(request_id, index, guided, output)
                 except GrammarError as error:
-                    failed[i] = f"the grammar cannot be used: {error}"
+                    failed[i] = ConstraintFailure(f"the grammar cannot be used: {error}")
                     continue
                 if state.matcher.is_error():
-                    failed[i] = f"the output left its grammar: {state.matcher.get_error().splitlines()[0]}"
+                    failed[i] = ConstraintFailure(
+                        f"the output left its grammar: {state.matcher.get_error().splitlines()[0]}"
+                    )
                 else:
                     ready.append((state.matcher, i))
             if ready:
@@ -201,7 +203,9 @@ class GrammarMatchers:
                 self._executor.unsafe_compute_mask_ptr(ready, bitmask.data_ptr(), words * 4, len(rows))
             for matcher, i in ready:
                 if matcher.is_error():  # the grammar has no way forward from here
-                    failed[i] = f"the grammar failed: {matcher.get_error().splitlines()[0]}"
+                    failed[i] = ConstraintFailure(
+                        f"the grammar failed: {matcher.get_error().splitlines()[0]}"
+                    )
         return allowed_tokens(bitmask, self.compiler.vocab_size), failed
 
     def release(self, request_id: str) -> None:

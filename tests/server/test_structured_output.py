@@ -131,6 +131,23 @@ HOSTILE_SCHEMAS: list[tuple[str, Any]] = [
     ("minItems above maxItems", {"type": "array", "minItems": 3, "maxItems": 1}),
     ("empty enum", {"enum": []}),
     ("required but forbidden", {"type": "object", "required": ["a"], "additionalProperties": False}),
+    (
+        "no integer between exclusive bounds",
+        {"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2},
+    ),
+    ("const of another type", {"type": "string", "const": 5}),
+    ("enum of another type", {"type": "integer", "enum": ["a", "b"]}),
+    (
+        "recursion with no way out",
+        {
+            "$ref": "#/$defs/a",
+            "$defs": {
+                "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]},
+            },
+        },
+    ),
+    ("pattern and length disagree", {"type": "string", "pattern": "^a$", "minLength": 3}),
 ]
 
 

@@ -194,6 +194,7 @@ class PreparedChat:
     prompt: list[int]
     params: SamplingParams
     tools: ToolPlan | None
+    constraint_field: str | None  # the request field whose grammar constrains the output, if any
 
 
 async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> PreparedChat:
@@ -223,14 +224,17 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Prepa
     prompt = body.truncate(prompt)
     check_prompts(ctx, [prompt], body.max_new_tokens, param="messages")
     params = sampling_params(body)
+    field = next((name for name, _ in body.guided_requests()), None)
     if tool_grammar is not None:
-        params = replace(params, guided=tool_grammar)
-    return PreparedChat(prompt, params, tools)
+        params, field = replace(params, guided=tool_grammar), "tool_choice"
+    return PreparedChat(prompt, params, tools, field)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
     prepared = await prepare_chat(ctx, body)
-    run = start_run(ctx, request, "chatcmpl", [prepared.prompt], prepared.params, body.stream)
+    run = start_run(
+        ctx, request, "chatcmpl", [prepared.prompt], prepared.params, body.stream, prepared.constraint_field
+    )
     chat = _Chat(ctx, body, run, prepared.tools)
     return await respond(run, request, body.stream, chat.chunks, chat.json)

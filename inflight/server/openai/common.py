@@ -31,6 +31,7 @@ from inflight.engine.async_engine import (
     RequestAbortedError,
     RequestFailedError,
 )
+from inflight.engine.errors import ConstraintFailure
 from inflight.engine.sequence import Logprob, PositionLogprobs, SamplingParams
 from inflight.engine.tokenizer import TokenizerError
 from inflight.openai_errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, echoed, error_responses
@@ -208,13 +209,17 @@ def start_run(
     prompts: list[list[int]],
     params: SamplingParams,
     stream: bool,
+    constraint_field: str | None = None,
 ) -> RunState:
     """Submit one engine request per prompt under a new request id `{kind}-{hex}` (noted for the access
     log); 429 when the queue is full, 503 when the engine is not serving."""
     request_id = f"{kind}-{uuid.uuid4().hex}"
     request.state.request_id = request_id
     generation = _submit(ctx, request_id, prompts, params)
-    return RunState(ctx, request_id, generation, params.n, prompts, keep_outputs=not stream)
+    keep = not stream
+    return RunState(
+        ctx, request_id, generation, params.n, prompts, keep_outputs=keep, constraint_field=constraint_field
+    )
 
 
 def _unfinished_reason(error: BaseException | None) -> str:
@@ -222,9 +227,24 @@ def _unfinished_reason(error: BaseException | None) -> str:
     return "error" if isinstance(error, RequestFailedError) else "abort"
 
 
+class ConstraintFailedError(RequestFailedError):
+    """A sequence failed on its own constraint (engine.errors.ConstraintFailure): the request's fault."""
+
+    def __init__(self, message: str, field: str | None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _engine_error(error: Exception) -> APIError:
     if isinstance(error, RequestAbortedError):
         return APIError(503, str(error), code="shutting_down")
+    if isinstance(error, ConstraintFailedError):
+        return bad_request(
+            f"{error.field or 'the request'}: the output could not follow this constraint to the end "
+            f"({error}); simplify the schema or grammar (e.g. give recursive objects a way out).",
+            param=error.field,
+            code="constraint_failed",
+        )
     return APIError(500, f"The engine failed on this request: {error}", code="engine_error")
 
 
@@ -280,6 +300,8 @@ class RunState:
     prompt_logprobs: dict[int, list[PositionLogprobs | None]] = field(default_factory=dict)
     # False for streams: choices keep counts, not the text and logprobs already sent.
     keep_outputs: bool = True
+    # The request field whose grammar constrains the output (named when that grammar fails), if any.
+    constraint_field: str | None = None
 
     def choice(self, prompt_index: int, seq_index: int) -> ChoiceState:
         index = prompt_index * self.n + seq_index
@@ -338,9 +360,10 @@ class RunState:
                 if choice.finish_reason is not None and not was_finished:
                     self.record_finish(choice)
                     if choice.finish_reason == "error":
-                        raise RequestFailedError(
-                            choice.error or output.error or "the engine failed this sequence"
-                        )
+                        why = choice.error or output.error or "the engine failed this sequence"
+                        if isinstance(why, ConstraintFailure):
+                            raise ConstraintFailedError(why, self.constraint_field)
+                        raise RequestFailedError(why)
                 yield choice, text, tokens, logprobs
 
 

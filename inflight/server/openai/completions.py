@@ -251,6 +251,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Cont
     prompts, prompt_texts = await ctx.off_loop(_prompts, ctx, body)
     check_prompts(ctx, prompts, body.max_tokens, param="prompt")
     _check_prompt_logprobs(body, prompts)
-    run = start_run(ctx, request, "cmpl", prompts, sampling_params(body), body.stream)
+    field = next((name for name, _ in body.guided_requests()), None)
+    run = start_run(ctx, request, "cmpl", prompts, sampling_params(body), body.stream, field)
     completion = _Completion(ctx, body, run, prompt_texts)
     return await respond(run, request, body.stream, completion.chunks, completion.json)

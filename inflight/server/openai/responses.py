@@ -356,6 +356,8 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
     except APIError as error:
         error.param = CHAT_TO_RESPONSES_PARAM.get(error.param or "", error.param)
         raise
-    run = start_run(ctx, request, "resp", [prepared.prompt], prepared.params, body.stream)
+    run = start_run(
+        ctx, request, "resp", [prepared.prompt], prepared.params, body.stream, prepared.constraint_field
+    )
     answer = _Response(ctx, body, run, prepared.tools, conversation)
     return await respond(run, request, body.stream, answer.events, answer.json)
