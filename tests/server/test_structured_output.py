@@ -168,6 +168,17 @@ def test_hostile_schemas_are_400_naming_response_format(live: LiveServer, name: 
     assert post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_10_mb_schema_is_413_before_it_is_parsed(live: LiveServer) -> None:
+    schema = {"type": "object", "description": "x" * (10 << 20)}
+    body = {
+        "messages": MESSAGES,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    response = post(live, "/v1/chat/completions", body)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+    assert post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
