@@ -34,6 +34,7 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
             dtype=settings.dtype,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             tensor_parallel_size=settings.tensor_parallel_size,
+            kv_cache_dtype=settings.kv_cache_dtype,
         )
         # The server's warm-up (a full prefill step, then a decode step), untimed.
         warm_up(llm.engine)
@@ -54,6 +55,7 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
             "block_size": BLOCK_SIZE,
             "max_num_batched_tokens": settings.max_num_batched_tokens,
             "tensor_parallel_size": settings.tensor_parallel_size,
+            "kv_cache_dtype": settings.kv_cache_dtype,
         }
         return SystemRun([list(o.outputs[0].token_ids) for o in outputs], seconds, setup, config)
 

@@ -284,6 +284,7 @@ def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_
         "--max-queue", str(args.num_requests), "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--log-level", "warning",
     ]  # fmt: skip
+    command += ["--kv-cache-dtype", args.kv_cache_dtype]
     if not args.enable_prefix_caching:
         command.append("--no-enable-prefix-caching")
     return command
@@ -299,6 +300,7 @@ def _vllm_command(args: argparse.Namespace, model_dir: Path, port: int, longest:
         "--max-model-len", str(longest), "--seed", "0", "--disable-log-stats",
         "--uvicorn-log-level", "warning",
         "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--kv-cache-dtype", args.kv_cache_dtype,
     ]  # fmt: skip
 
 
@@ -370,6 +372,7 @@ def _offline_tokens_per_s(
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     run = (STATIC if args.scheduler == "static" else CONTINUOUS).run(settings)
     generated = sum(len(tokens) for tokens in run.outputs)
@@ -600,6 +603,7 @@ def _run_rate(
         "server": {
             "url": args.url or "started by the benchmark",
             "dtype": args.dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "max_slots": args.max_slots,
             "num_kv_blocks": num_kv_blocks,
             "block_size": BLOCK_SIZE,

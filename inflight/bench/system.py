@@ -25,6 +25,8 @@ class BenchSettings:
     threads: int | None = None
     # Ranks of the inflight engines (tensor parallelism); the other systems run unsplit.
     tensor_parallel_size: int = 1
+    # The inflight engines' KV cache element type (auto or fp8; --kv-cache-dtype).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass

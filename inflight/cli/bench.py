@@ -7,7 +7,12 @@ import sys
 from pathlib import Path
 
 from inflight.cli.args import add_model_arg
-from inflight.engine.cli_args import add_batching_args, add_engine_args, add_tensor_parallel_arg
+from inflight.engine.cli_args import (
+    add_batching_args,
+    add_engine_args,
+    add_kv_cache_dtype_arg,
+    add_tensor_parallel_arg,
+)
 from inflight.engine.config import EngineConfig
 from inflight.engine.dtypes import DTYPE_CHOICES
 
@@ -135,6 +140,7 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
         help="CPU threads for every system (default: all cores; on a busy machine fewer can be faster)",
     )
     add_tensor_parallel_arg(parser)
+    add_kv_cache_dtype_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.set_defaults(func=run_offline_command)
 
@@ -190,6 +196,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     report = run_offline(names, settings, _say, rounds=args.rounds)
     print(format_table(report))

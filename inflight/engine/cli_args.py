@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from inflight.engine.config import EngineConfig
-from inflight.engine.dtypes import DTYPE_CHOICES
+from inflight.engine.dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 
 ArgumentTarget = argparse.ArgumentParser | argparse._ArgumentGroup
 
@@ -29,6 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=DTYPE_CHOICES,
         help=f"weights and KV cache (default: {EngineConfig.model_fields['dtype'].description})",
     )
+    add_kv_cache_dtype_arg(engine)
     engine.add_argument(
         "--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: auto = cuda if any)"
     )
@@ -80,6 +81,16 @@ def add_batching_args(parser: ArgumentTarget) -> None:
     )
 
 
+def add_kv_cache_dtype_arg(parser: ArgumentTarget) -> None:
+    """`--kv-cache-dtype` (vLLM's name; `inflight size` and the offline benchmark take it too)."""
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=_default("kv_cache_dtype"),
+        choices=KV_CACHE_DTYPE_CHOICES,
+        help=f"KV cache element type (default: {EngineConfig.model_fields['kv_cache_dtype'].description})",
+    )
+
+
 def add_tensor_parallel_arg(parser: ArgumentTarget) -> None:
     """`--tensor-parallel-size` (vLLM's name)."""
     size = _default("tensor_parallel_size")
@@ -103,6 +114,7 @@ FLAG_DESTS = {
     "scheduler": "scheduler",
     "enable_prefix_caching": "enable_prefix_caching",
     "dtype": "dtype",
+    "kv_cache_dtype": "kv_cache_dtype",
     "device": "device",
     "gpu_memory_utilization": "gpu_memory_utilization",
     "tensor_parallel_size": "tensor_parallel_size",

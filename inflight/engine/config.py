@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inflight.engine.dtypes import DType
+from inflight.engine.dtypes import DType, KVCacheDType
 
 SchedulerPolicy = Literal["continuous", "static"]
 
@@ -34,6 +34,10 @@ class EngineConfig(BaseModel):
         default="auto",
         description="auto = bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 / AMX), else "
         "float32",
+    )
+    kv_cache_dtype: KVCacheDType = Field(
+        default="auto",
+        description="auto = the dtype above; fp8 = float8 e4m3 (half of bfloat16's bytes: twice the blocks)",
     )
     device: str = Field(default="auto", description="auto = cuda if available, else cpu")
     kv_cache_memory_gib: float = Field(

@@ -14,7 +14,8 @@ DType = Literal["auto", DTypeName]
 
 DTYPE_NAMES: tuple[DTypeName, ...] = get_args(DTypeName)
 DTYPE_CHOICES: tuple[str, ...] = ("auto", *DTYPE_NAMES)
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per element: the engine dtypes, and float8_e4m3fn for an FP8 KV cache (below).
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 def resolve_dtype_name(dtype: str, on_cuda: bool, *, native_cpu_bfloat16: bool) -> DTypeName:
@@ -26,3 +27,21 @@ def resolve_dtype_name(dtype: str, on_cuda: bool, *, native_cpu_bfloat16: bool) 
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     return dtype
+
+
+# ---- the KV cache's element type (`--kv-cache-dtype`)
+
+# auto: the engine's dtype; fp8: float8 e4m3 (torch.float8_e4m3fn), one byte per element.
+KVCacheDType = Literal["auto", "fp8"]
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = get_args(KVCacheDType)
+# The torch name of each KV cache dtype that is not the engine's dtype.
+KV_CACHE_TORCH_NAMES: dict[str, str] = {"fp8": "float8_e4m3fn"}
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
+    """The element type of the KV cache: the engine's `dtype` for `auto`, float8_e4m3fn for `fp8`."""
+    if kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {kv_cache_dtype!r}"
+        )
+    return KV_CACHE_TORCH_NAMES.get(kv_cache_dtype, dtype)

@@ -28,7 +28,7 @@ from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepare_linears
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.guided import GrammarCompiler, GrammarMatchers
-from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes
+from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes, kv_cache_dtype
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.loader import load_model
 from inflight.engine.model.config import ModelConfig
@@ -66,6 +66,7 @@ class LLMEngine:
         self.dtype: torch.dtype = getattr(
             torch, resolve_dtype_name(config.dtype, on_cuda, native_cpu_bfloat16=native_bf16)
         )
+        self.kv_dtype: torch.dtype = kv_cache_dtype(config, self.dtype)
         if self.device.type == "cpu":
             logger.info("CPU %s; running in %s", cpu_isa().describe(), str(self.dtype).removeprefix("torch."))
             retain_freed_memory()
@@ -115,7 +116,7 @@ class LLMEngine:
             self.model_config,
             self.num_kv_blocks,
             config.block_size,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             self.model.layout.kv_heads,
         )
@@ -161,7 +162,9 @@ class LLMEngine:
         than that (a plan made from node labels, say) is cut to what fits, and the log says so.
         """
         mc = self.model_config
-        bytes_per_block = kv_block_bytes(mc, self.model.layout.kv_heads, self.config.block_size, self.dtype)
+        bytes_per_block = kv_block_bytes(
+            mc, self.model.layout.kv_heads, self.config.block_size, self.kv_dtype
+        )
         budget = kv_budget_bytes(self.config, self.device)
         fit = int(budget // bytes_per_block)
         if self.workers is not None:
@@ -189,7 +192,12 @@ class LLMEngine:
                 blocks,
             )
         else:
-            logger.info("KV cache: %d blocks of %d tokens", blocks, self.config.block_size)
+            logger.info(
+                "KV cache: %d blocks of %d tokens (%s)",
+                blocks,
+                self.config.block_size,
+                str(self.kv_dtype).removeprefix("torch."),
+            )
         return blocks
 
     # ---- requests

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from inflight.engine.config import EngineConfig
-from inflight.engine.dtypes import DTYPE_BYTES
+from inflight.engine.dtypes import DTYPE_BYTES, kv_cache_dtype_name
 from inflight.engine.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -28,8 +28,16 @@ def choose_num_kv_blocks(requested: int | None, fit: int, enough: int, measured:
     return min(requested, fit) if measured else requested
 
 
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for an engine running in `dtype` (config.kv_cache_dtype: auto or fp8)."""
+    import torch
+
+    return getattr(torch, kv_cache_dtype_name(config.kv_cache_dtype, str(dtype).removeprefix("torch.")))
+
+
 def kv_block_bytes(model: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers for `num_kv_heads` heads (a rank's, with tensor parallelism)."""
+    """Bytes of one KV block over all layers for `num_kv_heads` heads (a rank's, with tensor parallelism),
+    `dtype` the cache's element type (kv_cache_dtype)."""
     name = str(dtype).removeprefix("torch.")
     return block_size * kv_token_bytes(model.num_hidden_layers, num_kv_heads, model.head_dim, name)
 

@@ -14,9 +14,12 @@ torch path.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from inflight.engine.attention import torch_paged
+from inflight.engine.attention.kv_store import to_cache
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
 
@@ -24,6 +27,15 @@ from inflight.engine.cpu import kernels as cpu_kernels
 def kernel_available() -> bool:
     """True when the C kernels are built and loaded (builds them on first call)."""
     return cpu_kernels.library() is not None
+
+
+def _library_for(rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, when they can take query/key rows of this dtype with these caches: the same dtype, or
+    float8 caches (`--kv-cache-dtype fp8`)."""
+    if k_cache.dtype != rows.dtype and k_cache.dtype in cpu_kernels.KV_DTYPE_CODES:
+        library = cpu_kernels.library_for(rows)
+        return library if v_cache.dtype == k_cache.dtype and k_cache.is_cpu and v_cache.is_cpu else None
+    return cpu_kernels.library_for(rows, k_cache, v_cache)
 
 
 def _kernel_handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -45,8 +57,11 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Same contract as torch_paged.write_kv_cache. The kernel trusts the slots (the engine's own, from its
-    block tables); the torch path, which checks them, is the reference."""
-    library = cpu_kernels.library_for(key, value, k_cache, v_cache)
+    block tables); the torch path, which checks them, is the reference. Rows for a float8 cache are
+    converted first (kv_store.to_cache), then copied like any other."""
+    library = _library_for(key, k_cache, v_cache) if key.dtype == value.dtype else None
+    if library is not None and k_cache.dtype != key.dtype:
+        key, value = to_cache(key, k_cache.dtype), to_cache(value, v_cache.dtype)
     usable = (
         library is not None
         and _rows_dense(key)
@@ -84,7 +99,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Same contract as torch_paged.paged_attention: decode rows through the decode kernel, the rows of
     prompts through the prefill kernel."""
-    library = cpu_kernels.library_for(query, k_cache, v_cache)
+    library = _library_for(query, k_cache, v_cache)
     if library is None or not _kernel_handles(query, k_cache, v_cache):
         return torch_paged.paged_attention(query, k_cache, v_cache, meta, scale)
     out = query.new_empty(query.shape)
@@ -100,8 +115,8 @@ def paged_attention(
         block_tables.stride(0),
     )
     shape = (query.shape[1], k_cache.shape[2], query.shape[2], k_cache.shape[1], meta.sliding_window or 0)
-    dtype = cpu_kernels.DTYPE_CODES[query.dtype]
-    rest = (*shape, scale, dtype, out.data_ptr(), meta.max_seq_len, torch.get_num_threads())
+    dtypes = (cpu_kernels.DTYPE_CODES[query.dtype], cpu_kernels.KV_DTYPE_CODES[k_cache.dtype])
+    rest = (*shape, scale, *dtypes, out.data_ptr(), meta.max_seq_len, torch.get_num_threads())
     failed = 0
     rows, seqs, lens = meta.decode_rows
     if rows.numel():

@@ -13,6 +13,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from inflight.engine.attention.kv_store import to_cache
 from inflight.engine.attention.metadata import AttentionMetadata
 
 
@@ -23,10 +24,13 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store the new tokens' key/value rows ([T, num_kv_heads, head_dim]) at their slots."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    """Store the new tokens' key/value rows ([T, num_kv_heads, head_dim]) at their slots (as cache
+    elements: kv_store.to_cache)."""
+    for rows, cache in ((key, k_cache), (value, v_cache)):
+        elements = to_cache(rows, cache.dtype)
+        if cache.element_size() == 1:  # index_copy_ has no float8 kernel: copy the bytes
+            cache, elements = cache.view(torch.uint8), elements.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, elements)
 
 
 def paged_attention(
@@ -138,8 +142,11 @@ class _Workspace(threading.local):
 _WORKSPACE = _Workspace()
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
-    """[..., num_blocks * block_size, num_kv_heads, head_dim]: the first `num_blocks` blocks of a table.
+def _gather(
+    cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int, name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """[..., num_blocks * block_size, num_kv_heads, head_dim]: the first `num_blocks` blocks of a table,
+    as `dtype` (the query's: a float8 cache is widened).
 
     The result lives in the `name` workspace buffer: valid until the next gather with that name.
     """
@@ -147,7 +154,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int, nam
     rows = cache.view(cache.shape[0], -1)
     out = _WORKSPACE.get(name, ids.numel() * rows.shape[1], cache.dtype, cache.device)
     torch.index_select(rows, 0, ids.reshape(-1), out=out.view(ids.numel(), rows.shape[1]))
-    return out.view(*ids.shape[:-1], num_blocks * cache.shape[1], *cache.shape[2:])
+    gathered = out.view(*ids.shape[:-1], num_blocks * cache.shape[1], *cache.shape[2:])
+    return gathered if cache.dtype == dtype else gathered.to(dtype)
 
 
 def _decode(
@@ -164,8 +172,8 @@ def _decode(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-max_seq_len // block_size)
-    keys = _gather(k_cache, block_tables, num_blocks, "k").transpose(1, 2)  # [B, Hkv, L, D]
-    values = _gather(v_cache, block_tables, num_blocks, "v").transpose(1, 2)
+    keys = _gather(k_cache, block_tables, num_blocks, "k", query.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather(v_cache, block_tables, num_blocks, "v", query.dtype).transpose(1, 2)
     key_pos = torch.arange(keys.shape[2], device=query.device)
     lens = seq_lens.to(torch.int64)[:, None]
     mask = key_pos[None, :] < lens
@@ -189,8 +197,10 @@ def prefill(
     """The last `query_len` tokens of one sequence: query [Q, Hq, D] -> [Q, Hq, D]."""
     query_len = query.shape[0]
     num_blocks = -(-seq_len // k_cache.shape[1])
-    keys = _gather(k_cache, block_table, num_blocks, "k")[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-    values = _gather(v_cache, block_table, num_blocks, "v")[:seq_len].transpose(0, 1)
+    keys = _gather(k_cache, block_table, num_blocks, "k", query.dtype)[:seq_len].transpose(
+        0, 1
+    )  # [Hkv, L, D]
+    values = _gather(v_cache, block_table, num_blocks, "v", query.dtype)[:seq_len].transpose(0, 1)
     # A leading batch dimension: without it SDPA takes its slow math path on CPU instead of flash attention.
     q, keys, values = query.transpose(0, 1)[None], keys[None], values[None]  # [1, H, L, D]
     if query_len == seq_len and sliding_window is None:

@@ -13,6 +13,11 @@ result that `reduce_splits_kernel` combines.
 
 DOT_IN_FP32 makes both matrix products exact float32 ("ieee", no TF32): the engine's float32 path must
 match the torch reference, and Triton's interpreter cannot multiply bfloat16 matrices (tests run there).
+
+A float8 e4m3 cache (`--kv-cache-dtype fp8`, KV_FP8): the write kernel stores what attention/kv_store.py
+stores (saturated to +-FP8_MAX, rounded to nearest even; `_round_to_e4m3`); the attention kernel widens
+each K/V tile to the query's dtype as it loads it, so the matrix products are the same as for a bfloat16
+cache.
 """
 
 from __future__ import annotations
@@ -21,6 +26,21 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _round_to_e4m3(x: tl.tensor, FP8_MAX: tl.constexpr) -> tl.tensor:
+    """x (float32) saturated to +-FP8_MAX and rounded to nearest even on the e4m3 grid (3 mantissa bits;
+    subnormals below 2^-6 in steps of 2^-9), so the cast that follows is exact. Done here rather than
+    left to the cast: the GPU's cvt.rn.satfinite gives the same, Triton's interpreter (the CPU tests) does
+    not (it rounds subnormals toward zero and drops the carry into the next power of two)."""
+    magnitude = tl.minimum(tl.abs(x), FP8_MAX)
+    exponent = (magnitude.to(tl.int32, bitcast=True) >> 23) - 127
+    step_exponent = tl.maximum(exponent, -6) - 3
+    step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding 1.5 * 2^23 rounds a float below 2^22 to an integer, to nearest even.
+    rounded = ((magnitude / step + 12582912.0) - 12582912.0) * step
+    return tl.where(x < 0, -rounded, rounded)  # -0.0 for small negatives, as the cast gives
 
 
 @triton.jit
@@ -42,7 +62,9 @@ def write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ) -> None:
+    """FP8_MAX: the float8 cache's saturation bound (0: the cache is not float8)."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -58,10 +80,13 @@ def write_kv_kernel(
         key = tl.load(
             key_ptr + token * stride_key_t + heads[:, None] * stride_key_h + dims[None, :], mask=mask
         )
-        tl.store(k_cache_ptr + cache_offset, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
         value = tl.load(
             value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :], mask=mask
         )
+        if FP8_MAX > 0:
+            key = _round_to_e4m3(key.to(tl.float32), FP8_MAX)
+            value = _round_to_e4m3(value.to(tl.float32), FP8_MAX)
+        tl.store(k_cache_ptr + cache_offset, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_offset, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -100,6 +125,7 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0) // num_q_tiles
     q_tile = tl.program_id(0) % num_q_tiles
@@ -156,6 +182,8 @@ def paged_attention_kernel(
                 mask=key_valid[None, :] & dim_valid[:, None],
                 other=0.0,
             )
+            if KV_FP8:
+                k = k.to(query_ptr.dtype.element_ty)
             if DOT_IN_FP32:
                 scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * qk_scale
             else:
@@ -175,6 +203,8 @@ def paged_attention_kernel(
                 mask=key_valid[:, None] & dim_valid[None, :],
                 other=0.0,
             )
+            if KV_FP8:
+                v = v.to(query_ptr.dtype.element_ty)
             if DOT_IN_FP32:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:

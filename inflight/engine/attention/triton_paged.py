@@ -14,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from inflight.engine.attention.kv_store import FP8_DTYPE, FP8_MAX
 from inflight.engine.attention.metadata import AttentionMetadata
 
 # Key tokens per inner-loop tile, and the query tokens per program in prefill.
@@ -91,6 +92,7 @@ def write_kv_cache(
         BLOCK_SIZE=k_cache.shape[1],
         HEADS_PAD=_pow2(num_kv_heads),
         DIM_PAD=max(_pow2(head_dim), 16),
+        FP8_MAX=FP8_MAX if k_cache.dtype == FP8_DTYPE else 0.0,
     )
 
 
@@ -191,6 +193,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         USE_WINDOW=meta.sliding_window is not None,
         DOT_IN_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting()),
+        KV_FP8=k_cache.dtype == FP8_DTYPE,
     )
     if num_splits > 1:
         kernels.reduce_splits_kernel[(num_tokens, num_heads)](

@@ -4,7 +4,9 @@
  *
  * Compiled at first use by kernels.py (cc -O3 -march=native -fopenmp -fno-trapping-math -fno-math-errno:
  * without the last two gcc keeps float selects and sqrtf out of vector loops) and called through ctypes.
- * Element type: float32 (dtype 0) or bfloat16 (dtype 1); arithmetic is float32 either way.
+ * Element type: float32 (dtype 0) or bfloat16 (dtype 1); arithmetic is float32 either way. The attention
+ * kernels also read a KV cache of float8 e4m3 (kv_dtype 2, `--kv-cache-dtype fp8`), widened to float as
+ * it is read (exact; see fp8_to_float).
  * Parallel loops use `num_threads` OpenMP threads (the OpenMP runtime torch already loaded).
  * -march=native decides the instruction set when the library is built on the machine that runs it:
  * bfloat16 rows are converted 16 at a time with AVX-512, rounded by the AVX512-BF16 instruction where the
@@ -18,7 +20,7 @@
 #include <immintrin.h>
 #endif
 
-enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2 };
 
 /* Forced inlining: for the micro-kernels, so constant arguments specialize them; and for the prefetching
  * functions, which gcc otherwise judges pure (they only prefetch) and drops. */
@@ -102,6 +104,42 @@ static inline void round_to_bf16_n(float *x, uint16_t *tmp, int64_t n) {
     bf16_to_float_n(tmp, x, n);
 }
 
+/* ---- float8 e4m3 -> float ---------------------------------------------------------------------------
+ * e4m3 (sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities) as float, exactly. The KV
+ * cache never holds NaN (0x7f / 0xff): writers saturate to +-448 (attention/kv_store.py), so these read
+ * those bits as +-480 like every other code. No CPU has an e4m3 instruction: the plain C version builds
+ * the float's bits (subnormals, exponent 0, are m * 2^-9); the AVX-512 one moves the 7 magnitude bits
+ * into a float16's exponent and mantissa (the same number times 2^-8, subnormals included), widens it with
+ * the F16C conversion, which AVX-512 has, and multiplies by 2^8 (exact: a power of two, result normal). */
+static inline float fp8_to_float(uint8_t x) {
+    const uint32_t exponent = (x >> 3) & 15u, mantissa = x & 7u;
+    float f;
+    if (exponent != 0) {
+        const uint32_t bits = ((exponent + 120u) << 23) | (mantissa << 20);
+        memcpy(&f, &bits, sizeof f);
+    } else {
+        f = (float)mantissa * 0x1p-9f;
+    }
+    return x & 0x80u ? -f : f;
+}
+
+#if defined(__AVX512F__)
+static ALWAYS_INLINE __m512 fp8x16_load(const uint8_t *src) {
+    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+    const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)), _mm512_set1_ps(256.0f));
+}
+#endif
+
+static inline void fp8_to_float_n(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fp8x16_load(src + i));
+#endif
+    for (; i < n; i++) dst[i] = fp8_to_float(src[i]);
+}
+
 /* The elementwise kernels take bfloat16 rows TILE elements at a time through float buffers on the stack. */
 enum { TILE = 256 };
 
@@ -153,19 +191,21 @@ static ALWAYS_INLINE __m512 exp_approx16(__m512 x) {
 }
 #endif
 
-/* `n` elements at `offset` as floats: the memory itself for float32, converted into `tmp` for bfloat16. */
-static inline const float *row_as_float(const void *base, int64_t offset, int64_t n, int dtype, float *tmp) {
-    if (dtype == DTYPE_FLOAT32) return (const float *)base + offset;
-    bf16_to_float_n((const uint16_t *)base + offset, tmp, n);
-    return tmp;
-}
-
 /* `n` elements at `offset` as floats, copied into dst. */
 static inline void load_as_float(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
     if (dtype == DTYPE_FLOAT32)
         memcpy(dst, (const float *)base + offset, sizeof(float) * (size_t)n);
+    else if (dtype == DTYPE_FP8_E4M3)
+        fp8_to_float_n((const uint8_t *)base + offset, dst, n);
     else
         bf16_to_float_n((const uint16_t *)base + offset, dst, n);
+}
+
+/* `n` elements at `offset` as floats: the memory itself for float32, converted into `tmp` otherwise. */
+static inline const float *row_as_float(const void *base, int64_t offset, int64_t n, int dtype, float *tmp) {
+    if (dtype == DTYPE_FLOAT32) return (const float *)base + offset;
+    load_as_float(base, offset, n, dtype, tmp);
+    return tmp;
 }
 
 static inline void store_row(void *base, int64_t offset, const float *src, int64_t n, int dtype) {
@@ -494,7 +534,7 @@ static ALWAYS_INLINE void prefetch_until(const struct item_ctx *c, struct prefet
 }
 
 /* Rows of the `count` tokens from cache slot `slot` on for `kv_head` as floats: row j at
- * *rows + j * (return value). float32 is read in place; bfloat16 is converted into tmp. */
+ * *rows + j * (return value). float32 is read in place; bfloat16 and float8 are converted into tmp. */
 static inline int64_t chunk_rows(const struct item_ctx *c, const void *cache, int64_t slot, int64_t count,
                                  int64_t kv_head, float *tmp, const float **rows) {
     const int64_t offset = (slot * c->num_kv_heads + kv_head) * c->head_dim;
@@ -502,9 +542,9 @@ static inline int64_t chunk_rows(const struct item_ctx *c, const void *cache, in
         *rows = (const float *)cache + offset;
         return c->num_kv_heads * c->head_dim;
     }
-    const uint16_t *src = (const uint16_t *)cache + offset;
     for (int64_t j = 0; j < count; j++)
-        bf16_to_float_n(src + j * c->num_kv_heads * c->head_dim, tmp + j * c->head_dim, c->head_dim);
+        load_as_float(cache, offset + j * c->num_kv_heads * c->head_dim, c->head_dim,
+                      c->elem_size == 2 ? DTYPE_BFLOAT16 : DTYPE_FP8_E4M3, tmp + j * c->head_dim);
     *rows = tmp;
     return c->head_dim;
 }
@@ -517,7 +557,7 @@ struct item_buffers {
     const uint16_t *raw_queries; /* bfloat16 items: the same heads as they lie in q (unscaled) */
     float scale;
     float *acc;     /* [heads, head_dim] */
-    float *tmp;     /* [CHUNK, head_dim]: converted bfloat16 rows */
+    float *tmp;     /* [CHUNK, head_dim]: converted bfloat16 / float8 rows */
 };
 
 static struct item_buffers item_buffers(float *scratch, int64_t heads, int64_t len, int64_t head_dim) {
@@ -602,12 +642,15 @@ static ALWAYS_INLINE void weigh_chunk(const struct item_ctx *c, const struct ite
  * heads of its GQA group, four tokens at a time (16 running sums in registers); each V row once per
  * HEAD_BLOCK heads. Measured on AMD EPYC (Zen 5), a decode step over 30 layers' bfloat16 caches: 1.4x
  * faster than the AVX2 chunks, float32 the same (docs/benchmarks.md). Where the CPU has AVX512-BF16, bfloat16
- * scores take its dot product instead (score4_bf16: 1.15-1.2x the widening score4's attention). */
+ * scores take its dot product instead (score4_bf16: 1.15-1.2x the widening score4's attention). A float8
+ * cache is widened in registers the same way (fp8x16_load): a quarter of float32's memory traffic. The
+ * `kv` argument is the cache's dtype code. */
 enum { HEAD_BLOCK = 4 };
 
 /* 16 elements of a cache row from element i on, as floats. */
-static ALWAYS_INLINE __m512 load16(const void *row, int64_t i, int bf16) {
-    if (bf16)
+static ALWAYS_INLINE __m512 load16(const void *row, int64_t i, int kv) {
+    if (kv == DTYPE_FP8_E4M3) return fp8x16_load((const uint8_t *)row + i);
+    if (kv == DTYPE_BFLOAT16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
     return _mm512_loadu_ps((const float *)row + i);
@@ -627,13 +670,13 @@ static ALWAYS_INLINE __m128 sum4_lanes16(__m512 a, __m512 b, __m512 c, __m512 d)
 /* Scores of four key rows against `hn` (<= HEAD_BLOCK) queries [hn, head_dim]: head i's score of row j
  * goes to out[i * len + j] for j < count (rows past count repeat a real row; their sums are dropped). */
 static ALWAYS_INLINE void score4(const float *queries, int hn, const void *const rows[4], int64_t head_dim,
-                                 int bf16, float *out, int64_t len, int64_t count) {
+                                 int kv, float *out, int64_t len, int64_t count) {
     __m512 acc[HEAD_BLOCK][4];
     for (int i = 0; i < HEAD_BLOCK; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 16) {
-        const __m512 k0 = load16(rows[0], d, bf16), k1 = load16(rows[1], d, bf16);
-        const __m512 k2 = load16(rows[2], d, bf16), k3 = load16(rows[3], d, bf16);
+        const __m512 k0 = load16(rows[0], d, kv), k1 = load16(rows[1], d, kv);
+        const __m512 k2 = load16(rows[2], d, kv), k3 = load16(rows[3], d, kv);
         for (int i = 0; i < hn; i++) {
             const __m512 x = _mm512_loadu_ps(queries + i * head_dim + d);
             acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
@@ -676,12 +719,12 @@ static ALWAYS_INLINE void score4_bf16(const uint16_t *queries, int hn, const voi
 
 /* acc[i] += sum_j p[i * len + j] * row j for `hn` (<= HEAD_BLOCK) heads; row j at `rows` + j * stride bytes. */
 static ALWAYS_INLINE void weigh4(const float *p, int64_t len, int hn, const char *rows, int64_t stride, int64_t count,
-                                 int64_t head_dim, int bf16, float *acc) {
+                                 int64_t head_dim, int kv, float *acc) {
     for (int64_t d = 0; d < head_dim; d += 16) {
         __m512 a[HEAD_BLOCK];
         for (int i = 0; i < hn; i++) a[i] = _mm512_loadu_ps(acc + i * head_dim + d);
         for (int64_t j = 0; j < count; j++) {
-            const __m512 v = load16(rows + j * stride, d, bf16);
+            const __m512 v = load16(rows + j * stride, d, kv);
             for (int i = 0; i < hn; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * len + j]), v, a[i]);
         }
         for (int i = 0; i < hn; i++) _mm512_storeu_ps(acc + i * head_dim + d, a[i]);
@@ -703,14 +746,14 @@ static ALWAYS_INLINE const char *row_at(const struct item_ctx *c, const void *ca
 }
 
 static ALWAYS_INLINE void score_chunk_wide(const struct item_ctx *c, const struct item_buffers *b, int64_t slot,
-                                           int64_t count, int64_t kv_head, int64_t group, float *scores, int bf16) {
+                                           int64_t count, int64_t kv_head, int64_t group, float *scores, int kv) {
     const int64_t token_bytes = c->num_kv_heads * c->head_dim * c->elem_size;
     const char *base = row_at(c, c->k_cache, slot, kv_head);
     const void *rows[4];
     for (int64_t j = 0; j < 4; j++) rows[j] = base + (j < count ? j : count - 1) * token_bytes;
     const int64_t h_end = (kv_head - c->head_begin + 1) * group;
 #if defined(__AVX512BF16__)
-    if (bf16 && c->head_dim % 32 == 0) {
+    if (kv == DTYPE_BFLOAT16 && b->raw_queries != NULL && c->head_dim % 32 == 0) {
         for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
             WITH_CONSTANT_HN(h_end - h, score4_bf16(b->raw_queries + h * c->head_dim, HN, rows, c->head_dim, b->scale,
                                                     scores + h * c->len, c->len, count))
@@ -718,28 +761,28 @@ static ALWAYS_INLINE void score_chunk_wide(const struct item_ctx *c, const struc
     }
 #endif
     for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
-        WITH_CONSTANT_HN(h_end - h, score4(b->queries + h * c->head_dim, HN, rows, c->head_dim, bf16,
+        WITH_CONSTANT_HN(h_end - h, score4(b->queries + h * c->head_dim, HN, rows, c->head_dim, kv,
                                            scores + h * c->len, c->len, count))
 }
 
 static ALWAYS_INLINE void weigh_chunk_wide(const struct item_ctx *c, const struct item_buffers *b, int64_t slot,
                                            int64_t count, int64_t kv_head, int64_t group, const float *weights,
-                                           int bf16) {
+                                           int kv) {
     const int64_t token_bytes = c->num_kv_heads * c->head_dim * c->elem_size;
     const char *base = row_at(c, c->v_cache, slot, kv_head);
     const int64_t h_end = (kv_head - c->head_begin + 1) * group;
     for (int64_t h = h_end - group; h < h_end; h += HEAD_BLOCK)
         WITH_CONSTANT_HN(h_end - h, weigh4(weights + h * c->len, c->len, HN, base, token_bytes, count, c->head_dim,
-                                           bf16, b->acc + h * c->head_dim))
+                                           kv, b->acc + h * c->head_dim))
 }
 #endif
 
 /* One pass over the item's keys, a chunk at a time, every KV head of the chunk before the next chunk:
  * `values` 0 scores the K rows into b->scores, 1 adds the V rows weighted by b->scores into b->acc. The
  * prefetch stream runs `ahead` tokens in front (K rows first, then V rows), a share of a chunk before each
- * KV head. */
+ * KV head. `kv`: the cache's dtype code (the AVX-512 chunks take it as a constant). */
 static ALWAYS_INLINE void visit_chunks(const struct item_ctx *c, const struct item_buffers *b, struct prefetcher *pf,
-                                       int64_t ahead, int64_t group, int values, int wide, int bf16) {
+                                       int64_t ahead, int64_t group, int values, int wide, int kv) {
     const int64_t end = c->first + c->len, stream = values ? c->len : 0;
     for (int64_t t = c->first; t < end;) {
         const int64_t count = chunk_count(t, end, c->block_size);
@@ -750,9 +793,9 @@ static ALWAYS_INLINE void visit_chunks(const struct item_ctx *c, const struct it
 #if defined(__AVX512F__)
             if (wide) {
                 if (values)
-                    weigh_chunk_wide(c, b, slot, count, kv_head, group, scores, bf16);
+                    weigh_chunk_wide(c, b, slot, count, kv_head, group, scores, kv);
                 else
-                    score_chunk_wide(c, b, slot, count, kv_head, group, scores, bf16);
+                    score_chunk_wide(c, b, slot, count, kv_head, group, scores, kv);
                 continue;
             }
 #endif
@@ -764,7 +807,7 @@ static ALWAYS_INLINE void visit_chunks(const struct item_ctx *c, const struct it
         t += count;
     }
     (void)wide;
-    (void)bf16;
+    (void)kv;
 }
 
 /* The first key a row attending keys [0, keys) reads: 0, or the start of the sliding window. */
@@ -774,12 +817,12 @@ static inline int64_t window_start(int64_t keys, int64_t window) {
 
 /* One item: KV heads [head_begin, head_end) of one sequence. For each chunk of tokens every head of the
  * range is done before the next chunk, so a block is read from memory once while it is hot; `wide`: the
- * AVX-512 chunks (AVX-512 builds only), for `dtype` fixed at compile time. */
+ * AVX-512 chunks (AVX-512 builds only), for `dtype` (q, out) and `kv_dtype` (the caches) fixed at compile time. */
 static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                                          const int32_t *table, int64_t seq_len, int64_t row, int64_t head_begin,
                                          int64_t head_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                         int64_t block_size, int64_t window, float scale, int dtype, void *out,
-                                         float *scratch, int wide) {
+                                         int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype,
+                                         void *out, float *scratch, int wide) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t heads = (head_end - head_begin) * group; /* query heads of this item */
     const int64_t first = window_start(seq_len, window);
@@ -789,50 +832,62 @@ static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, co
     b.raw_queries = dtype == DTYPE_BFLOAT16 ? (const uint16_t *)q + query_offset : NULL;
     b.scale = scale;
     const struct item_ctx c = {k_cache, v_cache, table, first, len, head_begin, head_end - head_begin,
-                               num_kv_heads, head_dim, block_size, dtype == DTYPE_FLOAT32 ? 4 : 2};
+                               num_kv_heads, head_dim, block_size,
+                               kv_dtype == DTYPE_FLOAT32 ? 4 : (kv_dtype == DTYPE_BFLOAT16 ? 2 : 1)};
     /* Prefetch `ahead` tokens ahead of the chunk being read, a share of a chunk before each KV head. */
     const int64_t ahead = PREFETCH_BYTES / (c.kv_heads * head_dim * c.elem_size);
     struct prefetcher pf = {0, first / block_size, first % block_size};
     prefetch_until(&c, &pf, ahead);
     load_queries(q, query_offset, heads, head_dim, scale, dtype, &b);
-    visit_chunks(&c, &b, &pf, ahead, group, 0, wide, dtype == DTYPE_BFLOAT16);
+    visit_chunks(&c, &b, &pf, ahead, group, 0, wide, kv_dtype);
     softmax_rows(heads, len, &b);
     memset(b.acc, 0, sizeof(float) * (size_t)(heads * head_dim));
-    visit_chunks(&c, &b, &pf, ahead, group, 1, wide, dtype == DTYPE_BFLOAT16);
+    visit_chunks(&c, &b, &pf, ahead, group, 1, wide, kv_dtype);
 
     store_outputs(out, (row * num_heads + head_begin * group) * head_dim, heads, head_dim, dtype, &b);
 }
 
-/* decode_item_as compiled for each case: the portable / AVX2 chunks (either dtype), and the AVX-512 chunks
- * for float32 and for bfloat16. */
+/* decode_item_as compiled for each case: the portable / AVX2 chunks (any dtypes), and the AVX-512 chunks
+ * for float32, for bfloat16 and for a float8 cache (queries of either dtype). */
 #define DECODE_ITEM_PARAMS                                                                                           \
     const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *table,             \
         int64_t seq_len, int64_t row, int64_t head_begin, int64_t head_end, int64_t num_heads, int64_t num_kv_heads, \
-        int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, void *out, float *scratch
+        int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype, void *out,       \
+        float *scratch
 #define DECODE_ITEM_ARGS                                                                                             \
     q, q_row_stride, k_cache, v_cache, table, seq_len, row, head_begin, head_end, num_heads, num_kv_heads, head_dim, \
         block_size, window, scale
 typedef void (*decode_item_fn)(DECODE_ITEM_PARAMS);
 
-static void decode_item(DECODE_ITEM_PARAMS) { decode_item_as(DECODE_ITEM_ARGS, dtype, out, scratch, 0); }
+static void decode_item(DECODE_ITEM_PARAMS) { decode_item_as(DECODE_ITEM_ARGS, dtype, kv_dtype, out, scratch, 0); }
 #if defined(__AVX512F__)
 static void decode_item_wide_float32(DECODE_ITEM_PARAMS) {
     (void)dtype;
-    decode_item_as(DECODE_ITEM_ARGS, DTYPE_FLOAT32, out, scratch, 1);
+    (void)kv_dtype;
+    decode_item_as(DECODE_ITEM_ARGS, DTYPE_FLOAT32, DTYPE_FLOAT32, out, scratch, 1);
 }
 static void decode_item_wide_bfloat16(DECODE_ITEM_PARAMS) {
     (void)dtype;
-    decode_item_as(DECODE_ITEM_ARGS, DTYPE_BFLOAT16, out, scratch, 1);
+    (void)kv_dtype;
+    decode_item_as(DECODE_ITEM_ARGS, DTYPE_BFLOAT16, DTYPE_BFLOAT16, out, scratch, 1);
+}
+static void decode_item_wide_fp8(DECODE_ITEM_PARAMS) {
+    (void)kv_dtype;
+    decode_item_as(DECODE_ITEM_ARGS, dtype, DTYPE_FP8_E4M3, out, scratch, 1);
 }
 #endif
 
-/* The item function for these inputs. */
-static decode_item_fn pick_decode_item(int64_t head_dim, int dtype) {
+/* The item function for these inputs (kv_dtype: the caches'; float32 and bfloat16 caches have q's dtype). */
+static decode_item_fn pick_decode_item(int64_t head_dim, int dtype, int kv_dtype) {
 #if defined(__AVX512F__)
-    if (head_dim % 16 == 0) return dtype == DTYPE_BFLOAT16 ? decode_item_wide_bfloat16 : decode_item_wide_float32;
+    if (head_dim % 16 == 0) {
+        if (kv_dtype == DTYPE_FP8_E4M3) return decode_item_wide_fp8;
+        return dtype == DTYPE_BFLOAT16 ? decode_item_wide_bfloat16 : decode_item_wide_float32;
+    }
 #endif
     (void)head_dim;
     (void)dtype;
+    (void)kv_dtype;
     return decode_item;
 }
 
@@ -866,7 +921,7 @@ struct decode_call {
     int64_t q_row_stride, table_stride, num_heads, num_kv_heads, head_dim, block_size, window;
     int64_t items_per_seq, heads_per_item;
     float scale;
-    int dtype;
+    int dtype, kv_dtype;
     void *out;
     decode_item_fn item_fn;
 };
@@ -877,7 +932,7 @@ static void run_decode_item(const void *context, int64_t item, float *scratch) {
     const int64_t head_begin = (item % c->items_per_seq) * c->heads_per_item;
     c->item_fn(c->q, c->q_row_stride, c->k_cache, c->v_cache, c->block_tables + c->seqs[i] * c->table_stride, c->lens[i],
                c->rows[i], head_begin, head_begin + c->heads_per_item, c->num_heads, c->num_kv_heads, c->head_dim,
-               c->block_size, c->window, c->scale, c->dtype, c->out, scratch);
+               c->block_size, c->window, c->scale, c->dtype, c->kv_dtype, c->out, scratch);
 }
 
 /* Attention of n query rows, each over its own sequence's keys 0 .. lens[i] - 1: a decode token (lens[i]
@@ -887,13 +942,15 @@ static void run_decode_item(const void *context, int64_t item, float *scratch) {
  *   lens[i]     how many keys item i attends (before the sliding window)
  *   window      keys older than `window` positions are skipped (0 = no sliding window)
  *   max_seq_len the longest lens[i] (sizes the per-thread scratch)
+ *   dtype       q's and out's; kv_dtype the caches' (dtype's, or DTYPE_FP8_E4M3)
  * A work item is a whole row when there are enough of them to keep every thread busy, else one KV head
  * of a row. Returns 0, or 1 when scratch memory could not be allocated (out is then incomplete).
  */
 int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *lens, const int64_t *rows, const int64_t *seqs,
                  int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 int64_t window, float scale, int dtype, void *out, int64_t max_seq_len, int num_threads) {
+                 int64_t window, float scale, int dtype, int kv_dtype, void *out, int64_t max_seq_len,
+                 int num_threads) {
     const int64_t heads_per_item = n >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t query_heads = heads_per_item * (num_heads / num_kv_heads);
@@ -903,7 +960,7 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
         .seqs = seqs, .q_row_stride = q_row_stride, .table_stride = table_stride, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size, .window = window,
         .items_per_seq = items_per_seq, .heads_per_item = heads_per_item, .scale = scale, .dtype = dtype,
-        .out = out, .item_fn = pick_decode_item(head_dim, dtype)};
+        .kv_dtype = kv_dtype, .out = out, .item_fn = pick_decode_item(head_dim, dtype, kv_dtype)};
     return run_items(n * items_per_seq, scratch_floats, num_threads, run_decode_item, &call);
 }
 
@@ -1051,7 +1108,7 @@ static void prefill_weigh_c(const float *weights, int64_t m, int64_t stride, con
 static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                          const int32_t *table, int64_t first_row, int64_t ctx, int64_t r0, int64_t r1, int64_t kv_head,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                         float scale, int dtype, void *out, float *scratch) {
+                         float scale, int dtype, int kv_dtype, void *out, float *scratch) {
     const int64_t group = num_heads / num_kv_heads, vectors = (r1 - r0) * group;
     const int64_t padded = padded_vectors(r1 - r0, group);
     const int64_t klo = window_start(ctx + r0 + 1, window);
@@ -1065,7 +1122,7 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
     t.inv = t.scores + padded * t.stride;
     /* bfloat16 scores by dot product (prefill_scores8_bf16): keys and queries stay bfloat16, in pairs. */
 #if defined(__AVX512BF16__)
-    const int pairs = dtype == DTYPE_BFLOAT16 && head_dim % 32 == 0 ? (int)(head_dim / 2) : 0;
+    const int pairs = dtype == DTYPE_BFLOAT16 && kv_dtype == DTYPE_BFLOAT16 && head_dim % 32 == 0 ? (int)(head_dim / 2) : 0;
 #else
     const int pairs = 0;
 #endif
@@ -1080,10 +1137,10 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
             const uint32_t *k = (const uint32_t *)((const uint16_t *)k_cache + offset);
             for (int64_t p = 0; p < pairs; p++) kt2[p * t.stride + j] = k[p];
         } else {
-            const float *k = row_as_float(k_cache, offset, head_dim, dtype, t.queries);
+            const float *k = row_as_float(k_cache, offset, head_dim, kv_dtype, t.queries);
             for (int64_t d = 0; d < head_dim; d++) t.kt[d * t.stride + j] = k[d];
         }
-        load_as_float(v_cache, offset, head_dim, dtype, t.v + j * head_dim);
+        load_as_float(v_cache, offset, head_dim, kv_dtype, t.v + j * head_dim);
     }
     /* Past the last key the tile is zero (0.0f and a zero bfloat16 pair are the same 32 bits). */
     const int64_t kt_rows = pairs ? pairs : head_dim;
@@ -1172,7 +1229,7 @@ struct prefill_call {
     const int64_t *prompts, *item_starts;
     int64_t items, q_row_stride, table_stride, num_heads, num_kv_heads, head_dim, block_size, window;
     float scale;
-    int dtype;
+    int dtype, kv_dtype;
     void *out;
 };
 
@@ -1188,7 +1245,7 @@ static void run_prefill_item(const void *context, int64_t item, float *scratch) 
     const int64_t r0 = tile * PREFILL_ROWS, r1 = r0 + PREFILL_ROWS < query_len ? r0 + PREFILL_ROWS : query_len;
     prefill_item(c->q, c->q_row_stride, c->k_cache, c->v_cache, c->block_tables + p[0] * c->table_stride, p[1],
                  seq_len - query_len, r0, r1, kv_head, c->num_heads, c->num_kv_heads, c->head_dim, c->block_size,
-                 c->window, c->scale, c->dtype, c->out, scratch);
+                 c->window, c->scale, c->dtype, c->kv_dtype, c->out, scratch);
 }
 
 /* Attention of the new rows of n prompts (query_len > 1), each over its own keys, causally.
@@ -1196,10 +1253,11 @@ static void run_prefill_item(const void *context, int64_t item, float *scratch) 
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart)
  *   window      keys older than `window` positions are skipped (0 = no sliding window)
  *   max_seq_len the longest seq_len (sizes the per-thread scratch)
+ *   dtype       q's and out's; kv_dtype the caches' (dtype's, or DTYPE_FP8_E4M3)
  * Returns 0, or 1 when scratch memory could not be allocated (out is then incomplete). */
 int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                   int64_t table_stride, const int64_t *prompts, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, void *out,
+                  int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype, void *out,
                   int64_t max_seq_len, int num_threads) {
     /* Item k of prompt i is tile k / num_kv_heads, KV head k % num_kv_heads; item_starts: prefix sums. */
     int64_t *item_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
@@ -1214,7 +1272,7 @@ int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, cons
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .prompts = prompts,
         .item_starts = item_starts, .items = item_starts[n], .q_row_stride = q_row_stride,
         .table_stride = table_stride, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
-        .block_size = block_size, .window = window, .scale = scale, .dtype = dtype, .out = out};
+        .block_size = block_size, .window = window, .scale = scale, .dtype = dtype, .kv_dtype = kv_dtype, .out = out};
     const int failed = run_items(item_starts[n], prefill_scratch_floats(max_keys, num_heads / num_kv_heads, head_dim),
                                  num_threads, run_prefill_item, &call);
     free(item_starts);

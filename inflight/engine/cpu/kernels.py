@@ -47,6 +47,8 @@ COMPILE_FLAGS = (
     "-std=gnu11",
 )
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The attention kernels' KV cache element types: the dtype's, or float8 e4m3 (`--kv-cache-dtype fp8`).
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 2}
 
 _CType = type[ctypes.c_void_p | ctypes.c_int64 | ctypes.c_int | ctypes.c_float]
 _ptr: _CType = ctypes.c_void_p
@@ -56,17 +58,17 @@ _float: _CType = ctypes.c_float
 # Every exported function and its C signature (argument types, return type or None for void).
 SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     # q, q_row_stride, k_cache, v_cache, block_tables, table_stride, lens, rows, seqs, n, num_heads,
-    # num_kv_heads, head_dim, block_size, window, scale, dtype, out, max_seq_len, num_threads
+    # num_kv_heads, head_dim, block_size, window, scale, dtype, kv_dtype, out, max_seq_len, num_threads
     "paged_decode": (
         [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
         + [_i64] * 6
-        + [_float, _int, _ptr, _i64, _int],
+        + [_float, _int, _int, _ptr, _i64, _int],
         _int,
     ),
     # q, q_row_stride, k_cache, v_cache, block_tables, table_stride, prompts, n, num_heads, num_kv_heads,
-    # head_dim, block_size, window, scale, dtype, out, max_seq_len, num_threads
+    # head_dim, block_size, window, scale, dtype, kv_dtype, out, max_seq_len, num_threads
     "paged_prefill": (
-        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 6 + [_float, _int, _ptr, _i64, _int],
+        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 6 + [_float, _int, _int, _ptr, _i64, _int],
         _int,
     ),
     # x, residual (or NULL), weight, out, rows, hidden, eps, dtype, num_threads

@@ -73,12 +73,13 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
 
     from inflight.engine.cpu.allocator import retain_freed_memory
     from inflight.engine.cpu.linear import can_prepack, prepare_linears
-    from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes
+    from inflight.engine.kv_budget import kv_block_bytes, kv_budget_bytes, kv_cache_dtype
     from inflight.engine.loader import load_model
     from inflight.engine.runner import allocate_kv_caches, run_model
 
     device = torch.device(spec.device)
     dtype = getattr(torch, spec.dtype)
+    kv_dtype = kv_cache_dtype(spec.config, dtype)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -97,14 +98,14 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
     if can_prepack(device, dtype):
         prepare_linears(model, config.max_num_seqs)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    block_bytes = kv_block_bytes(model.config, model.layout.kv_heads, config.block_size, dtype)
+    block_bytes = kv_block_bytes(model.config, model.layout.kv_heads, config.block_size, kv_dtype)
     pipe.send(("loaded", parameter_bytes, int(kv_budget_bytes(config, device) // block_bytes)))
     message = pipe.recv()
     if message is None:  # rank 0 gave up during start-up
         return
     _, num_blocks = message
     kv_caches = allocate_kv_caches(
-        model.config, num_blocks, config.block_size, dtype, device, model.layout.kv_heads
+        model.config, num_blocks, config.block_size, kv_dtype, device, model.layout.kv_heads
     )
     pipe.send(("ready",))
     while True:
