@@ -2,7 +2,8 @@
 
 Per tensor-parallel shard (one GPU):
 
-    kv_bytes_per_token = 2 * layers * kv_heads_per_gpu * head_dim * dtype_bytes
+    weight_bytes       = linear_params * format_bytes + other_params * dtype_bytes   (split over the GPUs)
+    kv_bytes_per_token = 2 * layers * kv_heads_per_gpu * head_dim * kv_dtype_bytes
     block_bytes        = block_size * kv_bytes_per_token
     usable             = gpu_mem * gpu_memory_utilization - weight_bytes_per_gpu - activation_reserve
     kv_blocks          = floor(usable / block_bytes)
@@ -14,6 +15,12 @@ smallest GPU count (tensor parallel, on one node) and the smallest catalog GPU t
 The operator plans with the engine's own formulas (engine/kv_budget.py's `kv_token_bytes`, the
 torch-free modules of the engine); the engine re-measures free memory at start and takes the smaller of
 the two plans.
+
+Bytes come from two tables: the weight format (`quantization`: engine/quantization.py, bytes per weight of
+the decoder's linear layers; the rest stays in `dtype`) and the KV cache's element type (`kv_cache_dtype`
+auto = dtype, fp8 = one byte: engine/dtypes.py). FP8 in either needs a GPU with FP8 support (`GPUType.fp8`,
+from the datasheets: Ada Lovelace and Hopper and later); on another GPU the plan does not fit and says
+what to change.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from inflight.engine.dtypes import DTYPE_BYTES, DTYPE_CHOICES
+from inflight.engine.dtypes import DTYPE_BYTES, DTYPE_CHOICES, kv_cache_dtype_name
 from inflight.engine.kv_budget import kv_token_bytes
 from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
 from inflight.engine.model.shard_layout import degree_error, valid_degrees
+from inflight.engine.quantization import NEEDS_FP8_GPU, QUANTIZATION_CHOICES, QUANTIZED_WEIGHT_BYTES
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -75,6 +83,17 @@ class ModelShape:
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
 
+    def linear_parameter_count(self) -> int:
+        """Parameters of the decoder's linear layers (attention q/k/v/o, MLP or experts, the router): what a
+        quantized weight format stores in its own bytes."""
+        q_size = self.num_attention_heads * self.head_dim
+        kv_size = self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size
+        mlp = self.num_experts * 3 * self.hidden_size * self.intermediate_size
+        if self.num_experts > 1:
+            mlp += self.hidden_size * self.num_experts  # the router
+        return self.num_layers * (attention + mlp)
+
     def replicated_parameter_count(self) -> int:
         """Parameters every tensor-parallel shard holds in full: the RMSNorm weights."""
         return (2 * self.num_layers + 1) * self.hidden_size
@@ -83,15 +102,12 @@ class ModelShape:
         """Parameters computed from the shape (embeddings, attention, MLP or experts, norms, LM head)."""
         q_size = self.num_attention_heads * self.head_dim
         kv_size = self.num_key_value_heads * self.head_dim
-        attention = self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size
-        if self.attention_bias:
-            attention += q_size + 2 * kv_size
-        mlp = self.num_experts * 3 * self.hidden_size * self.intermediate_size
-        if self.num_experts > 1:
-            mlp += self.hidden_size * self.num_experts  # the router
+        biases = self.num_layers * (q_size + 2 * kv_size) if self.attention_bias else 0
         embeddings = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embeddings
-        return self.num_layers * (attention + mlp) + embeddings + lm_head + self.replicated_parameter_count()
+        return (
+            self.linear_parameter_count() + biases + embeddings + lm_head + self.replicated_parameter_count()
+        )
 
     def tensor_parallel_error(self, degree: int) -> str | None:
         """Why `degree` GPUs cannot split this model (the engine's rule, engine/model/shard_layout.py)."""
@@ -105,28 +121,46 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class GPUType:
-    """A GPU model: the memory GPU feature discovery reports (MiB) and its product label."""
+    """A GPU model: the memory GPU feature discovery reports (MiB), its product label, and whether it has
+    bfloat16 and FP8 (e4m3) tensor cores (datasheets: FP8 from Ada Lovelace and Hopper on; T4 is Turing,
+    A10G and A100 Ampere)."""
 
     name: str
     memory_mib: int
     product: str
     bfloat16: bool = True
+    fp8: bool = False
 
 
 GPU_CATALOG: dict[str, GPUType] = {
     gpu.name: gpu
     for gpu in (
         GPUType("T4", 15360, "Tesla-T4", bfloat16=False),
-        GPUType("L4", 23034, "NVIDIA-L4"),
+        GPUType("L4", 23034, "NVIDIA-L4", fp8=True),
         GPUType("A10G", 23028, "NVIDIA-A10G"),
-        GPUType("L40S", 46068, "NVIDIA-L40S"),
+        GPUType("L40S", 46068, "NVIDIA-L40S", fp8=True),
         GPUType("A100-40GB", 40960, "NVIDIA-A100-SXM4-40GB"),
         GPUType("A100-80GB", 81920, "NVIDIA-A100-SXM4-80GB"),
-        GPUType("H100-80GB", 81559, "NVIDIA-H100-80GB-HBM3"),
-        GPUType("H200-141GB", 143771, "NVIDIA-H200"),
-        GPUType("B200", 183359, "NVIDIA-B200"),
+        GPUType("H100-80GB", 81559, "NVIDIA-H100-80GB-HBM3", fp8=True),
+        GPUType("H200-141GB", 143771, "NVIDIA-H200", fp8=True),
+        GPUType("B200", 183359, "NVIDIA-B200", fp8=True),
     )
 }
+
+
+def fp8_problem(gpu: GPUType | None, quantization: str, kv_cache_dtype: str) -> str | None:
+    """Why `gpu` cannot run these weights or this KV cache (FP8 without FP8 tensor cores), with the fix;
+    None when it can or the GPU is unknown (memory given as a number)."""
+    wants = [f"--quantization {quantization}"] if quantization in NEEDS_FP8_GPU else []
+    if kv_cache_dtype == "fp8":
+        wants.append("--kv-cache-dtype fp8")
+    if gpu is None or gpu.fp8 or not wants:
+        return None
+    with_fp8 = ", ".join(g.name for g in GPU_CATALOG.values() if g.fp8)
+    return (
+        f"{gpu.name} has no FP8 support, which {' and '.join(wants)} needs: use a GPU with FP8 ({with_fp8}), "
+        "or int8 / GGUF weights (quantization) and kv-cache-dtype auto"
+    )
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, intermediate: int, tie: bool) -> ModelShape:
@@ -287,10 +321,13 @@ class EngineLimits:
 
 @dataclass(frozen=True)
 class SizingPlan:
-    """The outcome for one shape on `tensor_parallel` GPUs of `gpu_memory_bytes` each; bytes are per GPU."""
+    """The outcome for one shape on `tensor_parallel` GPUs of `gpu_memory_bytes` each; bytes are per GPU.
+    `max_slots_gpus`: the smallest GPU count of this type whose plan gives all `max_slots` slots."""
 
     model: str
     dtype: str
+    quantization: str
+    kv_cache_dtype: str
     tensor_parallel: int
     gpu_memory_bytes: int
     gpu_memory_utilization: float
@@ -309,6 +346,7 @@ class SizingPlan:
     reason: str
     min_gpus: int | None
     smallest_gpu_type: str | None
+    max_slots_gpus: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -325,11 +363,24 @@ def resolve_dtype(dtype: str, gpus: int, gpu: GPUType | None = None) -> str:
     return "float16" if gpu is not None and not gpu.bfloat16 else "bfloat16"
 
 
-def weight_bytes_per_gpu(shape: ModelShape, dtype: str, tensor_parallel: int) -> int:
-    """Sharded weights split evenly (vocab-parallel embeddings too); norms are held in full by every shard."""
+def weight_bytes_per_gpu(
+    shape: ModelShape, dtype: str, tensor_parallel: int, quantization: str = "none"
+) -> int:
+    """Sharded weights split evenly (vocab-parallel embeddings too); norms are held in full by every shard.
+    A quantized format stores the linear layers in its bytes per weight, the rest stays in `dtype`."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
+        )
     replicated = shape.replicated_parameter_count()
-    sharded = shape.parameter_count() - replicated
-    return (math.ceil(sharded / tensor_parallel) + replicated) * DTYPE_BYTES[dtype]
+    linear_bytes = QUANTIZED_WEIGHT_BYTES[quantization] or DTYPE_BYTES[dtype]
+    linear = shape.linear_parameter_count()
+    other = shape.parameter_count() - replicated - linear
+    sharded = (
+        math.ceil(linear * linear_bytes / tensor_parallel)
+        + math.ceil(other / tensor_parallel) * DTYPE_BYTES[dtype]
+    )
+    return sharded + replicated * DTYPE_BYTES[dtype]
 
 
 def activation_reserve_bytes(
@@ -348,22 +399,34 @@ def activation_reserve_bytes(
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel: int) -> int:
+    """`dtype`: the KV cache's element type (dtypes.kv_cache_dtype_name)."""
     kv_heads_per_gpu = max(1, shape.num_key_value_heads // tensor_parallel)
     return kv_token_bytes(shape.num_layers, kv_heads_per_gpu, shape.head_dim, dtype)
 
 
+@dataclass(frozen=True)
+class Formats:
+    """How the plan stores its numbers: the dtype (resolved), the weight format and the KV cache dtype."""
+
+    dtype: str
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+
+
 def _plan_one(
     shape: ModelShape,
-    dtype: str,
+    formats: Formats,
     gpu_memory_bytes: int,
     tensor_parallel: int,
     limits: EngineLimits,
     on_gpu: bool,
 ) -> SizingPlan:
-    weights = weight_bytes_per_gpu(shape, dtype, tensor_parallel)
+    dtype = formats.dtype
+    weights = weight_bytes_per_gpu(shape, dtype, tensor_parallel, formats.quantization)
     overhead = CUDA_CONTEXT_BYTES if on_gpu else CPU_RUNTIME_BYTES
     reserve = activation_reserve_bytes(shape, dtype, tensor_parallel, limits) + overhead
-    per_token = kv_bytes_per_token(shape, dtype, tensor_parallel)
+    kv_dtype = kv_cache_dtype_name(formats.kv_cache_dtype, dtype)
+    per_token = kv_bytes_per_token(shape, kv_dtype, tensor_parallel)
     block_bytes = limits.block_size * per_token
     usable = math.floor(gpu_memory_bytes * limits.gpu_memory_utilization) - weights - reserve
     kv_blocks = max(0, usable // block_bytes)
@@ -403,11 +466,13 @@ def _plan_one(
     return SizingPlan(
         model=shape.name,
         dtype=dtype,
+        quantization=formats.quantization,
+        kv_cache_dtype=kv_dtype,
         tensor_parallel=tensor_parallel,
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_memory_utilization=limits.gpu_memory_utilization,
         parameter_count=shape.parameter_count(),
-        weight_bytes_total=shape.parameter_count() * DTYPE_BYTES[dtype],
+        weight_bytes_total=weight_bytes_per_gpu(shape, dtype, 1, formats.quantization),
         weight_bytes_per_gpu=weights,
         activation_reserve_bytes=reserve,
         kv_bytes_per_token=per_token,
@@ -432,31 +497,43 @@ def plan(
     dtype: str = "auto",
     limits: EngineLimits | None = None,
     gpu_type: GPUType | None = None,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> SizingPlan:
-    """Size `shape` on `gpus` GPUs of `gpu_memory_bytes` each (`gpus=0`: CPU, memory = the container's).
+    """Size `shape` on `gpus` GPUs of `gpu_memory_bytes` each (`gpus=0`: CPU, memory = the container's),
+    its weights in `quantization` (engine/quantization.py) and its KV cache in `kv_cache_dtype`.
 
     The result always carries `min_gpus` (the smallest tensor-parallel degree on this GPU that fits, or
-    None when even 8 do not) and `smallest_gpu_type` (the smallest catalog GPU on which `gpus` fit).
+    None when even 8 do not), `max_slots_gpus` (the smallest that gives all max_slots slots) and
+    `smallest_gpu_type` (the smallest catalog GPU on which `gpus` fit).
     """
     limits = limits or EngineLimits()
     if gpus < 0:
         raise ValueError(f"gpus must be >= 0, got {gpus}")
     on_gpu = gpus > 0
-    resolved = resolve_dtype(dtype, gpus, gpu_type)
-    result = _plan_one(shape, resolved, gpu_memory_bytes, max(1, gpus), limits, on_gpu)
-    if unsupported_architecture(shape) is not None:
-        return result  # no GPU count or type helps
-    min_gpus = None
+    formats = Formats(resolve_dtype(dtype, gpus, gpu_type), quantization, kv_cache_dtype)
+    result = _plan_one(shape, formats, gpu_memory_bytes, max(1, gpus), limits, on_gpu)
+    fp8_missing = fp8_problem(gpu_type, quantization, kv_cache_dtype) if on_gpu else None
+    if fp8_missing is not None:
+        result = replace(result, fits=False, reason=fp8_missing, kv_blocks=0, kv_tokens=0, slots=0)
+    if unsupported_architecture(shape) is not None or fp8_missing is not None:
+        return result  # no GPU count of this type helps
+    min_gpus = max_slots_gpus = None
     if on_gpu:
         for degree in TENSOR_PARALLEL_DEGREES:
-            if _plan_one(shape, resolved, gpu_memory_bytes, degree, limits, on_gpu=True).fits:
+            tried = _plan_one(shape, formats, gpu_memory_bytes, degree, limits, on_gpu=True)
+            if tried.fits and min_gpus is None:
                 min_gpus = degree
+            if tried.fits and tried.slots == limits.max_slots:
+                max_slots_gpus = degree
                 break
     smallest_type = None
     if on_gpu:
         for gpu in sorted(GPU_CATALOG.values(), key=lambda g: g.memory_mib):
-            gpu_dtype = resolve_dtype(dtype, gpus, gpu)
-            if _plan_one(shape, gpu_dtype, gpu.memory_mib * MIB, gpus, limits, on_gpu=True).fits:
+            if fp8_problem(gpu, quantization, kv_cache_dtype) is not None:
+                continue
+            gpu_formats = replace(formats, dtype=resolve_dtype(dtype, gpus, gpu))
+            if _plan_one(shape, gpu_formats, gpu.memory_mib * MIB, gpus, limits, on_gpu=True).fits:
                 smallest_type = gpu.name
                 break
     if not result.fits and on_gpu:
@@ -468,4 +545,4 @@ def plan(
         if not hints:
             hints.append("no GPU in the catalog fits it on one node; use a smaller model or dtype")
         result = replace(result, reason=f"{result.reason}: {' or '.join(hints)}")
-    return replace(result, min_gpus=min_gpus, smallest_gpu_type=smallest_type)
+    return replace(result, min_gpus=min_gpus, smallest_gpu_type=smallest_type, max_slots_gpus=max_slots_gpus)

@@ -208,3 +208,87 @@ def test_size_cli_says_architecture_not_supported(capsys: pytest.CaptureFixture[
 def test_sizing_imports_without_torch() -> None:
     code = "import sys, inflight.sizing; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_llama_70b_fp8_weights_and_kv_fit_two_h100_with_every_slot() -> None:
+    """The issue's plan (#30): FP8 weights + FP8 KV on H100-80GB need 2 GPUs a replica for all 256 slots,
+    where bfloat16 needs 4."""
+    assert LLAMA_70B is not None
+    h100 = find_gpu("H100-80GB")
+    result = plan(
+        LLAMA_70B,
+        gpu_memory_bytes=H100_MIB * MIB,
+        gpus=2,
+        gpu_type=h100,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+    )
+    # Hand arithmetic, per GPU (tensor parallel 2): the linear layers in one byte a weight, the
+    # embeddings and LM head (128256 x 8192 each) in bfloat16, the norms replicated in bfloat16.
+    linear = 80 * (8192 * (8192 + 2 * 1024) + 8192 * 8192 + 3 * 8192 * 28672)
+    norms = (2 * 80 + 1) * 8192
+    assert linear + 2 * 128256 * 8192 + norms == 70_553_706_496
+    weights = linear // 2 + (2 * 128256 * 8192 // 2) * 2 + norms * 2
+    assert result.weight_bytes_per_gpu == weights
+    assert result.kv_cache_dtype == "float8_e4m3fn"
+    assert result.kv_bytes_per_token == 2 * 80 * (8 // 2) * 128 * 1 == 81_920  # one byte an element
+    reserve = 8192 * (4 * 8192 + 2 * 28672 // 2) * 2 + 256 * 128256 * 4 + 512 * MIB  # activations: bf16
+    assert result.kv_blocks == (int(H100_MIB * MIB * 0.9) - weights - reserve) // (16 * 81_920) == 29_727
+    assert result.fits and result.slots == 256
+    assert result.max_slots_gpus == 2
+    bfloat16 = plan(LLAMA_70B, gpu_memory_bytes=H100_MIB * MIB, gpus=2, gpu_type=h100)
+    assert bfloat16.slots == 28 and bfloat16.max_slots_gpus == 4
+
+
+def test_an_fp8_kv_cache_holds_twice_the_blocks_per_token_byte() -> None:
+    assert LLAMA_70B is not None
+    auto = plan(LLAMA_70B, gpu_memory_bytes=H100_MIB * MIB, gpus=4)
+    fp8 = plan(LLAMA_70B, gpu_memory_bytes=H100_MIB * MIB, gpus=4, kv_cache_dtype="fp8")
+    assert fp8.block_bytes * 2 == auto.block_bytes
+    assert fp8.kv_blocks == 2 * auto.kv_blocks  # same budget left after the same weights
+
+
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("fp8", "auto"), ("none", "fp8")])
+def test_fp8_on_a_gpu_without_fp8_does_not_fit_and_says_what_to_change(
+    quantization: str, kv_cache_dtype: str
+) -> None:
+    assert LLAMA_70B is not None
+    a100 = find_gpu("A100-80GB")
+    assert a100 is not None and not a100.fp8
+    result = plan(
+        LLAMA_70B,
+        gpu_memory_bytes=a100.memory_mib * MIB,
+        gpus=8,
+        gpu_type=a100,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    assert not result.fits and result.slots == 0
+    assert "A100-80GB has no FP8 support" in result.reason and "H100-80GB" in result.reason
+    on_h100 = plan(
+        LLAMA_70B, gpu_memory_bytes=H100_MIB * MIB, gpus=2, quantization="fp8", kv_cache_dtype=kv_cache_dtype
+    )
+    assert on_h100.smallest_gpu_type == "L40S"  # the smallest catalog GPU with FP8 that holds it on 2
+
+
+def test_gguf_formats_are_counted_in_their_block_bytes() -> None:
+    assert LLAMA_70B is not None
+    linear = LLAMA_70B.linear_parameter_count()
+    rest = LLAMA_70B.parameter_count() - linear
+    for quantization, per_weight in (("q8_0", 34 / 32), ("q4_0", 18 / 32), ("q4_k", 144 / 256), ("int8", 1)):
+        assert (
+            sizing.weight_bytes_per_gpu(LLAMA_70B, "bfloat16", 1, quantization)
+            == round(linear * per_weight) + rest * 2
+        )
+
+
+def test_size_cli_plans_fp8_weights_and_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--gpus", "2"]
+    assert main(["size", *flags, "--quantization", "fp8", "--kv-cache-dtype", "fp8"]) == 0
+    text = capsys.readouterr().out
+    assert "fp8 weights" in text and "float8_e4m3fn" in text
+    assert "slots:                256" in text and "GPUs for all 256 slots: 2" in text
+    assert main(["size", *flags]) == 0
+    assert "GPUs for all 256 slots: 4" in capsys.readouterr().out
+    assert main(["size", *flags, "--gpu", "A100-80GB", "--kv-cache-dtype", "fp8"]) == 1
+    assert "no FP8 support" in capsys.readouterr().out

@@ -8,7 +8,9 @@ import sys
 
 from pydantic import ValidationError
 
+from inflight.engine.cli_args import add_kv_cache_dtype_arg
 from inflight.engine.dtypes import DTYPE_CHOICES
+from inflight.engine.quantization import QUANTIZATION_CHOICES
 from inflight.sim import serving
 
 SHAPE_KEYS = {
@@ -42,6 +44,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     size.add_argument("--gpus", type=int, default=1, help="GPUs per replica (tensor parallel); 0 = CPU")
     size.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     size.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    size.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATION_CHOICES,
+        help="weight format of the linear layers (default: none, the dtype); fp8 needs a GPU with FP8",
+    )
+    add_kv_cache_dtype_arg(size)
     size.add_argument("--block-size", type=int, default=16)
     size.add_argument("--max-slots", type=int, default=256)
     size.add_argument("--max-model-len", type=int, default=4096)
@@ -152,6 +161,8 @@ def _run_size(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             limits=limits,
             gpu_type=gpu_type,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         estimate = None
         if workload is not None and gpu_type is not None and result.fits:
@@ -166,16 +177,23 @@ def _run_size(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
     else:
         where = f"{args.gpus} x {gpu_type.name if gpu_type else f'{memory_mib} MiB'}" if args.gpus else "CPU"
-        print(f"{shape.name} ({result.parameter_count / 1e9:.2f}B parameters, {result.dtype}) on {where}")
+        formats = (
+            result.dtype
+            if result.quantization == "none"
+            else f"{result.quantization} weights, {result.dtype}"
+        )
+        print(f"{shape.name} ({result.parameter_count / 1e9:.2f}B parameters, {formats}) on {where}")
         print(f"  fits:                 {'yes' if result.fits else 'no'}")
         print(f"  weights per GPU:      {result.weight_bytes_per_gpu / sizing.GIB:.2f} GiB")
-        print(f"  KV bytes per token:   {result.kv_bytes_per_token} (per GPU)")
+        print(f"  KV bytes per token:   {result.kv_bytes_per_token} (per GPU, {result.kv_cache_dtype})")
         print(f"  KV blocks:            {result.kv_blocks} x {result.block_size} tokens")
         print(f"  KV tokens:            {result.kv_tokens}")
         print(f"  slots:                {result.slots}")
         if args.gpus > 0:
             min_gpus = result.min_gpus if result.min_gpus is not None else "more than 8"
             print(f"  min GPUs of this type: {min_gpus} (tensor parallel)")
+            all_slots = result.max_slots_gpus if result.max_slots_gpus is not None else "more than 8"
+            print(f"  GPUs for all {args.max_slots} slots: {all_slots}")
             valid = sizing.valid_degrees(
                 shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size
             )

@@ -167,21 +167,34 @@ def place(spec: ModelServerSpec, node_labels: Iterable[Mapping[str, str]]) -> Pl
         expected_tokens_per_seq=engine.expected_tokens_per_request,
         gpu_memory_utilization=engine.gpu_memory_utilization,
     )
+    dtype, quantization = spec.model.dtype.value, spec.model.quantization or "none"
+    kv_cache_dtype = engine.kv_cache_dtype
     gpus = spec.resources.gpu.count
     if gpus == 0:
         memory = parse_quantity(spec.resources.memory)
         result = sizing.plan(
-            shape, gpu_memory_bytes=memory, gpus=0, dtype=spec.model.dtype.value, limits=limits
+            shape,
+            gpu_memory_bytes=memory,
+            gpus=0,
+            dtype=dtype,
+            limits=limits,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
         return Placement(result, "cpu", memory // sizing.MIB, "cpu")
     gpu = node_gpu(spec, node_labels)
     gpu_type = sizing.find_gpu(gpu.product) if gpu.product != "unknown" else None
+    fp8_missing = sizing.fp8_problem(gpu_type, quantization, kv_cache_dtype)
+    if fp8_missing is not None:
+        raise SizingError("NoFP8Support", f"{fp8_missing} (GPU from {gpu.source}: {gpu.product})")
     result = sizing.plan(
         shape,
         gpu_memory_bytes=gpu.memory_mib * sizing.MIB,
         gpus=gpus,
-        dtype=spec.model.dtype.value,
+        dtype=dtype,
         limits=limits,
         gpu_type=gpu_type,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return Placement(result, gpu.product, gpu.memory_mib, gpu.source)

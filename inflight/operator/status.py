@@ -129,11 +129,14 @@ def sizing_status(placement: Placement) -> dict[str, Any]:
         "gpuMemorySource": placement.gpu_memory_source,
         "tensorParallel": plan.tensor_parallel,
         "dtype": plan.dtype,
+        "quantization": plan.quantization,
+        "kvCacheDtype": plan.kv_cache_dtype,
         "weightBytesPerGPU": plan.weight_bytes_per_gpu,
         "kvBlocks": plan.kv_blocks,
         "kvTokens": plan.kv_tokens,
         "slots": plan.slots,
         "minGPUs": plan.min_gpus,
+        "maxSlotsGPUs": plan.max_slots_gpus,
         "message": plan.reason,
     }
     return {key: value for key, value in values.items() if value is not None}  # merge patch: null = delete
@@ -147,6 +150,7 @@ def measured_sizing(plan: sizing.SizingPlan, measured: Mapping[str, PodSizing]) 
     blocks = [pod.kv_blocks for pod in pods]
     slots = [pod.slots for pod in pods]
     dtypes = sorted({pod.dtype for pod in pods if pod.dtype})
+    kv_dtypes = sorted({pod.kv_cache_dtype for pod in pods if pod.kv_cache_dtype})
     degrees = {pod.tensor_parallel for pod in pods if pod.tensor_parallel is not None}
     values: dict[str, Any] = {
         "replicas": len(pods),
@@ -157,6 +161,7 @@ def measured_sizing(plan: sizing.SizingPlan, measured: Mapping[str, PodSizing]) 
         "slotsMax": max(slots),
         "dtype": ",".join(dtypes) or None,
         "tensorParallel": min(degrees) if len(degrees) == 1 else None,
+        "kvCacheDtype": ",".join(kv_dtypes) or None,
     }
     return {key: value for key, value in values.items() if value is not None}
 
@@ -183,6 +188,11 @@ def sizing_drift(placement: Placement, measured: Mapping[str, PodSizing]) -> Pro
         )
     if pod.dtype and pod.dtype != plan.dtype:
         cause += f"; the pod also runs {pod.dtype}, the plan assumed {plan.dtype}"
+    if pod.kv_cache_dtype and pod.kv_cache_dtype != plan.kv_cache_dtype:
+        cause += (
+            f"; the pod's KV cache is {pod.kv_cache_dtype}, the plan assumed {plan.kv_cache_dtype} "
+            "(engine.kvCacheDtype)"
+        )
     return Problem(
         "FewerKVBlocksThanPlanned",
         f"pod {name} runs with {pod.kv_blocks} KV blocks, the plan has {plan.kv_blocks} "

@@ -52,6 +52,7 @@ def engine_info(engine: AsyncEngine) -> dict[str, str]:
         return {}
     return {
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(loaded.kv_dtype).removeprefix("torch."),
         "tensor_parallel_size": str(loaded.config.tensor_parallel_size),
     }
 

@@ -148,3 +148,16 @@ async def test_scrape_marks_unanswered_and_broken_pods_unknown(silent_port: int)
             real, [PodEndpoint("hung", "127.0.0.1", silent_port)], AutoscalingMetric.QUEUE_DEPTH, 0.2
         )
     assert hung == {"hung": None}
+
+
+def test_pod_sizing_reads_the_kv_cache_dtype_from_engine_info() -> None:
+    from inflight.operator.autoscaling.pod_metrics import ENGINE_INFO, KV_BLOCKS, SLOTS, pod_sizing
+
+    labels = 'dtype="bfloat16",kv_cache_dtype="float8_e4m3fn",tensor_parallel_size="2"'
+    sizing = pod_sizing(f"{KV_BLOCKS} 300\n{SLOTS} 8\n{ENGINE_INFO}{{{labels}}} 1.0\n")
+    assert (sizing.kv_blocks, sizing.dtype, sizing.kv_cache_dtype, sizing.tensor_parallel) == (
+        300,
+        "bfloat16",
+        "float8_e4m3fn",
+        2,
+    )

@@ -331,3 +331,16 @@ def test_every_builtin_model_the_server_makes_is_a_source_the_operator_serves(na
     placement, deployment, _ = built(tiny(**spec))
     assert placement.plan.fits and placement.plan.model == source
     assert flags(deployment)["--model"] == source
+
+
+def test_the_server_cli_takes_the_kv_cache_dtype_of_the_deployment() -> None:
+    from inflight.cli import build_parser
+    from inflight.engine.cli_args import engine_config_from_args
+
+    ms = tiny(engine={"kvCacheDtype": "fp8"})
+    _, deployment, _ = built(ms)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert engine_config_from_args(parsed).kv_cache_dtype == "fp8"
+    _, default, _ = built(tiny())
+    assert "--kv-cache-dtype" not in default["spec"]["template"]["spec"]["containers"][0]["args"]  # auto

@@ -330,3 +330,77 @@ async def test_a_replica_short_of_its_kv_plan_is_noticed_from_the_pod_watch(clus
             assert drift["status"] == "True" and "1 KV" in drift["message"], drift
     finally:
         await runner.cleanup()
+
+
+def seventy_b(name: str, gpus: int, **model: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "inflight.dev/v1alpha1",
+        "kind": "ModelServer",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct", **model},
+            "engine": {"kvCacheDtype": "fp8"},
+            "resources": {"gpu": {"count": gpus}},
+        },
+    }
+
+
+async def test_fp8_weights_and_kv_are_planned_on_two_h100_as_inflight_size_plans_them(
+    cluster: KubeEmulator,
+) -> None:
+    from inflight import sizing
+
+    await cluster.post("/api/v1/nodes", json={"metadata": {"name": "gpu-1", "labels": H100}})
+    shape, h100 = sizing.find_model("meta-llama/Llama-3.1-70B"), sizing.find_gpu("H100-80GB")
+    assert shape is not None and h100 is not None
+    expected = sizing.plan(
+        shape,
+        gpu_memory_bytes=h100.memory_mib * sizing.MIB,
+        gpus=2,
+        gpu_type=h100,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+    )
+    async with running_operator(resync_seconds=0.5):
+        await cluster.post(MS_URL, json=seventy_b("fp8", 2, quantization="fp8"))
+        dep = await eventually(lambda: cluster.stored(DEPLOYMENTS, NS, "fp8"), what="the Deployment")
+        args = args_of(dep)
+        flags = dict(zip(args[::2], args[1::2], strict=False))
+        assert "--quantization" in args and args[args.index("--quantization") + 1] == "fp8"
+        assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+        assert args[args.index("--tensor-parallel-size") + 1] == "2"
+        assert args[args.index("--num-kv-blocks") + 1] == str(expected.kv_blocks) == "29727"
+        assert args[args.index("--max-slots") + 1] == str(expected.slots) == "256"
+        assert flags["--dtype"] == "bfloat16"
+        ms = await eventually(
+            lambda: (
+                (m := cluster.stored(MODELSERVERS, NS, "fp8")) and m.get("status", {}).get("sizing") and m
+            ),
+            what="status.sizing",
+        )
+        planned = ms["status"]["sizing"]
+        assert planned["kvCacheDtype"] == "float8_e4m3fn" and planned["quantization"] == "fp8"
+        assert planned["maxSlotsGPUs"] == 2 and planned["kvBlocks"] == 29727 and planned["slots"] == 256
+        assert planned["weightBytesPerGPU"] == expected.weight_bytes_per_gpu
+
+
+async def test_fp8_on_a_gpu_without_fp8_is_degraded_with_the_fix(cluster: KubeEmulator) -> None:
+    a100 = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.memory": "81920"}
+    await cluster.post("/api/v1/nodes", json={"metadata": {"name": "gpu-1", "labels": a100}})
+    async with running_operator(resync_seconds=0.5):
+        await cluster.post(MS_URL, json=seventy_b("old-gpus", 4))
+        ms = await eventually(
+            lambda: (
+                condition(m := cluster.stored(MODELSERVERS, NS, "old-gpus"), "Degraded").get("status")
+                == "True"
+                and m
+            ),
+            what="Degraded",
+        )
+        degraded = condition(ms, "Degraded")
+        assert degraded["reason"] == "NoFP8Support"
+        assert (
+            "A100-80GB has no FP8 support" in degraded["message"]
+            and "kv-cache-dtype auto" in degraded["message"]
+        )
+        assert cluster.stored(DEPLOYMENTS, NS, "old-gpus") is None

@@ -146,3 +146,22 @@ def test_status_patch_deletes_a_stale_measurement() -> None:
     unmeasured = build_status(ms(), measured_observed(), NOW)
     assert status_patch(measured, unmeasured)["sizing"]["measured"] is None
     assert status_patch(measured, measured) == {}
+
+
+def test_sizing_drift_covers_the_kv_cache_dtype() -> None:
+    """A plan made for an FP8 KV cache and a pod that runs its dtype's cache: half the blocks, and the
+    drift says which KV cache each side has."""
+    fp8 = ms()
+    fp8.spec.engine.kv_cache_dtype = "fp8"
+    placement = place(fp8.spec, [])
+    assert placement.plan.kv_cache_dtype == "float8_e4m3fn"
+    half = placement.plan.kv_blocks // 2
+    pods = {
+        "m-0": PodSizing(placement.plan.kv_blocks, placement.plan.slots, "float32", None, "float8_e4m3fn"),
+        "m-1": PodSizing(half, placement.plan.slots, "float32", None, "float32"),
+    }
+    status = build_status(fp8, Observed(placement, None, None, 2, "h", pods), NOW)
+    assert status["sizing"]["kvCacheDtype"] == "float8_e4m3fn"
+    assert status["sizing"]["measured"]["kvCacheDtype"] == "float32,float8_e4m3fn"
+    (drift,) = [c for c in status["conditions"] if c["type"] == "SizingDrift"]
+    assert "the pod's KV cache is float32, the plan assumed float8_e4m3fn" in drift["message"]

@@ -313,7 +313,8 @@ def test_metrics_count_exactly_what_was_served(live: LiveServer) -> None:
     assert live.metric("inflight:kv_cache_blocks_total") == 128
     assert live.metric("inflight:max_slots") == 8
     dtype = resolve_dtype_name("auto", False, native_cpu_bfloat16=cpu_isa().native_bfloat16)  # this CPU's
-    assert f'inflight:engine_info{{dtype="{dtype}",tensor_parallel_size="1"}} 1.0' in text
+    info = f'inflight:engine_info{{dtype="{dtype}",kv_cache_dtype="{dtype}",tensor_parallel_size="1"}} 1.0'
+    assert info in text
     hits = live.metric("inflight:prefix_cache_hits_total")
     assert live.metric("inflight:prefix_cache_queries_total") >= hits
 

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from inflight.checkpoints.builtin import BUILTIN_NAMES, BUILTIN_PREFIX
+from inflight.engine.dtypes import KVCacheDType
+from inflight.engine.quantization import Quantization
+from inflight.sizing import GPU_CATALOG
 
 GROUP = "inflight.dev"
 VERSION = "v1alpha1"
@@ -258,6 +261,14 @@ class ModelSpec(SpecModel):
     max_model_len: int = Field(
         default=4096, ge=16, le=1048576, description="Longest sequence (prompt + output) in tokens."
     )
+    quantization: Quantization | None = Field(
+        default=None,
+        description="Weight format of the linear layers (`inflight serve --quantization`): `none` (the "
+        "dtype), `fp8` (e4m3, GPUs with FP8 only), `int8`, or a GGUF format (`q8_0`, `q4_0`, `q4_1`, "
+        "`q4_k`). "
+        "Absent: the checkpoint's own format, sized as `none`. The plan counts each format's bytes per "
+        "weight (inflight/engine/quantization.py).",
+    )
 
 
 class EngineSpec(SpecModel):
@@ -305,6 +316,11 @@ class EngineSpec(SpecModel):
         ge=1,
         le=1048576,
         description="Typical prompt + output length; slots = KV tokens / this, capped by maxSlots.",
+    )
+    kv_cache_dtype: KVCacheDType = Field(
+        default="auto",
+        description="KV-cache element type (`inflight serve --kv-cache-dtype`): `auto` (the dtype) or `fp8` "
+        "(float8 e4m3: half of bfloat16's bytes, twice the blocks; on GPUs with FP8 only).",
     )
 
 
@@ -449,6 +465,11 @@ class Toleration(SpecModel):
     toleration_seconds: int | None = Field(default=None, description="For NoExecute: how long to stay.")
 
 
+# The catalog's GPU types with and without FP8 tensor cores (sizing.GPUType.fp8), for the CEL rule below.
+FP8_GPU_TYPES = [gpu.name for gpu in GPU_CATALOG.values() if gpu.fp8]
+NO_FP8_GPU_TYPES = [gpu.name for gpu in GPU_CATALOG.values() if not gpu.fp8]
+
+
 class ModelServerSpec(SpecModel):
     """A served model: Deployment and Service, sized from the GPU the pods land on."""
 
@@ -463,6 +484,16 @@ class ModelServerSpec(SpecModel):
                 "!has(self.resources) || !has(self.resources.gpu) || self.resources.gpu.count > 0 || "
                 "!has(self.resources.gpu.type)",
                 "resources.gpu.type needs resources.gpu.count > 0",
+            ),
+            cel(
+                "!((has(self.model.quantization) && self.model.quantization == 'fp8') || "
+                "(has(self.engine) && has(self.engine.kvCacheDtype) && "
+                "self.engine.kvCacheDtype == 'fp8')) || "
+                "!has(self.resources) || !has(self.resources.gpu) || !has(self.resources.gpu.type) || "
+                f"!(self.resources.gpu.type in {NO_FP8_GPU_TYPES})",
+                f"FP8 (model.quantization fp8, engine.kvCacheDtype fp8) needs a GPU with FP8 support; "
+                f"{', '.join(NO_FP8_GPU_TYPES)} have none: use {', '.join(FP8_GPU_TYPES)}, or int8 / GGUF "
+                "weights and kvCacheDtype auto",
             ),
         )
     )
@@ -535,6 +566,9 @@ class MeasuredSizing(SpecModel):
     tensor_parallel: int | None = Field(
         default=None, description="Tensor-parallel degree the replicas report, where the server exports it."
     )
+    kv_cache_dtype: str | None = Field(
+        default=None, description="The KV-cache element type the replicas report (comma-separated if mixed)."
+    )
 
 
 class SizingStatus(SpecModel):
@@ -546,12 +580,21 @@ class SizingStatus(SpecModel):
     gpu_memory_source: str = Field(description="Where that came from: node-labels, catalog, spec or cpu.")
     tensor_parallel: int = Field(description="GPUs per replica the model is split over.")
     dtype: str = Field(description="Resolved dtype.")
+    quantization: str | None = Field(
+        default=None, description="Weight format planned (model.quantization; none: the dtype)."
+    )
+    kv_cache_dtype: str | None = Field(default=None, description="KV-cache element type planned.")
     weight_bytes_per_gpu: int = Field(alias="weightBytesPerGPU", description="Weight bytes on each GPU.")
     kv_blocks: int = Field(description="KV-cache blocks per replica.")
     kv_tokens: int = Field(description="Tokens the KV pool holds.")
     slots: int = Field(description="Concurrent requests per replica (--max-slots).")
     min_gpus: int | None = Field(
         default=None, alias="minGPUs", description="Smallest GPU count of this type that fits."
+    )
+    max_slots_gpus: int | None = Field(
+        default=None,
+        alias="maxSlotsGPUs",
+        description="Smallest GPU count of this type whose plan gives all engine.maxSlots slots.",
     )
     message: str = Field(description="The plan in one sentence.")
     measured: MeasuredSizing | None = Field(

@@ -70,6 +70,7 @@ class PodSizing:
     slots: int
     dtype: str | None
     tensor_parallel: int | None
+    kv_cache_dtype: str | None = None
 
 
 def pod_sizing(text: str) -> PodSizing:
@@ -96,6 +97,7 @@ def pod_sizing(text: str) -> PodSizing:
         slots=int(values[SLOTS]),
         dtype=info.get("dtype"),
         tensor_parallel=int(tensor_parallel) if tensor_parallel and tensor_parallel.isdigit() else None,
+        kv_cache_dtype=info.get("kv_cache_dtype"),
     )
 
 

@@ -151,6 +151,10 @@ def server_args(ms: ModelServer, placement: Placement) -> list[str]:
         "--gpu-memory-utilization",
         f"{spec.engine.gpu_memory_utilization:g}",
     ]
+    if spec.model.quantization is not None:
+        args += ["--quantization", spec.model.quantization]
+    if spec.engine.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", spec.engine.kv_cache_dtype]
     if plan.tensor_parallel > 1:
         # One rank per GPU of the plan (the pod asks for resources.gpu.count GPUs, the plan's degree).
         args += ["--tensor-parallel-size", str(plan.tensor_parallel)]

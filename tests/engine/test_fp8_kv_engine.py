@@ -1,0 +1,58 @@
+"""An engine with an FP8 KV cache (`kv_cache_dtype="fp8"`): twice the blocks of bfloat16 in the same
+bytes, and the same model scores a prompt nearly as with its own dtype's cache."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from inflight import LLM, SamplingParams
+from inflight.engine.config import EngineConfig
+from inflight.engine.engine import LLMEngine
+from inflight.engine.sequence import PositionLogprobs
+
+
+def test_the_pool_holds_twice_the_blocks_of_bfloat16_in_the_same_bytes(tiny_llama_dir: Path) -> None:
+    blocks = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        config = EngineConfig(
+            device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=2**-10
+        )
+        engine = LLMEngine(tiny_llama_dir, config)
+        k_cache, v_cache = engine.runner.kv_caches[0]
+        assert (
+            k_cache.dtype
+            == v_cache.dtype
+            == (torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.bfloat16)
+        )
+        assert k_cache.shape[0] == engine.num_kv_blocks
+        blocks[kv_cache_dtype] = engine.num_kv_blocks
+        engine.close()
+    # tiny: 4 layers x 2 KV heads x 32 dims, K and V, 16 tokens: 16 KiB a bfloat16 block in 1 MiB.
+    assert blocks == {"auto": 64, "fp8": 128}
+
+
+def prompt_nll(entries: list[PositionLogprobs | None] | None, prompt: list[int]) -> float:
+    """Mean negative log-likelihood of the prompt's tokens after the first."""
+    assert entries is not None
+    return -sum(
+        entry[token].logprob for entry, token in zip(entries[1:], prompt[1:], strict=True) if entry
+    ) / (len(prompt) - 1)
+
+
+def test_an_fp8_kv_engine_generates_and_scores_like_its_dtype(tiny_llama_dir: Path) -> None:
+    prompt = [(37 * i + 11) % 2000 for i in range(150)]  # ten blocks of 16 and a partial one
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    results = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        llm = LLM(
+            tiny_llama_dir, device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64
+        )
+        [output] = llm.generate([prompt], params)
+        llm.close()
+        assert len(output.outputs[0].token_ids) == 12
+        results[kv_cache_dtype] = prompt_nll(output.prompt_logprobs, prompt)
+    assert math.isfinite(results["fp8"])
+    assert abs(results["fp8"] - results["auto"]) <= 0.01 * results["auto"]
