@@ -1,9 +1,10 @@
 """Perplexity of a model over a fixed text with each KV cache dtype (#30 item 2: FP8 KV within 1 % of the
-bfloat16 KV cache). The text is the repository's own docs (docs/*.md in name order, then README.md),
-tokenized and cut to --tokens; it is scored as windows of --window tokens, each window one request whose
-prompt log-probabilities (prompt_logprobs=0) give every token's NLL after the window's first. The K/V of
-each window pass through the KV cache (written, then read by the paged attention of the later tokens),
-so the cache's element type is what differs between the runs.
+bfloat16 KV cache). The text is fixed: the repository's docs/*.md (in name order) and README.md as of
+commit TEXT_COMMIT (read with `git show`), tokenized and cut to --tokens. It is scored as windows of
+--window tokens, each window one request whose prompt log-probabilities (prompt_logprobs=0) give every
+token's NLL after the window's first. The K/V of each window pass through the KV cache (written, then
+read by the paged attention of the later tokens), so the cache's element type is what differs between
+the runs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/kv_cache_perplexity.py [--model builtin:smollm2]
         [--dtype bfloat16] [--tokens 4096] [--window 1024]
@@ -14,17 +15,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 from pathlib import Path
 
 from inflight import LLM, SamplingParams
 from inflight.checkpoints.builtin import builtin_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
+TEXT_COMMIT = "3dc37140873cc2273ae9e16a3b70820d5e9e5919"
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
 def fixed_text() -> str:
-    paths = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
-    return "\n\n".join(path.read_text() for path in paths)
+    names = git("ls-tree", "--name-only", f"{TEXT_COMMIT}:docs").split()
+    paths = [f"docs/{name}" for name in sorted(names) if name.endswith(".md")] + ["README.md"]
+    return "\n\n".join(git("show", f"{TEXT_COMMIT}:{path}") for path in paths)
 
 
 def mean_nll(llm: LLM, windows: list[list[int]]) -> float:
