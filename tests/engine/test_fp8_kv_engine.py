@@ -1,5 +1,7 @@
 """An engine with an FP8 KV cache (`kv_cache_dtype="fp8"`): twice the blocks of bfloat16 in the same
-bytes, and the same model scores a prompt nearly as with its own dtype's cache."""
+bytes, its caches written by the float8 rule, and the same model scores a prompt nearly as with its own
+dtype's cache (the paths' accuracy is checked in attention/test_fp8_kv_cache.py; the real model's
+perplexity in benchmarks/kv_cache_perplexity.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 import torch
 
 from inflight import LLM, SamplingParams
+from inflight.engine.attention.kv_store import FP8_DTYPE, to_cache
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.engine.sequence import PositionLogprobs
@@ -43,16 +46,25 @@ def prompt_nll(entries: list[PositionLogprobs | None] | None, prompt: list[int])
 
 
 def test_an_fp8_kv_engine_generates_and_scores_like_its_dtype(tiny_llama_dir: Path) -> None:
-    prompt = [(37 * i + 11) % 2000 for i in range(150)]  # ten blocks of 16 and a partial one
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    results = {}
+    prompt = [(37 * i + 11) % 2000 for i in range(150)]  # nine blocks of 16 and a partial one
+    # One token: the caches then hold the prompt's K/V only (the sampled token's are never written).
+    score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    results, first_layer = {}, {}
     for kv_cache_dtype in ("auto", "fp8"):
         llm = LLM(
             tiny_llama_dir, device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64
         )
-        [output] = llm.generate([prompt], params)
-        llm.close()
+        [scored] = llm.generate([prompt], score)
+        results[kv_cache_dtype] = prompt_nll(scored.prompt_logprobs, prompt)
+        first_layer[kv_cache_dtype] = [cache.clone() for cache in llm.engine.runner.kv_caches[0]]
+        [output] = llm.generate(
+            [prompt[:20]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        )
         assert len(output.outputs[0].token_ids) == 12
-        results[kv_cache_dtype] = prompt_nll(output.prompt_logprobs, prompt)
+        llm.close()
+    # The first layer's K/V depend on the tokens alone: the FP8 engine stored exactly kv_store's bytes of
+    # what the float32 engine stored (in the same blocks: allocation is deterministic).
+    for fp8, float32 in zip(first_layer["fp8"], first_layer["auto"], strict=True):
+        assert torch.equal(fp8.view(torch.uint8), to_cache(float32, FP8_DTYPE).view(torch.uint8))
     assert math.isfinite(results["fp8"])
     assert abs(results["fp8"] - results["auto"]) <= 0.01 * results["auto"]
