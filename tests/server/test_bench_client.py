@@ -114,3 +114,12 @@ def test_a_servers_cpu_counts_every_process_of_its_group() -> None:
         parent.wait()
     assert cpu_per_output_token(0.5, 1000) == 500.0
     assert cpu_per_output_token(None, 1000) is None and cpu_per_output_token(0.5, 0) is None
+
+
+def test_bench_passes_the_kv_cache_dtype_to_both_servers_and_the_offline_engines(tmp_path: Path) -> None:
+    from inflight.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--kv-cache-dtype", "fp8"])
+    for command in (_inflight_command(args, tmp_path, 8000, 100), _vllm_command(args, tmp_path, 8001, 300)):
+        assert command[command.index("--kv-cache-dtype") + 1] == "fp8"
+    assert build_parser().parse_args(["bench", "offline", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
