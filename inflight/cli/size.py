@@ -116,7 +116,8 @@ def _run_size(args: argparse.Namespace) -> int:
             print(f"  {shape.name:34} {shape.parameter_count() / 1e9:8.2f}B parameters")
         print("GPU types:")
         for gpu in sizing.GPU_CATALOG.values():
-            print(f"  {gpu.name:12} {gpu.memory_mib:7d} MiB  ({gpu.product})")
+            fp8 = ", FP8" if gpu.fp8 else ""
+            print(f"  {gpu.name:12} {gpu.memory_mib:7d} MiB  ({gpu.product}{fp8})")
         return 0
     try:
         if args.shape:

@@ -188,6 +188,7 @@ async def test_measured_sizing_matches_the_plan_and_a_short_replica_is_sizing_dr
                 "slotsMax": planned["slots"],
                 "dtype": planned["dtype"],
                 "tensorParallel": 1,
+                "kvCacheDtype": planned["kvCacheDtype"],
             }
             assert condition(cluster, "SizingDrift") is None
             assert not [e for e in posted_events(cluster) if e["reason"] == "SizingDrift"]
