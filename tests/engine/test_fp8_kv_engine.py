@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from inflight import LLM, SamplingParams
+from inflight.engine import runner
 from inflight.engine.attention.kv_store import FP8_DTYPE, to_cache
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
@@ -68,3 +70,31 @@ def test_an_fp8_kv_engine_generates_and_scores_like_its_dtype(tiny_llama_dir: Pa
         assert torch.equal(fp8.view(torch.uint8), to_cache(float32, FP8_DTYPE).view(torch.uint8))
     assert math.isfinite(results["fp8"])
     assert abs(results["fp8"] - results["auto"]) <= 0.01 * results["auto"]
+
+
+def test_forked_sequences_copy_float8_blocks_on_write(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n > 1 shares the prompt's blocks; the first write into the shared partial block copies it
+    (runner.copy_blocks), which must work for float8 caches too: the copy equals its source."""
+    copied: list[tuple[int, int]] = []
+    real_copy = runner.copy_blocks
+
+    def copy_and_check(
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        copies: list[tuple[int, int]],
+        device: torch.device,
+    ) -> None:
+        real_copy(kv_caches, copies, device)
+        for src, dst in copies:
+            for cache in kv_caches[0]:
+                assert torch.equal(cache[dst].view(torch.uint8), cache[src].view(torch.uint8))
+        copied.extend(copies)
+
+    monkeypatch.setattr(runner, "copy_blocks", copy_and_check)
+    llm = LLM(tiny_llama_dir, device="cpu", dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    [output] = llm.generate([list(range(1, 24))], params)  # 23 tokens: a partial second block
+    llm.close()
+    assert [len(sample.token_ids) for sample in output.outputs] == [20, 20, 20]
+    assert copied  # the shared partial block was copied for the forks
