@@ -144,6 +144,18 @@ async def _one_request(
     return result
 
 
+def arrival_offsets(count: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each of `count` requests is sent: Poisson arrivals at
+    `request_rate`/s from the first at 0 (inf = all at 0), the same for the same seed."""
+    rng = random.Random(seed)
+    offsets, at = [], 0.0
+    for _ in range(count):
+        offsets.append(at)
+        if math.isfinite(request_rate):
+            at += rng.expovariate(request_rate)
+    return offsets
+
+
 async def run_clients(
     url: str, model: str, requests: list[BenchRequest], request_rate: float, seed: int
 ) -> tuple[list[RequestResult], float]:
@@ -152,12 +164,7 @@ async def run_clients(
     if parsed.scheme != "http" or not parsed.hostname:
         raise SystemExit(f"--url {url}: the benchmark client speaks plain http://HOST:PORT only")
     host, port = parsed.hostname, parsed.port or 80
-    rng = random.Random(seed)
-    delays, at = [], 0.0
-    for _ in requests:
-        delays.append(at)
-        if math.isfinite(request_rate):
-            at += rng.expovariate(request_rate)
+    delays = arrival_offsets(len(requests), request_rate, seed)
     t0 = time.perf_counter()
     results = await asyncio.gather(
         *(_one_request(host, port, model, r, d, t0) for r, d in zip(requests, delays, strict=True))

@@ -50,6 +50,7 @@ from inflight.operator.status import (
     status_patch,
     woken,
 )
+from inflight.operator.target import decide
 
 log = logging.getLogger("inflight.operator")
 
@@ -439,7 +440,8 @@ class Controller:
             return "degraded"
 
         placement, problem = await self._size(ms)
-        replicas = desired_replicas(ms.spec, ms.status, woken(ms))
+        target = decide(ms.spec, placement)
+        replicas = desired_replicas(ms.spec, ms.status, woken(ms), target)
         deployment: dict[str, Any] | None = None
         template_hash = None
         download: Download | None = None
@@ -465,7 +467,9 @@ class Controller:
         problem = problem or service_problem or await self._ensure_autoscaler(ms)
 
         measured = await self._measure(ms, deployment, template_hash) if problem is None else {}
-        observed = Observed(placement, problem, deployment, replicas, template_hash, measured, download)
+        observed = Observed(
+            placement, problem, deployment, replicas, template_hash, measured, download, target
+        )
         status = build_status(ms, observed, kube.rfc3339(time.time()))
         self.metrics.record_status(ms.metadata.namespace, ms.metadata.name, status, replicas)
         current = body.get("status") or {}
@@ -485,9 +489,11 @@ class Controller:
 
         Sizing plans are Normal `Fits` Events; every failure (including a plan that does not fit) is one
         Warning from the Degraded condition; becoming Ready is a Normal `Ready` Event; a replica running
-        short of the plan is a Warning `SizingDrift` Event (with the condition's message).
+        short of the plan is a Warning `SizingDrift` Event (with the condition's message); the replicas
+        spec.target takes are a Normal `TargetReplicas` Event, or a Warning with the reason when they are
+        clipped by maxReplicas or cannot be computed.
         """
-        for kind in ("Sized", "Degraded", "Ready", "SizingDrift"):
+        for kind in ("Sized", "Degraded", "Ready", "SizingDrift", "TargetMet"):
             old, new = condition_of(before, kind), condition_of(after, kind)
             if new is None:
                 continue
@@ -505,3 +511,7 @@ class Controller:
                 self.post_event(body, "Normal", "Ready", new["message"])
             elif kind == "SizingDrift":
                 self.post_event(body, "Warning", "SizingDrift", new["message"])
+            elif kind == "TargetMet" and new["status"] == "True":
+                self.post_event(body, "Normal", "TargetReplicas", new["message"])
+            elif kind == "TargetMet":
+                self.post_event(body, "Warning", new["reason"], new["message"])

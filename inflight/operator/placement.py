@@ -151,15 +151,10 @@ def node_gpu(spec: ModelServerSpec, node_labels: Iterable[Mapping[str, str]]) ->
     )
 
 
-def place(spec: ModelServerSpec, node_labels: Iterable[Mapping[str, str]]) -> Placement:
-    """Size the spec for the nodes it may land on. Raises SizingError when it cannot be sized at all.
-
-    A plan that does not fit is returned (with `plan.fits` False), not raised: its reason names the GPU
-    count or type that would fit.
-    """
-    shape = model_shape(spec)
+def engine_limits(spec: ModelServerSpec) -> sizing.EngineLimits:
+    """The engine settings the plan is made for (spec.engine and model.maxModelLen)."""
     engine = spec.engine
-    limits = sizing.EngineLimits(
+    return sizing.EngineLimits(
         block_size=engine.block_size,
         max_slots=engine.max_slots,
         max_model_len=spec.model.max_model_len,
@@ -167,8 +162,18 @@ def place(spec: ModelServerSpec, node_labels: Iterable[Mapping[str, str]]) -> Pl
         expected_tokens_per_seq=engine.expected_tokens_per_request,
         gpu_memory_utilization=engine.gpu_memory_utilization,
     )
+
+
+def place(spec: ModelServerSpec, node_labels: Iterable[Mapping[str, str]]) -> Placement:
+    """Size the spec for the nodes it may land on. Raises SizingError when it cannot be sized at all.
+
+    A plan that does not fit is returned (with `plan.fits` False), not raised: its reason names the GPU
+    count or type that would fit.
+    """
+    shape = model_shape(spec)
+    limits = engine_limits(spec)
     dtype, quantization = spec.model.dtype.value, spec.model.quantization or "none"
-    kv_cache_dtype = engine.kv_cache_dtype
+    kv_cache_dtype = spec.engine.kv_cache_dtype
     gpus = spec.resources.gpu.count
     if gpus == 0:
         memory = parse_quantity(spec.resources.memory)

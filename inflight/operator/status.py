@@ -10,10 +10,16 @@
 - `SizingDrift`: present (True) only while a ready replica runs with fewer than 90% of the planned KV
   blocks (`status.sizing.measured`, read from the replicas' /metrics); the message names both numbers and
   the likely cause. The replica serves, with less cache than planned, so this is not Degraded.
+- `TargetMet`: present only with `spec.target`: True when the replicas the cost model computes for the
+  target run (or minReplicas, more than needed); False when maxReplicas clips them, or the model cannot
+  answer (no speed figures for the GPU type, a spec that cannot be sized) and minReplicas run
+  (operator/target.py). It serves either way, so this is not Degraded.
 
 Replicas: `desired_replicas` is the one function that decides how many replicas a ModelServer's Deployment
 runs, from its spec and status:
 
+- spec.target: what the serving cost model computes for it (operator/target.py), within
+  [target.minReplicas, target.maxReplicas]; a CEL rule keeps spec.replicas and autoscaling out;
 - no autoscaling: `spec.replicas` (absent: 1);
 - builtin autoscaling: the operator's own decision, kept in `status.autoscaling.desiredReplicas`
   (absent: `minReplicas`); `spec.replicas` must be left out (a CEL rule says so). A ModelServer the
@@ -40,8 +46,9 @@ from inflight.operator.autoscaling.pod_metrics import PodSizing
 from inflight.operator.children import server
 from inflight.operator.model_cache import Download
 from inflight.operator.placement import Placement
+from inflight.operator.target import TargetDecision
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sized", "SizingDrift")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Sized", "SizingDrift", "TargetMet")
 DRIFT_RATIO = 0.9  # a replica with fewer than this share of the planned KV blocks is SizingDrift
 WAKE_ANNOTATION = "inflight.dev/wake-requested-at"
 
@@ -65,6 +72,7 @@ class Observed:
     desired_template_hash: str | None
     measured: Mapping[str, PodSizing] = field(default_factory=dict)  # pod name -> what it runs with
     download: Download | None = None  # the model cache's download (spec.model.cache)
+    target: TargetDecision | None = None  # the replicas spec.target takes
 
 
 def _condition(
@@ -261,7 +269,28 @@ def build_status(ms: ModelServer, observed: Observed, now: str) -> dict[str, Any
             status["sizing"]["measured"] = measured
     if observed.download is not None:
         status["modelCache"] = observed.download.status()
+    if observed.target is not None:
+        status["target"] = observed.target.status()
+        decision = observed.target
+        conditions.append(
+            _condition(
+                "TargetMet", decision.met, decision.reason, decision.message, generation, previous, now
+            )
+        )
     return status
+
+
+# Status keys the operator writes whole, and removes when the reconcile no longer has them.
+OWNED_OBJECTS = ("sizing", "modelCache", "target")
+
+
+def _replacing(current: Any, desired: Any) -> Any:
+    """`desired` as a merge patch over `current`: keys `current` has and `desired` lacks are nulled (a
+    merge patch keeps the keys it does not name), in nested objects too."""
+    if not isinstance(desired, Mapping) or not isinstance(current, Mapping):
+        return desired
+    gone = {key: None for key in current if key not in desired}
+    return {**gone, **{key: _replacing(current.get(key), value) for key, value in desired.items()}}
 
 
 def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
@@ -269,13 +298,10 @@ def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict
     patch: dict[str, Any] = {}
     for key, value in desired.items():
         if current.get(key) != value:
-            patch[key] = value
-    if "sizing" not in desired and current.get("sizing") is not None:
-        patch["sizing"] = None
-    elif "sizing" in patch and "measured" in (current.get("sizing") or {}):
-        patch["sizing"] = {"measured": None, **patch["sizing"]}  # a merge patch keeps keys it does not name
-    if "modelCache" not in desired and current.get("modelCache") is not None:
-        patch["modelCache"] = None
+            patch[key] = _replacing(current.get(key), value)
+    for key in OWNED_OBJECTS:
+        if key not in desired and current.get(key) is not None:
+            patch[key] = None
     return patch
 
 
@@ -303,7 +329,15 @@ def woken(ms: ModelServer) -> bool:
     return wake_pending(annotations if isinstance(annotations, Mapping) else None, ms.status)
 
 
-def desired_replicas(spec: ModelServerSpec, status: ModelServerStatus, woken: bool = False) -> int:
+def desired_replicas(
+    spec: ModelServerSpec,
+    status: ModelServerStatus,
+    woken: bool = False,
+    target: TargetDecision | None = None,
+) -> int:
+    """The Deployment's replicas; `target` is operator/target.py's decision for spec.target."""
+    if spec.target is not None:
+        return spec.target.min_replicas if target is None else target.replicas
     autoscaling = spec.autoscaling
     if autoscaling is None:
         return 1 if spec.replicas is None else spec.replicas

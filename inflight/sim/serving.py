@@ -19,11 +19,16 @@ max_model_len reservations fit, each batch lasting the longest output) and conti
 paged KV (B = the slots of the sizing plan, which holds prompt + output per request; a slot is refilled
 as soon as its request ends, so a request costs its own output, not the longest). Peak datasheet
 figures make it an upper bound: real kernels reach a share of them.
+
+The batch formula takes any step cost (`StepCost`): the roofline above for a GPU, or a step cost fitted
+from timed steps of the real engine (sim/cost_model.py, `inflight demo --calibrate`), which is how it is
+checked against `inflight bench serve` on a CPU (benchmarks/serving_model_check.py, docs/demo.md).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -99,6 +104,10 @@ class ServingEstimate(BaseModel):
     note: str
 
 
+# Seconds of one engine step: (tokens in the step, K/V tokens its sequences attend to) -> seconds.
+StepCost = Callable[[int, int], float]
+
+
 def step_seconds(shape: ModelShape, sizing: SizingPlan, speed: GPUSpeed, tokens: int, kv_read: int) -> float:
     gpus = sizing.tensor_parallel
     weight_bytes = sizing.weight_bytes_per_gpu
@@ -108,13 +117,20 @@ def step_seconds(shape: ModelShape, sizing: SizingPlan, speed: GPUSpeed, tokens:
     return max(memory_s, compute_s)
 
 
-def _estimate(
-    shape: ModelShape, sizing: SizingPlan, speed: GPUSpeed, workload: Workload, batch: int, steps: int
-) -> PolicyEstimate:
+def roofline(shape: ModelShape, sizing: SizingPlan, speed: GPUSpeed) -> StepCost:
+    """The datasheet-peak step cost of a replica planned by `sizing`."""
+
+    def step(tokens: int, kv_read: int) -> float:
+        return step_seconds(shape, sizing, speed, tokens, kv_read)
+
+    return step
+
+
+def policy_estimate(step: StepCost, workload: Workload, batch: int, steps: int) -> PolicyEstimate:
+    """`batch` requests side by side: one prefill step of batch * prompt tokens, then `steps` decode steps
+    reading the batch's K/V at its mid-point length."""
     p, o = workload.prompt_tokens, workload.output_tokens
-    seconds = step_seconds(shape, sizing, speed, batch * p, 0) + steps * step_seconds(
-        shape, sizing, speed, batch, batch * (p + o // 2)
-    )
+    seconds = step(batch * p, 0) + steps * step(batch, batch * (p + o // 2))
     rate = batch / seconds
     return PolicyEstimate(batch=batch, requests_per_s=rate, output_tokens_per_s=rate * o)
 
@@ -141,7 +157,8 @@ def estimate(
     if not sizing.fits:
         raise ValueError(f"{shape.name} does not fit: {sizing.reason}")
     contiguous = min(limits.max_slots, sizing.kv_tokens // limits.max_model_len)
-    continuous = _estimate(shape, sizing, speed, workload, sizing.slots, workload.output_tokens)
+    step = roofline(shape, sizing, speed)
+    continuous = policy_estimate(step, workload, sizing.slots, workload.output_tokens)
     replicas = (
         math.ceil(workload.requests_per_s / continuous.requests_per_s) if workload.requests_per_s else None
     )
@@ -157,8 +174,8 @@ def estimate(
             "kv_bytes_per_token_per_gpu": sizing.kv_bytes_per_token,
             "model_source": f"{shape.name} config.json (the sizing catalog), {sizing.dtype}",
         },
-        naive=_estimate(shape, sizing, speed, workload, 1, workload.output_tokens),
-        static=_estimate(shape, sizing, speed, workload, max(contiguous, 1), workload.longest_output),
+        naive=policy_estimate(step, workload, 1, workload.output_tokens),
+        static=policy_estimate(step, workload, max(contiguous, 1), workload.longest_output),
         continuous=continuous,
         replicas=replicas,
         note="a roofline model at datasheet peaks (an upper bound), not a measurement",

@@ -332,7 +332,87 @@ async def test_a_replica_short_of_its_kv_plan_is_noticed_from_the_pod_watch(clus
         await runner.cleanup()
 
 
-def seventy_b(name: str, gpus: int, **model: Any) -> dict[str, Any]:
+def seventy_b(name: str, gpu: str, **target: Any) -> dict[str, Any]:
+    """Llama-3.1-70B on 4 GPUs of `gpu`, slots planned for 512 + 256 tokens, serving spec.target."""
+    return {
+        "apiVersion": "inflight.dev/v1alpha1",
+        "kind": "ModelServer",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+            "engine": {"expectedTokensPerRequest": 768},
+            "resources": {"gpu": {"count": 4, "type": gpu}},
+            "target": {"promptTokens": 512, "outputTokens": 256, "maxReplicas": 5, **target},
+        },
+    }
+
+
+def replicas_of(cluster: KubeEmulator, name: str, wanted: int) -> dict[str, Any] | None:
+    dep = cluster.stored(DEPLOYMENTS, NS, name)
+    ms = cluster.stored(MODELSERVERS, NS, name)
+    target = ((ms or {}).get("status") or {}).get("target") or {}
+    done = dep is not None and dep["spec"]["replicas"] == wanted and target.get("replicas") == wanted
+    return ms if done else None
+
+
+async def test_a_target_rate_sets_the_replicas_the_cost_model_computes(cluster: KubeEmulator) -> None:
+    """spec.target.requestsPerSecond -> the replicas `inflight size --workload` answers for the same
+    model, GPUs and workload; a new target changes them; maxReplicas clips them (TargetMet False); a GPU
+    type without speed figures and a CPU ModelServer run minReplicas and say why."""
+    from inflight.sim.serving import Workload, answer
+
+    def size_workload(rate: float) -> int:  # what `inflight size --workload` says
+        workload = Workload(prompt_tokens=512, output_tokens=256, requests_per_s=rate)
+        estimate = answer("meta-llama/Llama-3.1-70B", "H100-80GB", 4, workload).estimate
+        assert estimate is not None and estimate.replicas is not None
+        return estimate.replicas
+
+    assert (size_workload(50), size_workload(100), size_workload(200)) == (2, 4, 7)
+    async with running_operator():
+        await cluster.post(MS_URL, json=seventy_b("llama", "H100-80GB", requestsPerSecond=50))
+        ms = await eventually(lambda: replicas_of(cluster, "llama", 2), what="2 replicas for 50 req/s")
+        target = ms["status"]["target"]
+        assert target["neededReplicas"] == 2 and target["gpuType"] == "H100-80GB"
+        assert 25 < target["perReplicaRequestsPerSecond"] < 50
+        assert ms["status"]["sizing"]["tensorParallel"] == 4
+        met = condition(ms, "TargetMet")
+        assert (met["status"], met["reason"]) == ("True", "Computed") and "takes 2 replicas" in met["message"]
+
+        await patch(cluster, f"{MS_URL}/llama", {"spec": {"target": {"requestsPerSecond": 100}}})
+        await eventually(lambda: replicas_of(cluster, "llama", 4), what="4 replicas for 100 req/s")
+
+        await patch(cluster, f"{MS_URL}/llama", {"spec": {"target": {"requestsPerSecond": 200}}})
+        ms = await eventually(lambda: replicas_of(cluster, "llama", 5), what="maxReplicas for 200 req/s")
+        assert ms["status"]["target"]["neededReplicas"] == 7
+        met = condition(ms, "TargetMet")
+        assert (met["status"], met["reason"]) == ("False", "MaxReplicasTooLow")
+        assert "target.maxReplicas is 5" in met["message"]
+        assert condition(ms, "Degraded")["status"] == "False"  # it serves, with fewer replicas than needed
+        clipped = await eventually(
+            lambda: [e for e in posted_events(cluster) if e["reason"] == "MaxReplicasTooLow"],
+            what="a Warning Event",
+        )
+        assert clipped[0]["type"] == "Warning"
+
+        await cluster.post(MS_URL, json=seventy_b("blackwell", "B200", requestsPerSecond=50, minReplicas=2))
+        cpu = tiny(
+            "cpu", target={"requestsPerSecond": 5, "promptTokens": 64, "outputTokens": 64, "maxReplicas": 3}
+        )
+        await cluster.post(MS_URL, json=cpu)
+        for name, gpu in (("blackwell", "B200"), ("cpu", "cpu")):
+            ms = await eventually(
+                lambda name=name: replicas_of(cluster, name, 2 if name == "blackwell" else 1),
+                what=f"minReplicas on {gpu}",
+            )
+            met = condition(ms, "TargetMet")
+            assert (met["status"], met["reason"]) == ("False", "NoSpeedFigures")
+            assert (
+                f"no speed figures for {gpu}" in met["message"]
+                and "neededReplicas" not in ms["status"]["target"]
+            )
+
+
+def seventy_b_fp8(name: str, gpus: int, **model: Any) -> dict[str, Any]:
     return {
         "apiVersion": "inflight.dev/v1alpha1",
         "kind": "ModelServer",
@@ -362,7 +442,7 @@ async def test_fp8_weights_and_kv_are_planned_on_two_h100_as_inflight_size_plans
         kv_cache_dtype="fp8",
     )
     async with running_operator(resync_seconds=0.5):
-        await cluster.post(MS_URL, json=seventy_b("fp8", 2, quantization="fp8"))
+        await cluster.post(MS_URL, json=seventy_b_fp8("fp8", 2, quantization="fp8"))
         dep = await eventually(lambda: cluster.stored(DEPLOYMENTS, NS, "fp8"), what="the Deployment")
         args = args_of(dep)
         flags = dict(zip(args[::2], args[1::2], strict=False))
@@ -388,7 +468,7 @@ async def test_fp8_on_a_gpu_without_fp8_is_degraded_with_the_fix(cluster: KubeEm
     a100 = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.memory": "81920"}
     await cluster.post("/api/v1/nodes", json={"metadata": {"name": "gpu-1", "labels": a100}})
     async with running_operator(resync_seconds=0.5):
-        await cluster.post(MS_URL, json=seventy_b("old-gpus", 4))
+        await cluster.post(MS_URL, json=seventy_b_fp8("old-gpus", 4))
         ms = await eventually(
             lambda: (
                 condition(m := cluster.stored(MODELSERVERS, NS, "old-gpus"), "Degraded").get("status")

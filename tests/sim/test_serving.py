@@ -7,8 +7,18 @@ import math
 
 import pytest
 
+from inflight.bench.served import arrival_offsets
 from inflight.cli import main
-from inflight.sim.serving import GPU_SPEED, GPUSpeed, Workload, estimate, step_seconds, workload_limits
+from inflight.sim.cost_model import CostModel
+from inflight.sim.serving import (
+    GPU_SPEED,
+    GPUSpeed,
+    Workload,
+    estimate,
+    policy_estimate,
+    step_seconds,
+    workload_limits,
+)
 from inflight.sizing import GPU_CATALOG, MIB, EngineLimits, SizingPlan, find_model, plan
 
 SEED = Workload(prompt_tokens=512, output_tokens=256, max_output_tokens=1024, requests_per_s=50)
@@ -82,3 +92,20 @@ def test_size_cli_workload(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("prompt=0,output=2", "prompt=5", "tokens=5", "prompt=5,output=x"):
         assert main([*args, "--workload", bad]) == 2
         assert "--workload" in capsys.readouterr().err
+
+
+def test_the_batch_formula_takes_a_calibrated_step_cost() -> None:
+    """The CPU check (benchmarks/serving_model_check.py) prices the same formula with a fitted step cost."""
+    cost = CostModel(fixed_s=0.01, per_token_s=0.001, source="test")
+    workload = Workload(prompt_tokens=100, output_tokens=50)
+    got = policy_estimate(lambda tokens, kv_read: cost.step_seconds(tokens), workload, batch=4, steps=50)
+    batch_s = (0.01 + 0.001 * 4 * 100) + 50 * (0.01 + 0.001 * 4)
+    assert got.requests_per_s == pytest.approx(4 / batch_s)
+    assert got.output_tokens_per_s == pytest.approx(50 * 4 / batch_s)
+
+
+def test_arrival_offsets_are_the_seeded_poisson_schedule() -> None:
+    offsets = arrival_offsets(2000, 4.0, seed=3)
+    assert offsets == arrival_offsets(2000, 4.0, seed=3) and offsets[0] == 0.0
+    assert offsets[-1] / 1999 == pytest.approx(0.25, rel=0.1)  # mean gap 1 / rate
+    assert arrival_offsets(3, math.inf, seed=3) == [0.0, 0.0, 0.0]

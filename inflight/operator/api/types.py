@@ -447,6 +447,41 @@ class AutoscalingSpec(SpecModel):
     )
 
 
+class TargetSpec(SpecModel):
+    """The load to serve: the operator runs the replicas the serving cost model says it takes.
+
+    The model is `inflight size --workload`'s (inflight/sim/serving.py): continuous batching with paged KV
+    on the replica's sizing plan, at the GPU's datasheet peaks; replicas = ceil(requestsPerSecond / what
+    one replica serves), bounded by minReplicas and maxReplicas. A GPU type the model has no figures for
+    runs minReplicas (status.target says so).
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel("self.minReplicas <= self.maxReplicas", "target.minReplicas must be <= maxReplicas"),
+        )
+    )
+
+    requests_per_second: float = Field(
+        gt=0, le=1000000, description="Requests per second the ModelServer must serve, over all replicas."
+    )
+    prompt_tokens: int = Field(
+        default=512, ge=1, le=1048576, description="Mean prompt length of those requests, in tokens."
+    )
+    output_tokens: int = Field(
+        default=256, ge=1, le=1048576, description="Mean output length of those requests, in tokens."
+    )
+    min_replicas: int = Field(
+        default=1, ge=1, le=1000, description="Fewest replicas, whatever the model says."
+    )
+    max_replicas: int = Field(
+        ge=1,
+        le=1000,
+        description="Most replicas: a bound on cost (a target above what they serve is reported in the "
+        "TargetMet condition).",
+    )
+
+
 class AuthSpec(SpecModel):
     """Require `Authorization: Bearer <key>` on the API."""
 
@@ -495,6 +530,16 @@ class ModelServerSpec(SpecModel):
                 f"{', '.join(NO_FP8_GPU_TYPES)} have none: use {', '.join(FP8_GPU_TYPES)}, or int8 / GGUF "
                 "weights and kvCacheDtype auto",
             ),
+            cel(
+                "!has(self.target) || (!has(self.replicas) && !has(self.autoscaling))",
+                "spec.target sets replicas: leave spec.replicas and spec.autoscaling out (one owner of "
+                "replicas; see docs/operator.md)",
+            ),
+            cel(
+                "!has(self.target) || self.target.promptTokens + self.target.outputTokens <= "
+                "self.model.maxModelLen",
+                "target.promptTokens + target.outputTokens must be <= model.maxModelLen",
+            ),
         )
     )
 
@@ -515,6 +560,11 @@ class ModelServerSpec(SpecModel):
     )
     autoscaling: AutoscalingSpec | None = Field(
         default=None, description="Autoscaling; absent: fixed replicas."
+    )
+    target: TargetSpec | None = Field(
+        default=None,
+        description="The load to serve; the operator sets replicas from it (not with replicas or "
+        "autoscaling).",
     )
     auth: AuthSpec | None = Field(default=None, description="API key authentication; absent: open API.")
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512, description="Server image.")
@@ -543,7 +593,7 @@ class ModelServerSpec(SpecModel):
 class Condition(SpecModel):
     """A kstatus-style condition."""
 
-    type: str = Field(description="Ready, Progressing, Degraded, Sized or SizingDrift.")
+    type: str = Field(description="Ready, Progressing, Degraded, Sized, SizingDrift or TargetMet.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="One CamelCase word for machines.")
     message: str = Field(description="What happened and what to change, for people.")
@@ -613,6 +663,21 @@ class AutoscalingStatus(SpecModel):
     reason: str | None = Field(default=None, description="Why the last decision was taken.")
 
 
+class TargetStatus(SpecModel):
+    """What the serving cost model says spec.target takes, and the replicas the operator runs for it."""
+
+    requests_per_second: float = Field(description="The target (spec.target.requestsPerSecond).")
+    replicas: int = Field(description="Replicas the Deployment runs for it (bounded by min/maxReplicas).")
+    needed_replicas: int | None = Field(
+        default=None, description="Replicas the cost model says the target takes; absent without figures."
+    )
+    per_replica_requests_per_second: float | None = Field(
+        default=None, description="What one replica serves by the cost model (continuous batching, paged KV)."
+    )
+    gpu_type: str | None = Field(default=None, description="The GPU type whose figures the model used.")
+    message: str = Field(description="The decision in one sentence.")
+
+
 class ModelCacheStatus(SpecModel):
     """The model cache's download (spec.model.cache)."""
 
@@ -632,7 +697,8 @@ class ModelServerStatus(SpecModel):
     observed_generation: int | None = Field(default=None, description="Generation last reconciled.")
     conditions: list[Condition] | None = Field(
         default=None,
-        description="Ready, Progressing, Degraded, Sized; SizingDrift while a replica runs short.",
+        description="Ready, Progressing, Degraded, Sized; SizingDrift while a replica runs short; "
+        "TargetMet with spec.target.",
     )
     replicas: int | None = Field(default=None, description="Pods of the Deployment (scale subresource).")
     ready_replicas: int | None = Field(default=None, description="Ready pods.")
@@ -640,6 +706,9 @@ class ModelServerStatus(SpecModel):
     selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
     endpoint: str | None = Field(default=None, description="In-cluster URL of the OpenAI-compatible API.")
     sizing: SizingStatus | None = Field(default=None, description="The sizing plan.")
+    target: TargetStatus | None = Field(
+        default=None, description="The replicas spec.target takes (with spec.target)."
+    )
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's state.")
     model_cache: ModelCacheStatus | None = Field(
         default=None, description="The model cache's download (with spec.model.cache)."
