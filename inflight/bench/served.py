@@ -286,6 +286,13 @@ def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_
     ]  # fmt: skip
     if not args.enable_prefix_caching:
         command.append("--no-enable-prefix-caching")
+    if args.speculative is not None:
+        command += [
+            "--speculative", args.speculative,
+            "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max),
+            "--speculative-max-running", str(args.speculative_max_running),
+        ]  # fmt: skip
     return command
 
 

@@ -82,6 +82,19 @@ def test_bench_serve_runs_every_round_cold_on_both_servers(tmp_path: Path) -> No
     assert "--no-enable-prefix-caching" not in _inflight_command(cached, tmp_path, 8000, 100)
 
 
+def test_bench_serve_hands_speculative_decoding_to_the_server(tmp_path: Path) -> None:
+    from inflight.cli import build_parser
+
+    assert "--speculative" not in _inflight_command(
+        build_parser().parse_args(["bench", "serve"]), tmp_path, 1, 9
+    )
+    args = build_parser().parse_args(
+        ["bench", "serve", "--speculative", "ngram", "--num-speculative-tokens", "3"]
+    )
+    command = " ".join(_inflight_command(args, tmp_path, 8000, 100))
+    assert "--speculative ngram --num-speculative-tokens 3 --ngram-min 2" in command
+
+
 BURN_THEN_WAIT = """
 import sys, time
 while time.process_time() < 0.3:
