@@ -8,6 +8,7 @@ concurrency C, C at once. Asserts that both engines emit identical tokens.
 
     PYTHONPATH=. .venv/bin/python benchmarks/speculative_decoding.py --model builtin:smollm2 \\
         --dtype float32 --concurrency 1 64 [--rounds 2] [--max-tokens 128] [--threads N]
+        [--speculative-max-running N]
 """
 
 from __future__ import annotations
@@ -86,7 +87,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
-    parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig().num_speculative_tokens)
+    defaults = EngineConfig()
+    parser.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens)
+    parser.add_argument(
+        "--speculative-max-running",
+        type=int,
+        default=defaults.speculative_max_running,
+        help="the engine's switch-off rule (raise it to measure speculation on larger batches)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
@@ -94,7 +102,12 @@ def main() -> None:
     off = LLMEngine(model, EngineConfig(**base))
     on = LLMEngine(
         model,
-        EngineConfig(**base, speculative="ngram", num_speculative_tokens=args.num_speculative_tokens),
+        EngineConfig(
+            **base,
+            speculative="ngram",
+            num_speculative_tokens=args.num_speculative_tokens,
+            speculative_max_running=args.speculative_max_running,
+        ),
         share_model_of=off,
     )
     print(
