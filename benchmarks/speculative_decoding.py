@@ -8,6 +8,7 @@ concurrency C, C at once. Asserts that both engines emit identical tokens.
 
     PYTHONPATH=. .venv/bin/python benchmarks/speculative_decoding.py --model builtin:smollm2 \\
         --dtype float32 --concurrency 1 64 [--rounds 2] [--max-tokens 128] [--threads N]
+        [--task edit|poem]
         [--speculative-max-running N]
 """
 
@@ -51,15 +52,18 @@ PASSAGES = [
 ]
 
 
-def prompts(engine: LLMEngine, count: int) -> list[str]:
+def prompts(engine: LLMEngine, count: int, task: str) -> list[str]:
     out = []
     for i in range(count):
         passage = PASSAGES[i % len(PASSAGES)]
         # Requests beyond the passages differ in their first line (no two prompts are the same).
-        message = (
-            f"Request {i}. Correct the spelling in the following text and reply with the corrected text "
-            f"only.\n\n{passage}"
-        )
+        if task == "edit":
+            message = (
+                f"Request {i}. Correct the spelling in the following text and reply with the corrected "
+                f"text only.\n\n{passage}"
+            )
+        else:  # free writing about the passage's subject: little of the answer is in the prompt
+            message = f"Request {i}. Write a short poem inspired by this text.\n\n{passage}"
         out.append(engine.tokenizer.apply_chat_template([{"role": "user", "content": message}]))
     return out
 
@@ -82,6 +86,12 @@ def main() -> None:
     )
     parser.add_argument("--model", default="builtin:smollm2")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--task",
+        choices=["edit", "poem"],
+        default="edit",
+        help="edit: correct the passage (input-grounded); poem: write about it (few proposals hit)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--requests-at-1", type=int, default=8, help="requests at concurrency 1")
     parser.add_argument("--rounds", type=int, default=2)
@@ -111,11 +121,11 @@ def main() -> None:
         share_model_of=off,
     )
     print(
-        f"{args.model} {args.dtype}, {args.threads} threads, greedy, "
+        f"{args.model} {args.dtype}, {args.threads} threads, greedy, task {args.task}, "
         f"up to {args.max_tokens} tokens per answer"
     )
     for concurrency in args.concurrency:
-        texts = prompts(off, args.requests_at_1 if concurrency == 1 else concurrency)
+        texts = prompts(off, args.requests_at_1 if concurrency == 1 else concurrency, args.task)
         run(off, texts[:1], 1, 8)  # warm-up
         run(on, texts[:1], 1, 8)
         rates: dict[str, list[float]] = {"off": [], "ngram": []}
