@@ -205,3 +205,15 @@ def test_metrics_expose_proposed_and_accepted_tokens() -> None:
     text = generate_latest(metrics.registry).decode()
     assert "inflight:spec_decode_num_draft_tokens_total 40.0" in text
     assert "inflight:spec_decode_num_accepted_tokens_total 25.0" in text
+
+
+def test_requests_with_a_grammar_do_not_speculate(tiny_llama_dir: Path) -> None:
+    from inflight.engine.sequence import GuidedDecoding
+
+    prompts: list[Any] = repeating_prompts(1000, 2)
+    guided = GuidedDecoding("regex", "(ab){3,30}")
+    params = [SamplingParams(max_tokens=20, temperature=0.0, guided=guided)] * 2
+    off, _ = run(tiny_llama_dir, prompts, params, False)
+    on, eng = run(tiny_llama_dir, prompts, params, True)
+    assert completions(on) == completions(off)
+    assert eng.stats().num_draft_tokens == 0
