@@ -234,6 +234,8 @@ MODEL_CATALOG: dict[str, ModelShape] = {
         ModelShape("builtin:tiny", 4, 128, 4, 2, 32, 352, 2048, False, max_position_embeddings=2048),
         # The engine's larger random-weight model (`--model builtin:small`).
         ModelShape("builtin:small", 8, 512, 8, 4, 64, 1408, 8192, False, max_position_embeddings=2048),
+        # Llama-3.2-1B's shape with random weights (`--model builtin:llama-1b`).
+        ModelShape("builtin:llama-1b", 16, 2048, 32, 8, 64, 8192, 128256, True, max_position_embeddings=8192),
         # SmolLM2-135M-Instruct (`--model builtin:smollm2`).
         ModelShape("builtin:smollm2", 30, 576, 9, 3, 64, 1536, 49152, True, max_position_embeddings=8192),
     )

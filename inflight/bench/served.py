@@ -156,16 +156,51 @@ def arrival_offsets(count: int, request_rate: float, seed: int) -> list[float]:
     return offsets
 
 
+@dataclass(frozen=True)
+class Load:
+    """How the requests arrive: Poisson at `rate` per second (inf = all at once), or, with `concurrency`,
+    from that many clients in a closed loop (each sends its next request when its last one has ended)."""
+
+    rate: float = math.inf
+    concurrency: int | None = None
+
+    @property
+    def name(self) -> str:
+        if self.concurrency is not None:
+            return f"concurrency-{self.concurrency}"
+        return "all-at-once" if math.isinf(self.rate) else f"poisson-{self.rate:g}"
+
+    def describe(self) -> str:
+        if self.concurrency is not None:
+            return f"{self.concurrency} at a time (closed loop)"
+        return "all at once" if math.isinf(self.rate) else f"Poisson {self.rate:g} req/s"
+
+
 async def run_clients(
-    url: str, model: str, requests: list[BenchRequest], request_rate: float, seed: int
+    url: str,
+    model: str,
+    requests: list[BenchRequest],
+    request_rate: float,
+    seed: int,
+    concurrency: int | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send `requests` with Poisson arrivals at `request_rate`/s (inf = all at once); wall time too."""
+    """Send `requests` with Poisson arrivals at `request_rate`/s (inf = all at once), or, with
+    `concurrency`, at most that many at a time, the next as soon as one ends; wall time too."""
     parsed = urlsplit(url)
     if parsed.scheme != "http" or not parsed.hostname:
         raise SystemExit(f"--url {url}: the benchmark client speaks plain http://HOST:PORT only")
     host, port = parsed.hostname, parsed.port or 80
     delays = arrival_offsets(len(requests), request_rate, seed)
     t0 = time.perf_counter()
+    if concurrency is not None:
+        slots = asyncio.Semaphore(concurrency)
+
+        async def closed_loop(request: BenchRequest) -> RequestResult:
+            async with slots:
+                return await _one_request(host, port, model, request, time.perf_counter() - t0, t0)
+
+        results = await asyncio.gather(*(closed_loop(r) for r in requests))
+        return list(results), time.perf_counter() - t0
     results = await asyncio.gather(
         *(_one_request(host, port, model, r, d, t0) for r, d in zip(requests, delays, strict=True))
     )
@@ -294,6 +329,13 @@ def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_
     command += ["--kv-cache-dtype", args.kv_cache_dtype]
     if not args.enable_prefix_caching:
         command.append("--no-enable-prefix-caching")
+    if args.speculative is not None:
+        command += [
+            "--speculative", args.speculative,
+            "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max),
+            "--speculative-max-running", str(args.speculative_max_running),
+        ]  # fmt: skip
     return command
 
 
@@ -422,9 +464,8 @@ def plot(report: dict[str, Any], results: dict[str, list[RequestResult]], path: 
         title="Output tokens/s" + (f" (served/offline = {ratio:.2f})" if ratio else ""), ylabel="tokens/s"
     )
     w = report["workload"]
-    rate = "all at once" if math.isinf(w["request_rate"]) else f"Poisson {w['request_rate']} req/s"
     figure.suptitle(
-        f"inflight bench serve: {w['num_requests']} requests, {rate}, "
+        f"inflight bench serve: {w['num_requests']} {w['kind']} requests, {w['arrivals']}, "
         f"{w['model']} ({report['server'].get('dtype', '?')})"
     )
     figure.tight_layout()
@@ -474,8 +515,17 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def _rate_name(rate: float) -> str:
-    return "all-at-once" if math.isinf(rate) else f"poisson-{rate:g}"
+def parse_loads(args: argparse.Namespace) -> list[Load]:
+    """`--concurrency 1,4` (closed loops) if given, else `--request-rate`."""
+    if not args.concurrency:
+        return [Load(rate=rate) for rate in parse_rates(str(args.request_rate))]
+    try:
+        levels = [int(part) for part in str(args.concurrency).split(",") if part.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise SystemExit(f"--concurrency {args.concurrency}: give client counts >= 1 separated by commas")
+    return [Load(concurrency=level) for level in levels]
 
 
 def run_serve_benchmark(args: argparse.Namespace) -> int:
@@ -483,7 +533,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
 
     from inflight.bench.checkpoint import bench_checkpoint
 
-    rates = parse_rates(str(args.request_rate))
+    loads = parse_loads(args)
     # One concrete dtype (the engine's `auto` rule on this CPU) for both servers and the offline engine.
     args.dtype = resolve_dtype_name(args.dtype, False, native_cpu_bfloat16=cpu_isa().native_bfloat16)
     if min(args.num_requests, args.rounds, args.threads or 1) < 1:
@@ -499,7 +549,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
             "`make bench-vllm` creates .venv-vllm"
         )
     model_dir = bench_checkpoint(args.model)
-    requests = load_workload(model_dir, args.num_requests, args.seed)
+    requests = load_workload(model_dir, args.num_requests, args.seed, args.workload)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
     systems: list[ServedSystem] = []
@@ -520,9 +570,9 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
                 # Untimed, like the offline runner's warm-up: two short requests through the HTTP path.
                 warmup = [BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)] * 2
                 asyncio.run(run_clients(system.url, system.model, warmup, math.inf, args.seed))
-            for rate in rates:
-                report, results = _run_rate(args, rate, systems, model_dir, requests, num_kv_blocks)
-                stem = "serve" if len(rates) == 1 else f"serve-{_rate_name(rate)}"
+            for load in loads:
+                report, results = _run_load(args, load, systems, model_dir, requests, num_kv_blocks)
+                stem = "serve" if len(loads) == 1 else f"serve-{load.name}"
                 _write_report(report, results, args.out, stem)
                 failed = failed or any(summary["failed"] for summary in report["systems"].values())
         finally:
@@ -531,30 +581,32 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _run_rate(
+def _run_load(
     args: argparse.Namespace,
-    rate: float,
+    load: Load,
     systems: list[ServedSystem],
     model_dir: Path,
     requests: list[BenchRequest],
     num_kv_blocks: int,
 ) -> tuple[dict[str, Any], dict[str, list[RequestResult]]]:
-    """`args.rounds` rounds at `rate` through every system (and the offline engine), alternating."""
+    """`args.rounds` rounds of `load` through every system (and the offline engine), alternating."""
     rounds: dict[str, list[tuple[dict[str, Any], list[RequestResult]]]] = {}
     offline_runs: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     for round_number in range(1, args.rounds + 1):
         # The systems (and the offline engine) alternate, so load drift affects all alike.
         for system in systems:
-            _say(f"round {round_number}/{args.rounds}: {len(requests)} streaming requests at "
-                 f"{rate} req/s against {system.name} at {system.url}")  # fmt: skip
+            _say(f"round {round_number}/{args.rounds}: {len(requests)} streaming requests, "
+                 f"{load.describe()}, against {system.name} at {system.url}")  # fmt: skip
             for other in systems:
                 if other is system:
                     other.resume()
                 else:
                     other.pause()
             server_before, client_before = system.cpu_seconds(), time.process_time()
-            results, duration = asyncio.run(run_clients(system.url, system.model, requests, rate, args.seed))
+            results, duration = asyncio.run(
+                run_clients(system.url, system.model, requests, load.rate, args.seed, load.concurrency)
+            )
             summary = summarize(results, duration)
             client_cpu = time.process_time() - client_before
             server_after = system.cpu_seconds()
@@ -601,7 +653,10 @@ def _run_rate(
             "model_dir": str(model_dir),
             "num_requests": len(requests),
             "seed": args.seed,
-            "request_rate": rate,
+            "kind": args.workload,
+            "request_rate": load.rate,
+            "concurrency": load.concurrency,
+            "arrivals": load.describe(),
             "rounds": args.rounds,
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
             "output_tokens": sum(r.output_len for r in requests),

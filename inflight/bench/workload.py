@@ -1,4 +1,8 @@
-"""The fixed offline workload: random prompts of random lengths, each with an exact output length."""
+"""The fixed benchmark workloads: random prompts of random lengths, each with an exact output length.
+
+`mixed` (the default): prompts and outputs of 16-256 tokens. `long-prompts`: prefill-heavy, as
+retrieval-augmented answers are: prompts of 1024-4096 tokens, 32-64 output tokens (needs a model whose
+context holds 4160 tokens, e.g. builtin:smollm2 or builtin:llama-1b)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,11 @@ NUM_REQUESTS = 64
 SEED = 0
 PROMPT_LENGTHS = (16, 256)
 OUTPUT_LENGTHS = (16, 256)
+# Name -> (prompt lengths, output lengths), inclusive ranges.
+WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "mixed": (PROMPT_LENGTHS, OUTPUT_LENGTHS),
+    "long-prompts": ((1024, 4096), (32, 64)),
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,16 @@ def make_workload(
     return requests
 
 
-def load_workload(model_dir: Path, num_requests: int = NUM_REQUESTS, seed: int = SEED) -> list[BenchRequest]:
-    """The fixed workload over the vocabulary of the checkpoint in `model_dir`."""
-    return make_workload(vocab_size(model_dir), special_token_ids(model_dir), num_requests, seed)
+def load_workload(
+    model_dir: Path, num_requests: int = NUM_REQUESTS, seed: int = SEED, workload: str = "mixed"
+) -> list[BenchRequest]:
+    """The named fixed workload (WORKLOADS) over the vocabulary of the checkpoint in `model_dir`."""
+    prompt_lengths, output_lengths = WORKLOADS[workload]
+    return make_workload(
+        vocab_size(model_dir),
+        special_token_ids(model_dir),
+        num_requests,
+        seed,
+        prompt_lengths,
+        output_lengths,
+    )

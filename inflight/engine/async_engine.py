@@ -312,6 +312,8 @@ class AsyncEngine:
             num_prompt_tokens=now.num_prompt_tokens - base.num_prompt_tokens,
             num_generation_tokens=now.num_generation_tokens - base.num_generation_tokens,
             num_steps=now.num_steps - base.num_steps,
+            num_draft_tokens=now.num_draft_tokens - base.num_draft_tokens,
+            num_accepted_tokens=now.num_accepted_tokens - base.num_accepted_tokens,
         )
 
     def _retry_after(self, excess: int) -> int:

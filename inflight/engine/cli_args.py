@@ -65,6 +65,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"GPU memory share to use (default: {utilization})",
     )
     add_tensor_parallel_arg(engine)
+    add_speculative_args(parser)
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (vLLM's `--speculative-config` holds the same settings)."""
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        default=_default("speculative"),
+        help="ngram: propose tokens by looking the last n tokens up in the prompt and output, verify them in "
+        "one step (greedy and seeded outputs are unchanged) (default: off)",
+    )
+    for field, flag in (
+        ("num_speculative_tokens", "--num-speculative-tokens"),
+        ("ngram_min", "--ngram-min"),
+        ("ngram_max", "--ngram-max"),
+        ("speculative_max_running", "--speculative-max-running"),
+    ):
+        default = _default(field)
+        description = EngineConfig.model_fields[field].description
+        group.add_argument(flag, type=int, default=default, help=f"{description} (default: {default})")
 
 
 def add_batching_args(parser: ArgumentTarget) -> None:
@@ -118,6 +140,11 @@ FLAG_DESTS = {
     "device": "device",
     "gpu_memory_utilization": "gpu_memory_utilization",
     "tensor_parallel_size": "tensor_parallel_size",
+    "speculative": "speculative",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "ngram_min": "ngram_min",
+    "ngram_max": "ngram_max",
+    "speculative_max_running": "speculative_max_running",
 }
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inflight.engine.dtypes import DType, KVCacheDType
 
 SchedulerPolicy = Literal["continuous", "static"]
+SpeculativeMethod = Literal["ngram"]
 
 
 class EngineConfig(BaseModel):
@@ -48,3 +49,19 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="ranks (processes, one GPU each on CUDA) the model is split over"
     )
+    # Speculative decoding (engine/speculative.py).
+    speculative: SpeculativeMethod | None = Field(
+        default=None, description="ngram = propose tokens by prompt lookup, verify in one step; None = off"
+    )
+    num_speculative_tokens: int = Field(default=4, ge=1, le=32, description="tokens proposed per step")
+    ngram_min: int = Field(default=2, ge=1, description="shortest n-gram matched against the context")
+    ngram_max: int = Field(default=4, ge=1, description="longest n-gram matched against the context")
+    speculative_max_running: int = Field(
+        default=4, ge=1, description="speculate only while at most this many sequences run (else off)"
+    )
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> EngineConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self

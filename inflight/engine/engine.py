@@ -38,6 +38,7 @@ from inflight.engine.runner import ModelRunner, allocate_kv_caches
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import CapacityError, create_scheduler
 from inflight.engine.sequence import SamplingParams, Sequence
+from inflight.engine.speculative import NgramProposer
 from inflight.engine.stats import EngineStats
 from inflight.engine.tokenizer import Tokenizer
 
@@ -111,6 +112,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            proposer=NgramProposer.from_config(config),
         )
         kv_caches = allocate_kv_caches(
             self.model_config,
@@ -283,6 +285,8 @@ class LLMEngine:
             num_steps=self.scheduler.num_steps,
             last_step_num_batched_tokens=self._last_step_tokens,
             max_num_seqs=self.config.max_num_seqs,
+            num_draft_tokens=self.outputs.num_draft_tokens,
+            num_accepted_tokens=self.outputs.num_accepted_tokens,
         )
 
     def generate(

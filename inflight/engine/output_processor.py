@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from inflight.engine.runner import RunnerOutput
 from inflight.engine.sampler import SampleResult
-from inflight.engine.scheduler import Scheduler, SchedulerOutput
+from inflight.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from inflight.engine.sequence import FinishReason, PositionLogprobs, SamplingParams, Sequence
 from inflight.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -109,6 +109,9 @@ class OutputProcessor:
         self._requests: dict[str, _Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Speculative decoding: tokens proposed, and those of them accepted.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -159,10 +162,15 @@ class OutputProcessor:
             samples = result.samples.get(parent.seq_id)
             if samples is None:  # its draw failed: already finished with "error"
                 continue
-            members = [parent] if len(samples) == 1 else [s for s in request.seqs if s is not None]
             try:
-                for member, sample in zip(members, samples, strict=True):
-                    self._record_sample(request, member, sample)
+                if item.draft_token_ids:
+                    self._record_speculative(request, item, samples)
+                    self.num_draft_tokens += len(item.draft_token_ids)
+                    self.num_accepted_tokens += len(samples) - 1
+                else:
+                    members = [parent] if len(samples) == 1 else [s for s in request.seqs if s is not None]
+                    for member, sample in zip(members, samples, strict=True):
+                        self._record_sample(request, member, sample)
             except Exception as error:
                 logger.warning(
                     "request %s failed: processing its tokens raised %r", request.request_id, error
@@ -183,7 +191,33 @@ class OutputProcessor:
             outputs.append(self._output(request, finished))
         return outputs
 
-    def _record_sample(self, request: _Request, member: Sequence, sample: SampleResult) -> None:
+    def _record_speculative(
+        self, request: _Request, item: ScheduledSequence, samples: list[SampleResult]
+    ) -> None:
+        """Record the tokens a speculative step appended to one sequence, one at a time as steps without
+        proposals would have: a stop string completed by one of them ends the sequence there, and the
+        tokens after it are dropped."""
+        seq = item.seq
+        first = seq.num_output_tokens - item.num_appended
+        for j in range(item.num_appended):
+            last = j == item.num_appended - 1
+            stop = self._record_sample(request, seq, samples[j], first + j, last)
+            if stop is not None and not last:
+                seq.truncate_output(first + j + 1)
+                # Finished by the stop string, not by an EOS or max_tokens among the dropped tokens.
+                seq.finish("stop", stop_reason=stop)
+                return
+
+    def _record_sample(
+        self,
+        request: _Request,
+        member: Sequence,
+        sample: SampleResult,
+        position: int | None = None,
+        last: bool = True,
+    ) -> str | None:
+        """Record the sample of output token `position` (default the last); `last`: no later token of the
+        sequence was appended this step. Returns the stop string the token completed, if any."""
         self.num_generation_tokens += 1
         if member.params.logprobs is not None:
             if member.logprobs is None:
@@ -193,7 +227,8 @@ class OutputProcessor:
                 logprob.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
             member.logprobs.append(sample.top_logprobs)
             member.cumulative_logprob += sample.logprob
-        self._detokenize(request, member)
+        token = member.output_token_ids[-1 if position is None else position]
+        return self._detokenize(request, member, token, last)
 
     def _fail(self, request: _Request, reason: str) -> None:
         """End every unfinished sequence of the request with finish_reason "error"; free their blocks."""
@@ -201,11 +236,11 @@ class OutputProcessor:
             if seq is not None and not seq.is_finished:
                 self.scheduler.finish(seq.seq_id, "error", error=reason)
 
-    def _detokenize(self, request: _Request, seq: Sequence) -> None:
+    def _detokenize(self, request: _Request, seq: Sequence, token: int, last: bool) -> str | None:
         detok = request.detokenizers[seq.index]
         before = len(detok.text)
-        detok.add(seq.output_token_ids[-1])
-        if seq.is_finished:
+        detok.add(token)
+        if seq.is_finished and last:
             detok.flush()
         stops = seq.params.stop_strings
         if stops and len(detok.text) > before:
@@ -220,7 +255,10 @@ class OutputProcessor:
                     self.scheduler.finish(seq.seq_id, "stop", stop_reason=stop)
                 elif seq.finish_reason == "length":
                     seq.finish("stop", stop_reason=stop)
+                request.texts[seq.index] = detok.text
+                return stop
         request.texts[seq.index] = detok.text
+        return None
 
     def _output(self, request: _Request, finished: bool) -> RequestOutput:
         parent = request.seqs[0]

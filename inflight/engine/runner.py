@@ -104,6 +104,21 @@ def run_model(
     return model.compute_logits(hidden)
 
 
+def accept_proposals(scheduled: list[ScheduledSequence], result: RunnerOutput) -> None:
+    """Keep each speculating sequence's samples up to and including the first that differs from its
+    proposal (the later ones were drawn after a token the sequence will not have)."""
+    for item in scheduled:
+        samples = result.samples.get(item.seq.seq_id)
+        if not item.draft_token_ids or samples is None:
+            continue
+        num_accepted = 0
+        for proposed, sample in zip(item.draft_token_ids, samples, strict=False):
+            if sample.token_id != proposed:
+                break
+            num_accepted += 1
+        del samples[num_accepted + 1 :]
+
+
 def copy_blocks(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]], device: torch.device
 ) -> None:
@@ -171,13 +186,14 @@ class ModelRunner:
         inputs = self._prepare(out)
 
         # Rows of the step's tokens that need logits: prompt-logprob rows first, then one per sampling
-        # sequence (its last new token).
+        # sequence (its last new token; every new token of a speculating one).
         logit_rows: list[int] = []
         prompt_spans: list[tuple[str, int, int]] = []
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
         sampling: list[SamplingRow] = []
         owners: list[str] = []
+        speculative = False
         start = 0
         for index, item in enumerate(out.scheduled):
             seq = item.seq
@@ -189,7 +205,24 @@ class ModelRunner:
                 if last > first:
                     prompt_spans.append((seq.seq_id, len(logit_rows), last - first))
                     logit_rows.extend(range(start, start + last - first))
-            if item.samples:
+            if item.draft_token_ids:
+                # A sample after the last token and after each proposal (speculative decoding).
+                sample_rows.extend(range(start, end))
+                speculative = True
+                for j in range(len(item.draft_token_ids) + 1):
+                    sampling.append(
+                        SamplingRow(
+                            params=seq.params,
+                            token_ids=seq.token_ids + item.draft_token_ids[:j] if j else seq.token_ids,
+                            num_prompt_tokens=seq.num_prompt_tokens,
+                            index=seq.index,
+                            output_position=seq.num_output_tokens + j,
+                            eos_token_ids=seq.eos_token_ids,
+                            request_id=seq.request_id,
+                        )
+                    )
+                    owners.append(seq.seq_id)
+            elif item.samples:
                 sample_rows.append(end - 1)
                 sample_seqs.append(index)
                 for draw in range(seq.slots_needed):
@@ -209,7 +242,7 @@ class ModelRunner:
 
         num_prompt_rows = len(logit_rows)
         draws_per_row = [item.seq.slots_needed for item in out.scheduled if item.samples]
-        if not logit_rows and sample_rows and len(sample_rows) < len(inputs.input_ids):
+        if not logit_rows and not speculative and sample_rows and len(sample_rows) < len(inputs.input_ids):
             # Only last tokens are read (a prefill or chunked step): the last layer computes just those.
             inputs.last_rows_of = sample_seqs
         else:
@@ -228,6 +261,8 @@ class ModelRunner:
             assert limits is not None
             limited, failed = limits.apply(sample_logits)
             self._sample_allowed(limited, sampling, owners, failed, result)
+            if speculative:
+                accept_proposals(out.scheduled, result)
         return result
 
     def _sample_allowed(
@@ -289,7 +324,8 @@ class ModelRunner:
             start = item.num_computed_tokens
             end = start + item.num_new_tokens
             table = item.block_table
-            inputs.input_ids.extend(item.seq.token_ids[start:end])
+            # The proposals of a speculating sequence follow its last token.
+            inputs.input_ids.extend(item.seq.token_ids[start:end] + item.draft_token_ids)
             inputs.positions.extend(range(start, end))
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             inputs.query_lens.append(item.num_new_tokens)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from inflight.engine.config import SchedulerPolicy
 from inflight.engine.kv_cache import KVAllocator
 from inflight.engine.sequence import Sequence, SequenceStatus
+from inflight.engine.speculative import NgramProposer
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,18 @@ class ScheduledSequence:
     num_computed_tokens: int
     # The sequence's KV blocks in token order as of this step (the runner reads them, not the manager).
     block_table: list[int] = field(default_factory=list)
+    # Proposed next tokens (speculative decoding): computed after the sequence's last token, in the
+    # step's `num_new_tokens`, and a token is sampled after each of them too.
+    draft_token_ids: list[int] = field(default_factory=list)
     # True if this step computes the sequence's last token, so a next token is sampled (fixed at
     # schedule time; the sequence grows in `update`).
     samples: bool = field(init=False)
+    # Tokens `update` appended to the sequence (more than one when proposals were accepted).
+    num_appended: int = 0
 
     def __post_init__(self) -> None:
-        self.samples = self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        computed = self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+        self.samples = computed == self.seq.num_tokens
 
 
 @dataclass
@@ -131,7 +138,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         on_step: Callable[[StepRecord], None] | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
+        """`proposer`: speculative decoding's (None: off)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must all be >= 1")
         self.kv_cache = kv_cache
@@ -139,6 +148,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.on_step = on_step
+        self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
         # In admission order: the last one is the first to be preempted.
         self.running: list[Sequence] = []
@@ -260,7 +270,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
-        # 1. Running sequences, oldest first: next prefill chunk or one decode token each.
+        # 1. Running sequences, oldest first: next prefill chunk or one decode token each (plus proposals).
+        speculate = self.proposer is not None and len(self.running) <= self.proposer.max_running
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -268,6 +279,16 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if speculate and num_new == seq.num_tokens - seq.num_computed_tokens == 1:
+                draft = self._draft(seq, budget)
+                if draft:
+                    out.scheduled.append(
+                        ScheduledSequence(seq, 1 + len(draft), seq.num_computed_tokens, [], draft)
+                    )
+                    scheduled_ids.add(seq.seq_id)
+                    budget -= 1 + len(draft)
+                    i += 1
+                    continue
             while not self.kv_cache.allocate(seq.seq_id, seq.num_computed_tokens, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -308,6 +329,15 @@ class Scheduler:
         self.num_steps += 1
         return out
 
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """The sequence's proposals that fit the step's token budget and the free KV blocks (allocated),
+        or [] (nothing allocated)."""
+        assert self.proposer is not None
+        draft = self.proposer.propose(seq)[: budget - 1]
+        if draft and self.kv_cache.allocate(seq.seq_id, seq.num_computed_tokens, 1 + len(draft)):
+            return draft
+        return []
+
     def _match_prefix(self, seq: Sequence) -> None:
         # Requests that want prompt logprobs compute every prompt position, so they skip the cache.
         tokens = seq.token_ids if seq.params.prompt_logprobs is None else []
@@ -337,11 +367,15 @@ class Scheduler:
             seq = item.seq
             if seq.is_finished:  # aborted or failed between schedule and update
                 continue
+            if item.draft_token_ids:
+                self._accept(item, list(sampled[seq.seq_id]), finished)
+                continue
             seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             self.kv_cache.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not item.samples:
                 continue
             tokens = list(sampled[seq.seq_id])
+            item.num_appended = 1
             group = [seq]
             if seq.num_forks_pending:
                 for index in range(1, seq.num_forks_pending + 1):
@@ -371,6 +405,27 @@ class Scheduler:
             )
         return forked
 
+    def _accept(self, item: ScheduledSequence, tokens: list[int], finished: list[str]) -> None:
+        """Apply a speculative step: `tokens` are the accepted proposals and the sample after them. The KV of
+        the last token and the accepted proposals is kept; the blocks past it are freed."""
+        seq = item.seq
+        num_accepted = len(tokens) - 1
+        if (
+            not 0 <= num_accepted <= len(item.draft_token_ids)
+            or tokens[:-1] != item.draft_token_ids[:num_accepted]
+        ):
+            raise ValueError(f"{seq.seq_id}: samples {tokens} do not extend proposals {item.draft_token_ids}")
+        seq.num_computed_tokens = item.num_computed_tokens + 1 + num_accepted
+        self.kv_cache.truncate(seq.seq_id, seq.num_computed_tokens)
+        self.kv_cache.cache_full_blocks(seq.seq_id, seq.token_ids + tokens[:-1], seq.num_computed_tokens)
+        for token in tokens:
+            seq.append_token(token)
+            item.num_appended += 1
+            if seq.is_finished:
+                self._remove(seq)
+                finished.append(seq.seq_id)
+                return
+
 
 class ContinuousScheduler(Scheduler):
     """Admit waiting requests whenever slots, budget and blocks allow (in-flight batching)."""
@@ -396,10 +451,12 @@ def create_scheduler(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int,
+    proposer: NgramProposer | None = None,
 ) -> Scheduler:
     return SCHEDULERS[policy](
         kv_cache,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        proposer=proposer,
     )

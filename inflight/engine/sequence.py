@@ -274,6 +274,12 @@ class Sequence:
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish("length")
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens past the first `num_output_tokens` (a finished sequence's tokens after a
+        stop string that speculative decoding had appended in the same step)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens :]
+
     def finish(
         self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None
     ) -> None:

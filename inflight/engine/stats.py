@@ -22,3 +22,6 @@ class EngineStats:
     num_steps: int = 0
     last_step_num_batched_tokens: int = 0
     max_num_seqs: int = 0
+    # Speculative decoding: tokens proposed, and those of them accepted (both 0 with it off).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -62,6 +62,16 @@ class _EngineCollector(Collector):
                 "Prompt tokens found in the prefix cache (not recomputed).",
                 stats.num_prefix_cache_hits,
             ),
+            (
+                "inflight:spec_decode_num_draft_tokens",
+                "Tokens proposed by speculative decoding.",
+                stats.num_draft_tokens,
+            ),
+            (
+                "inflight:spec_decode_num_accepted_tokens",
+                "Proposed tokens accepted (the target model drew the same token).",
+                stats.num_accepted_tokens,
+            ),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -93,6 +93,11 @@ class ContiguousKVCache:
         region.written = needed
         return True
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """The region stays reserved; only what is written shrinks."""
+        region = self._regions[seq_id]
+        region.written = min(region.written, num_tokens)
+
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Nothing is shared, so nothing is registered."""
 

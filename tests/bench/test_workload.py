@@ -31,3 +31,9 @@ def test_special_tokens_of_a_checkpoint_are_excluded(tiny_llama_dir: Path) -> No
     assert {0, 1, 2} <= specials  # bos, eos, pad of the generated checkpoint
     requests = load_workload(tiny_llama_dir, num_requests=16)
     assert all(not specials & set(r.prompt_token_ids) for r in requests)
+
+
+def test_long_prompts_workload_is_prefill_heavy(tiny_llama_dir: Path) -> None:
+    requests = load_workload(tiny_llama_dir, num_requests=16, workload="long-prompts")
+    assert all(1024 <= len(r.prompt_token_ids) <= 4096 and 32 <= r.output_len <= 64 for r in requests)
+    assert load_workload(tiny_llama_dir, 16) != requests

@@ -316,10 +316,10 @@ def test_a_request_whose_output_processing_fails_fails_alone(
     reference = engine.generate(PROMPTS[:2], greedy(6))
     detokenize = engine.outputs._detokenize
 
-    def broken(request: Any, seq: Any) -> None:
+    def broken(request: Any, seq: Any, *rest: Any) -> str | None:
         if request.request_id.endswith("-1") and seq.num_output_tokens >= 3:  # the second prompt only
             raise UnicodeError("undecodable bytes")
-        detokenize(request, seq)
+        return detokenize(request, seq, *rest)
 
     monkeypatch.setattr(engine.outputs, "_detokenize", broken)
     good, bad = engine.generate(PROMPTS[:2], greedy(6))

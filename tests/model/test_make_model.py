@@ -91,3 +91,18 @@ def test_files_carry_tokens_and_template(tiny_llama_dir: Path) -> None:
     assert "<|im_start|>" in tokenizer_config["chat_template"]
     assert tokenizer_config["bos_token"] == "<|begin_of_text|>"
     assert config["eos_token_id"] in generation["eos_token_id"]
+
+
+def test_llama_1b_preset_has_llama_3_2_1b_shape() -> None:
+    """Its config and tensors (without writing 2.5 GB): Llama-3.2-1B's shape, tied embeddings, 1.24 B."""
+    from inflight.checkpoints.make import BOS, EOS, PAD, _count_params, _hf_config, _tensor_shapes
+
+    spec = PRESETS["llama-1b"]
+    config = _hf_config(spec, "llama", spec.vocab_size, {BOS: 1, EOS: 2, PAD: 0})
+    shape = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")}
+    assert shape == {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32}
+    assert (config["num_key_value_heads"], config["intermediate_size"]) == (8, 8192)
+    assert config["vocab_size"] == 128256 and config["tie_word_embeddings"] is True
+    assert config["torch_dtype"] == "bfloat16"
+    assert "lm_head.weight" not in dict(_tensor_shapes(spec, "llama", 128256))
+    assert _count_params(spec, "llama", 128256) == 1_235_814_400

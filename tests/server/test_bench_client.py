@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from inflight.bench.served import (
     _inflight_command,
     _vllm_command,
     cpu_per_output_token,
+    parse_loads,
     percentile,
     process_group_cpu_seconds,
     run_clients,
@@ -40,6 +42,31 @@ def test_the_benchmark_client_measures_every_token(live: Any) -> None:
     assert summary["output_tokens_per_s"] == 18 / duration
     assert summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
     assert 0 < summary["tpot_ms"]["p50"] <= summary["tpot_ms"]["p99"]
+
+
+def test_closed_loop_clients_never_have_more_requests_in_flight(live: Any) -> None:
+    requests = [BenchRequest([5 + i, 17, 42], output_len=4) for i in range(5)]
+    for concurrency in (1, 2):
+        results, _ = asyncio.run(run_clients(live.url, "tiny", requests, float("inf"), 0, concurrency))
+        assert [r.error for r in results] == [None] * 5
+        spans = [(r.start, r.start + (r.e2e or 0.0)) for r in results]
+        for start, _end in spans:
+            in_flight = sum(1 for s, e in spans if s <= start < e)
+            assert in_flight <= concurrency
+        if concurrency == 1:  # one after the other: each starts once the one before it has ended
+            ordered = sorted(spans)
+            assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(ordered))
+
+
+def test_loads_are_concurrency_levels_or_rates() -> None:
+    from inflight.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--concurrency", "1,4"])
+    assert [load.name for load in parse_loads(args)] == ["concurrency-1", "concurrency-4"]
+    args = build_parser().parse_args(["bench", "serve", "--request-rate", "inf,16"])
+    assert [load.name for load in parse_loads(args)] == ["all-at-once", "poisson-16"]
+    with pytest.raises(SystemExit, match="--concurrency 0"):
+        parse_loads(build_parser().parse_args(["bench", "serve", "--concurrency", "0"]))
 
 
 def test_a_rejected_request_is_reported_not_counted(live: Any) -> None:
@@ -80,6 +107,19 @@ def test_bench_serve_runs_every_round_cold_on_both_servers(tmp_path: Path) -> No
     cached = build_parser().parse_args(["bench", "serve", "--enable-prefix-caching"])
     assert "--enable-prefix-caching" in _vllm_command(cached, tmp_path, 8001, 300)
     assert "--no-enable-prefix-caching" not in _inflight_command(cached, tmp_path, 8000, 100)
+
+
+def test_bench_serve_hands_speculative_decoding_to_the_server(tmp_path: Path) -> None:
+    from inflight.cli import build_parser
+
+    assert "--speculative" not in _inflight_command(
+        build_parser().parse_args(["bench", "serve"]), tmp_path, 1, 9
+    )
+    args = build_parser().parse_args(
+        ["bench", "serve", "--speculative", "ngram", "--num-speculative-tokens", "3"]
+    )
+    command = " ".join(_inflight_command(args, tmp_path, 8000, 100))
+    assert "--speculative ngram --num-speculative-tokens 3 --ngram-min 2" in command
 
 
 BURN_THEN_WAIT = """

