@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 from inflight import LLM, SamplingParams
-from inflight.checkpoints.builtin import builtin_model_path
+from inflight.checkpoints.resolve import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_COMMIT = "3dc37140873cc2273ae9e16a3b70820d5e9e5919"
@@ -56,11 +56,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=1024)
     args = parser.parse_args()
-    model = (
-        builtin_model_path(args.model.removeprefix("builtin:"))
-        if args.model.startswith("builtin:")
-        else args.model
-    )
+    model = str(resolve_model(args.model))
     results = {}
     for kv_cache_dtype in ("auto", "fp8"):
         llm = LLM(model, device="cpu", dtype=args.dtype, kv_cache_dtype=kv_cache_dtype, max_slots=4)

@@ -332,19 +332,27 @@ async def test_a_replica_short_of_its_kv_plan_is_noticed_from_the_pod_watch(clus
         await runner.cleanup()
 
 
-def seventy_b(name: str, gpu: str, **target: Any) -> dict[str, Any]:
-    """Llama-3.1-70B on 4 GPUs of `gpu`, slots planned for 512 + 256 tokens, serving spec.target."""
+def seventy_b(name: str, model: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    """A ModelServer serving Llama-3.1-70B: `model` adds to spec.model, `spec` to the rest of the spec."""
     return {
         "apiVersion": "inflight.dev/v1alpha1",
         "kind": "ModelServer",
         "metadata": {"name": name},
         "spec": {
-            "model": {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
-            "engine": {"expectedTokensPerRequest": 768},
-            "resources": {"gpu": {"count": 4, "type": gpu}},
-            "target": {"promptTokens": 512, "outputTokens": 256, "maxReplicas": 5, **target},
+            "model": {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct", **(model or {})},
+            **spec,
         },
     }
+
+
+def seventy_b_target(name: str, gpu: str, **target: Any) -> dict[str, Any]:
+    """Llama-3.1-70B on 4 GPUs of `gpu`, slots planned for 512 + 256 tokens, serving spec.target."""
+    return seventy_b(
+        name,
+        engine={"expectedTokensPerRequest": 768},
+        resources={"gpu": {"count": 4, "type": gpu}},
+        target={"promptTokens": 512, "outputTokens": 256, "maxReplicas": 5, **target},
+    )
 
 
 def replicas_of(cluster: KubeEmulator, name: str, wanted: int) -> dict[str, Any] | None:
@@ -369,7 +377,7 @@ async def test_a_target_rate_sets_the_replicas_the_cost_model_computes(cluster: 
 
     assert (size_workload(50), size_workload(100), size_workload(200)) == (2, 4, 7)
     async with running_operator():
-        await cluster.post(MS_URL, json=seventy_b("llama", "H100-80GB", requestsPerSecond=50))
+        await cluster.post(MS_URL, json=seventy_b_target("llama", "H100-80GB", requestsPerSecond=50))
         ms = await eventually(lambda: replicas_of(cluster, "llama", 2), what="2 replicas for 50 req/s")
         target = ms["status"]["target"]
         assert target["neededReplicas"] == 2 and target["gpuType"] == "H100-80GB"
@@ -394,7 +402,9 @@ async def test_a_target_rate_sets_the_replicas_the_cost_model_computes(cluster: 
         )
         assert clipped[0]["type"] == "Warning"
 
-        await cluster.post(MS_URL, json=seventy_b("blackwell", "B200", requestsPerSecond=50, minReplicas=2))
+        await cluster.post(
+            MS_URL, json=seventy_b_target("blackwell", "B200", requestsPerSecond=50, minReplicas=2)
+        )
         cpu = tiny(
             "cpu", target={"requestsPerSecond": 5, "promptTokens": 64, "outputTokens": 64, "maxReplicas": 3}
         )
@@ -413,16 +423,8 @@ async def test_a_target_rate_sets_the_replicas_the_cost_model_computes(cluster: 
 
 
 def seventy_b_fp8(name: str, gpus: int, **model: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "inflight.dev/v1alpha1",
-        "kind": "ModelServer",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct", **model},
-            "engine": {"kvCacheDtype": "fp8"},
-            "resources": {"gpu": {"count": gpus}},
-        },
-    }
+    """Llama-3.1-70B with an FP8 KV cache on `gpus` GPUs of the node's type."""
+    return seventy_b(name, model, engine={"kvCacheDtype": "fp8"}, resources={"gpu": {"count": gpus}})
 
 
 async def test_fp8_weights_and_kv_are_planned_on_two_h100_as_inflight_size_plans_them(
