@@ -9,9 +9,10 @@ answer.
 - Grammar: `tool_choice` "required" makes the output a JSON array of `{"name", "parameters"}` objects
   (1 to MAX_PARALLEL_CALLS calls; one without `parallel_tool_calls`), a named function makes it that
   function's arguments object (vLLM's forms): both always parse and validate.
-- Answer: "auto" parses the model's text with the parser of the template's family (`<tool_call>` blocks,
-  or Llama 3.1's bare `{"name", "parameters"}` JSON); calls become `message.tool_calls` with ids and
-  `finish_reason: "tool_calls"`. `ToolCallStream` does the same for a stream, as `delta.tool_calls`.
+- Answer: "auto" parses the model's text with the server's --tool-call-parser (`<tool_call>` blocks, or
+  Llama 3.1's bare `{"name", "parameters"}` JSON; by default the template's family); calls become
+  `message.tool_calls` with ids and `finish_reason: "tool_calls"`. `ToolCallStream` reads a stream the
+  same way, sending `delta.tool_calls` as the calls are generated.
 """
 
 from __future__ import annotations
