@@ -86,13 +86,13 @@ def test_a_cached_prefix_leaves_constrained_output_unchanged(tiny_llama_dir: Pat
     """Constrained requests whose prompts share blocks already in the prefix cache (left by a plain
     request and by a constrained one) decode as they do with no cache: valid, and greedy identical."""
     shared = list(range(5, 5 + 4 * 8))  # four full blocks
-    prompts = [shared + [100 + i, 200 + i] for i in range(3)]
+    prompts = [[*shared, 100 + i, 200 + i] for i in range(3)]
     params = guided(temperature=0.0)
     settings = {"num_kv_blocks": 128, "block_size": 8, "max_slots": 8, "device": "cpu"}
     uncached = LLM(tiny_llama_dir, enable_prefix_caching=False, **settings)
     expected = [uncached.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts]
     cached = LLM(tiny_llama_dir, **settings)
-    cached.generate([shared + [7]], SamplingParams(max_tokens=4, temperature=0.0))  # a plain request first
+    cached.generate([[*shared, 7]], SamplingParams(max_tokens=4, temperature=0.0))  # a plain request first
     got = [cached.generate([prompt], params)[0].outputs[0] for prompt in prompts]
     assert cached.engine.stats().num_prefix_cache_hits >= 3 * len(shared)
     for want, have in zip(expected, got, strict=True):
