@@ -15,19 +15,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from inflight.bench.checkpoint import bench_checkpoint
-from inflight.bench.inflight_engine import CONTINUOUS
-from inflight.bench.served import BLOCK_SIZE, run_clients, start_inflight, wait_until_ready
-from inflight.bench.system import BenchSettings
-from inflight.bench.workload import BenchRequest, load_workload
-from inflight.engine.cli_args import add_batching_args
-from inflight.engine.cpu.isa import cpu_isa
-from inflight.engine.dtypes import resolve_dtype_name
+from inflight.cli import configure_openmp
+
+# The OpenMP spin count `inflight` sets for its commands, before torch loads OpenMP: without it the
+# offline runs here were several times slower than `inflight bench offline` on this shared machine.
+configure_openmp(os.environ)
+
+from inflight.bench.checkpoint import bench_checkpoint  # noqa: E402
+from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402
+from inflight.bench.served import BLOCK_SIZE, run_clients, start_inflight, wait_until_ready  # noqa: E402
+from inflight.bench.system import BenchSettings  # noqa: E402
+from inflight.bench.workload import BenchRequest, load_workload  # noqa: E402
+from inflight.engine.cli_args import add_batching_args  # noqa: E402
+from inflight.engine.cpu.isa import cpu_isa  # noqa: E402
+from inflight.engine.dtypes import resolve_dtype_name  # noqa: E402
 
 
 def say(message: str) -> None:
@@ -67,6 +74,8 @@ def served_runner(url: str) -> Callable[[list[BenchRequest]], float]:
 
 def alternate(name: str, run: Callable[[list[BenchRequest]], float], plain: list[BenchRequest],
               mixed: list[BenchRequest], rounds: int) -> list[float]:  # fmt: skip
+    # The first run in a process pays one-time costs (oneDNN primitives for new shapes): untimed.
+    say(f"{name} warm-up (untimed): {run(mixed):.1f} tokens/s")
     ratios = []
     for index in range(rounds):
         order = [("plain", plain), ("mixed", mixed)]
