@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
 
 from inflight.bench.system import BenchSettings, System, SystemRun
+from inflight.bench.workload import BenchRequest
 from inflight.engine.config import SchedulerPolicy
+from inflight.engine.sequence import GuidedDecoding
 
 BLOCK_SIZE = 16
 
@@ -41,7 +44,7 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
         setup = time.perf_counter() - start
 
         params = [
-            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, guided=_guided(r))
             for r in settings.requests
         ]
         start = time.perf_counter()
@@ -62,15 +65,23 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
     return run
 
 
+def _guided(request: BenchRequest) -> GuidedDecoding | None:
+    if request.schema is None:
+        return None
+    return GuidedDecoding("json_schema", json.dumps(request.schema))
+
+
 STATIC = System(
     name="inflight-static",
     description="inflight engine, StaticScheduler (a batch runs until its longest member finishes)",
     unavailable=_available,
     run=_runner("static"),
+    takes_schemas=True,
 )
 CONTINUOUS = System(
     name="inflight-continuous",
     description="inflight engine, ContinuousScheduler (finished slots refilled on the next step)",
     unavailable=_available,
     run=_runner("continuous"),
+    takes_schemas=True,
 )

@@ -89,6 +89,8 @@ def check_lengths(run: SystemRun, settings: BenchSettings) -> str:
 
 def run_system(system: System, settings: BenchSettings, say: Any) -> tuple[SystemResult, SystemRun | None]:
     reason = system.unavailable(settings)
+    if reason is None and not system.takes_schemas and any(r.schema for r in settings.requests):
+        reason = "it does not constrain output with a JSON schema here (--schema-share)"
     if reason:
         say(f"[{system.name}] skipped: {reason}")
         return SystemResult(system.name, system.description, "skipped", reason), None
@@ -171,6 +173,7 @@ def run_offline(names: list[str], settings: BenchSettings, say: Any, rounds: int
             max(len(r.prompt_token_ids) for r in requests),
         ],
         "output_len_range": [min(r.output_len for r in requests), max(r.output_len for r in requests)],
+        "requests_with_schema": sum(r.schema is not None for r in requests),
         "dtype": settings.dtype,
         "max_slots": settings.max_slots,
         "max_num_batched_tokens": settings.max_num_batched_tokens,

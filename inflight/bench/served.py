@@ -118,6 +118,11 @@ async def _one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.schema is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": request.schema, "strict": True},
+        }
     last = start
     try:
         async for payload in _sse_payloads(host, port, "/v1/completions", json.dumps(body).encode()):
@@ -549,7 +554,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
             "`make bench-vllm` creates .venv-vllm"
         )
     model_dir = bench_checkpoint(args.model)
-    requests = load_workload(model_dir, args.num_requests, args.seed, args.workload)
+    requests = load_workload(model_dir, args.num_requests, args.seed, args.workload, args.schema_share)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
     systems: list[ServedSystem] = []

@@ -48,3 +48,5 @@ class System:
     # None when the system can run here, else why not (what to install).
     unavailable: Callable[[BenchSettings], str | None]
     run: Callable[[BenchSettings], SystemRun]
+    # Whether it constrains the requests that carry a JSON schema (BenchRequest.schema).
+    takes_schemas: bool = False

@@ -1,4 +1,5 @@
-"""The fixed benchmark workloads: random prompts of random lengths, each with an exact output length.
+"""The fixed benchmark workloads: random prompts of random lengths, each with an exact output length; a
+share of them may carry a JSON schema (`with_schemas`) to measure what constrained decoding costs.
 
 `mixed` (the default): prompts and outputs of 16-256 tokens. `long-prompts`: prefill-heavy, as
 retrieval-augmented answers are: prompts of 1024-4096 tokens, 32-64 output tokens (needs a model whose
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 NUM_REQUESTS = 64
 SEED = 0
@@ -20,6 +22,23 @@ WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "mixed": (PROMPT_LENGTHS, OUTPUT_LENGTHS),
     "long-prompts": ((1024, 4096), (32, 64)),
 }
+# The schema of a constrained request: an array of at least 64 small objects, which no output of
+# OUTPUT_LENGTHS can finish (each item takes several tokens), so a constrained request generates exactly
+# its output length, as the others do, while every token is masked by the schema's grammar.
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "kind": {"enum": ["cat", "dog", "bird"]},
+            "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["name", "kind", "score"],
+        "additionalProperties": False,
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -27,6 +46,8 @@ class BenchRequest:
     prompt_token_ids: list[int]
     # Exactly this many tokens are generated (end-of-sequence is ignored).
     output_len: int
+    # A JSON schema the output must follow (None: unconstrained).
+    schema: dict[str, Any] | None = None
 
 
 def special_token_ids(model_dir: Path) -> set[int]:
@@ -78,11 +99,16 @@ def make_workload(
 
 
 def load_workload(
-    model_dir: Path, num_requests: int = NUM_REQUESTS, seed: int = SEED, workload: str = "mixed"
+    model_dir: Path,
+    num_requests: int = NUM_REQUESTS,
+    seed: int = SEED,
+    workload: str = "mixed",
+    schema_share: float = 0.0,
 ) -> list[BenchRequest]:
-    """The named fixed workload (WORKLOADS) over the vocabulary of the checkpoint in `model_dir`."""
+    """The named fixed workload (WORKLOADS) over the vocabulary of the checkpoint in `model_dir`,
+    `schema_share` of it constrained (`with_schemas`)."""
     prompt_lengths, output_lengths = WORKLOADS[workload]
-    return make_workload(
+    requests = make_workload(
         vocab_size(model_dir),
         special_token_ids(model_dir),
         num_requests,
@@ -90,3 +116,15 @@ def load_workload(
         prompt_lengths,
         output_lengths,
     )
+    return with_schemas(requests, schema_share)
+
+
+def with_schemas(requests: list[BenchRequest], share: float) -> list[BenchRequest]:
+    """The same requests, `share` of them (spread evenly: request i when floor((i + 1) * share) grows)
+    carrying BENCH_SCHEMA."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the schema share must be in [0, 1], got {share}")
+    return [
+        replace(request, schema=BENCH_SCHEMA) if int((i + 1) * share) > int(i * share) else request
+        for i, request in enumerate(requests)
+    ]

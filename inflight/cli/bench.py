@@ -58,6 +58,7 @@ def _register_serve(benchmarks: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-requests", type=int, default=64, help="requests to send (default: 64)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
     add_workload_arg(parser)
+    _add_schema_share_arg(parser)
     parser.add_argument(
         "--skip-offline", action="store_true", help="do not run the offline engine for the ratio"
     )
@@ -119,6 +120,7 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     add_workload_arg(parser)
+    _add_schema_share_arg(parser)
     parser.add_argument(
         "--rounds",
         type=int,
@@ -151,6 +153,24 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
     add_kv_cache_dtype_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.set_defaults(func=run_offline_command)
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _add_schema_share_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--schema-share",
+        type=_share,
+        default=0.0,
+        help="share of the requests (spread evenly) whose output must follow a JSON schema (an array no "
+        "output finishes, so every request still generates its exact length); systems that cannot "
+        "constrain output are skipped (default: 0)",
+    )
 
 
 def add_workload_arg(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +228,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
         vllm_python = DEFAULT_VLLM_PYTHON
     settings = BenchSettings(
         model_dir=model_dir,
-        requests=load_workload(model_dir, args.num_requests, args.seed, args.workload),
+        requests=load_workload(model_dir, args.num_requests, args.seed, args.workload, args.schema_share),
         max_slots=args.max_slots,
         dtype=resolve_dtype_name(args.dtype, False, native_cpu_bfloat16=cpu_isa().native_bfloat16),
         vllm_python=vllm_python,

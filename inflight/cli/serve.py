@@ -14,6 +14,7 @@ from inflight.server.limits import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
 )
+from inflight.server.tool_parsers import PARSER_CHOICES
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -26,6 +27,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_model_arg(serve)
     add_engine_args(serve)
     serve.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=PARSER_CHOICES,
+        default="auto",
+        help="how tool calls are read from the output of tool_choice auto: hermes (<tool_call> blocks), "
+        "llama3_json (Llama 3.1 JSON), auto (from the chat template; default)",
+    )
     add_listen_args(serve, default_port=8000)
     serve.add_argument(
         "--max-queue",
@@ -94,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model,
         api_key=api_key,
         max_body_bytes=args.max_body_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     limits = ConnectionLimits(
         max_connections=args.max_connections,

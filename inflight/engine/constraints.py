@@ -2,9 +2,10 @@
 
 Limits: a grammar (`SamplingParams.guided`, masks from `engine/guided.py`), `allowed_token_ids`,
 `logit_bias`, and `min_tokens` (EOS and stop token ids are not drawn before it). `start()` runs before
-the forward pass and begins the grammar masks on a worker thread; `apply()` waits for them and limits the
-logits. A row is touched only when its request carries a limit: every other row keeps its logits bit
-for bit, so unconstrained requests draw exactly the tokens they drew without this step. A forbidden
+the forward pass and begins the grammar masks on a worker thread (which builds the step's whole mask, so
+the engine thread masks the logits in one pass); `apply()` waits for them and limits the logits in place.
+A row is touched only when its request carries a limit: every other row keeps its logits bit for bit, so
+unconstrained requests draw exactly the tokens they drew without this step. A forbidden
 token's logit is -inf, so reported logprobs are those of the constrained distribution.
 """
 
@@ -47,31 +48,28 @@ class PendingLimits:
     """One step's limits, its grammar masks possibly still being computed."""
 
     rows: list[SamplingRow]
-    guided_rows: list[int]
     masks: Future[Masks] | None
 
     def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
-        """`logits` [len(rows), vocab] limited (a new tensor; the same one when no row has a limit), and
-        the rows that cannot draw at all, with why (their grammar failed, or no token is left)."""
+        """Limit `logits` [len(rows), vocab] in place (rows without a limit are left as they are) and
+        return them, with the rows that cannot draw at all and why (their grammar failed, or no token is
+        left)."""
         limited = [i for i, row in enumerate(self.rows) if is_limited(row)]
         if not limited:
             return logits, {}
-        logits = logits.clone()
         failed: dict[int, str] = {}
         device = logits.device
         if self.masks is not None:
-            allowed, grammar_failed = self.masks.result()
-            allowed = allowed.to(device)
-            index = torch.tensor(self.guided_rows, dtype=torch.long, device=device)
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-            failed.update({self.guided_rows[k]: why for k, why in grammar_failed.items()})
+            forbidden, grammar_failed = self.masks.result()
+            logits.masked_fill_(forbidden.to(device), float("-inf"))
+            failed.update(grammar_failed)
         for i in limited:
             params = self.rows[i].params
             if params.allowed_token_ids is not None:
                 keep = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)
                 outside = torch.ones(logits.shape[1], dtype=torch.bool, device=device)
                 outside[keep] = False
-                logits[i] = logits[i].masked_fill(outside, float("-inf"))
+                logits[i].masked_fill_(outside, float("-inf"))
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
                 bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=device)
@@ -79,10 +77,14 @@ class PendingLimits:
             banned = banned_tokens(self.rows[i])
             if banned:
                 logits[i, torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
-            if i not in failed and bool(torch.isneginf(logits[i]).all()):
-                failed[i] = ConstraintFailure(
-                    "no token may be drawn (its grammar, allowed_token_ids and min_tokens exclude all)"
-                )
+        alive = [i for i in limited if i not in failed]
+        if alive:
+            index = torch.tensor(alive, dtype=torch.long, device=device)
+            for i, dead in zip(alive, torch.isneginf(logits[index]).all(dim=1).tolist(), strict=True):
+                if dead:
+                    failed[i] = ConstraintFailure(
+                        "no token may be drawn (its grammar, allowed_token_ids and min_tokens exclude all)"
+                    )
         return logits, failed
 
 
@@ -103,8 +105,19 @@ class TokenConstraints:
                 # A copy of the output so far: the engine thread appends to token_ids after sampling.
                 output = row.token_ids[row.num_prompt_tokens :]
                 specs.append((row.request_id, row.index, row.params.guided, output))
-        masks = self._pool.submit(self.grammars.masks, specs) if specs else None
-        return PendingLimits(rows, guided, masks)
+        masks = self._pool.submit(self._forbidden, specs, guided, len(rows)) if specs else None
+        return PendingLimits(rows, masks)
+
+    def _forbidden(
+        self, specs: list[tuple[str, int, GuidedDecoding, list[int]]], guided: list[int], num_rows: int
+    ) -> Masks:
+        """On the mask thread: the tokens each row of the step may not draw (bool [num_rows, vocab]; rows
+        without a grammar forbid none), and the rows whose grammar failed. Built here whole, so that the
+        engine thread masks the logits in one pass."""
+        allowed, failed = self.grammars.masks(specs)
+        forbidden = torch.zeros((num_rows, allowed.shape[1]), dtype=torch.bool)
+        forbidden[torch.tensor(guided, dtype=torch.long)] = ~allowed
+        return forbidden, {guided[k]: why for k, why in failed.items()}
 
     def release(self, request_id: str) -> None:
         self.grammars.release(request_id)

@@ -26,6 +26,7 @@ from inflight.router.pool import ModelPool
 from inflight.router.proxy import Policy, forward, forwarded_headers, upstream_session
 from inflight.router.routing_key import DEFAULT_KEY_CHARS, routing_key
 from inflight.router.scrape import scrape_forever
+from inflight.router.stored_responses import STORED_RESPONSE_METHODS, STORED_RESPONSES_PREFIX, ask_replicas
 
 RETRY_AFTER_S = 10
 WAKE_REPEAT_S = 10.0  # while requests are held, the operator is asked again this often
@@ -143,7 +144,27 @@ class RouterApp:
             except APIError as error:
                 await error.response()(scope, receive, send)
             return
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith(STORED_RESPONSES_PREFIX)
+            and scope["method"] in STORED_RESPONSE_METHODS
+        ):
+            await self._stored_response(scope, receive, send)
+            return
         await self.rest(scope, receive, send)
+
+    async def _stored_response(self, scope: Scope, receive: Receive, send: Send) -> None:
+        assert self.session is not None, "the lifespan opens the upstream session"
+        headers = forwarded_headers(scope["headers"])
+        try:
+            answer = await ask_replicas(
+                self.session, self.router.pools, scope["method"], scope["path"], headers
+            )
+        except APIError as error:
+            await error.response()(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+        await send({"type": "http.response.body", "body": answer.body, "more_body": False})
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         router, settings = self.router, self.router.settings

@@ -20,6 +20,7 @@ from inflight.engine.async_engine import AsyncEngine
 from inflight.server.limits import DEFAULT_MAX_BODY_BYTES
 from inflight.server.metrics import ServerMetrics
 from inflight.server.response_store import ResponseStore
+from inflight.server.tool_parsers import ParserChoice
 
 T = TypeVar("T")
 
@@ -31,6 +32,7 @@ class ServerSettings:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tool_call_parser: ParserChoice = "auto"  # how "auto" tool calls are read from the output
 
 
 def tokenizer_pool() -> ThreadPoolExecutor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -10,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from inflight.bench import offline
+from inflight.bench import inflight_engine, offline
 from inflight.bench.system import BenchSettings, System, SystemRun
-from inflight.bench.workload import BenchRequest, load_workload, make_workload
+from inflight.bench.workload import BenchRequest, load_workload, make_workload, vocab_size, with_schemas
 from inflight.cli.bench import run_offline_command
+from inflight.engine.tokenizer import Tokenizer
 
 
 def settings_for(requests: list[BenchRequest], model_dir: Path = Path("unused")) -> BenchSettings:
@@ -179,3 +181,26 @@ def test_end_of_sequence_is_an_ordinary_token_for_every_system(tiny_llama_dir: P
     for result in report.results:
         assert result.status == "ok", (result.name, result.message)
         assert result.identical_to_reference == len(requests), result.name
+
+
+def test_a_schema_share_constrains_inflight_and_skips_systems_that_cannot(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path
+) -> None:
+    runs: list[SystemRun] = []
+
+    def recorded(settings: BenchSettings) -> SystemRun:
+        runs.append(inflight_engine.CONTINUOUS.run(settings))
+        return runs[-1]
+
+    ours = dataclasses.replace(inflight_engine.CONTINUOUS, run=recorded)
+    systems = {"hf-naive": fake("hf-naive", 1.0), "inflight-continuous": ours}
+    monkeypatch.setattr(offline, "SYSTEMS", systems)
+    plain = make_workload(vocab_size(tiny_llama_dir), set(), num_requests=4, output_lengths=(8, 24))
+    settings = settings_for(with_schemas(plain, 0.5), tiny_llama_dir)
+    report = offline.run_offline(list(systems), settings, lambda _message: None)
+    assert {r.name: r.status for r in report.results} == {"hf-naive": "skipped", "inflight-continuous": "ok"}
+    assert report.workload["requests_with_schema"] == 2
+    tokenizer = Tokenizer.from_dir(tiny_llama_dir)
+    texts = [tokenizer.decode(tokens) for tokens in runs[0].outputs]
+    # Every request generated its exact length (the schema cannot end sooner); constrained ones are JSON.
+    assert [texts[i].startswith('[{"name": "') for i in range(4)] == [False, True, False, True]

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inflight.bench.workload import load_workload, make_workload, special_token_ids
+import pytest
+
+from inflight.bench.workload import (
+    BENCH_SCHEMA,
+    load_workload,
+    make_workload,
+    special_token_ids,
+    with_schemas,
+)
 
 
 def test_same_seed_same_requests_other_seed_other_requests() -> None:
@@ -37,3 +45,17 @@ def test_long_prompts_workload_is_prefill_heavy(tiny_llama_dir: Path) -> None:
     requests = load_workload(tiny_llama_dir, num_requests=16, workload="long-prompts")
     assert all(1024 <= len(r.prompt_token_ids) <= 4096 and 32 <= r.output_len <= 64 for r in requests)
     assert load_workload(tiny_llama_dir, 16) != requests
+
+
+def test_a_schema_share_marks_requests_evenly() -> None:
+    requests = make_workload(vocab=100, excluded_ids=set(), num_requests=8, seed=0)
+    half = with_schemas(requests, 0.5)
+    assert [r.schema is not None for r in half] == [False, True] * 4
+    assert [(r.prompt_token_ids, r.output_len) for r in half] == [
+        (r.prompt_token_ids, r.output_len) for r in requests
+    ]
+    assert all(r.schema is None for r in with_schemas(requests, 0.0))
+    assert all(r.schema == BENCH_SCHEMA for r in with_schemas(requests, 1.0))
+    assert sum(r.schema is not None for r in with_schemas(requests, 0.25)) == 2
+    with pytest.raises(ValueError, match="schema share"):
+        with_schemas(requests, 1.5)

@@ -82,6 +82,24 @@ def test_preempted_guided_sequences_recompute_valid_output(tiny_llama_dir: Path)
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+def test_a_cached_prefix_leaves_constrained_output_unchanged(tiny_llama_dir: Path) -> None:
+    """Constrained requests whose prompts share blocks already in the prefix cache (left by a plain
+    request and by a constrained one) decode as they do with no cache: valid, and greedy identical."""
+    shared = list(range(5, 5 + 4 * 8))  # four full blocks
+    prompts = [[*shared, 100 + i, 200 + i] for i in range(3)]
+    params = guided(temperature=0.0)
+    settings = {"num_kv_blocks": 128, "block_size": 8, "max_slots": 8, "device": "cpu"}
+    uncached = LLM(tiny_llama_dir, enable_prefix_caching=False, **settings)
+    expected = [uncached.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts]
+    cached = LLM(tiny_llama_dir, **settings)
+    cached.generate([[*shared, 7]], SamplingParams(max_tokens=4, temperature=0.0))  # a plain request first
+    got = [cached.generate([prompt], params)[0].outputs[0] for prompt in prompts]
+    assert cached.engine.stats().num_prefix_cache_hits >= 3 * len(shared)
+    for want, have in zip(expected, got, strict=True):
+        jsonschema.validate(json.loads(have.text), SCHEMA)
+        assert have.token_ids == want
+
+
 def test_logprobs_are_of_the_constrained_distribution(llm: LLM) -> None:
     choice = GuidedDecoding("choice", json.dumps(["yes", "no"]))
     output = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, guided=choice, logprobs=5))[0].outputs[0]

@@ -13,6 +13,7 @@ import random
 import shutil
 from pathlib import Path
 
+import jsonschema
 import psutil
 import pytest
 import torch
@@ -23,7 +24,7 @@ from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.shard_layout import ShardLayout, valid_degrees
 from inflight.engine.output_processor import RequestOutput
-from inflight.engine.sequence import SamplingParams
+from inflight.engine.sequence import GuidedDecoding, SamplingParams
 
 from support.models import cached_model
 from support.reference import hf_greedy
@@ -156,6 +157,44 @@ def test_two_ranks_equal_one_rank_and_transformers(arch: str, tmp_path: Path) ->
     finally:
         split.close()
     assert worker_processes() == []
+
+
+def constrained(llm: LLMEngine) -> list[RequestOutput]:
+    """Half the workload's prompts: a JSON schema greedy and seeded, a regex, and a plain request."""
+    prompts, _ = make_prompts(llm.model_config.vocab_size)
+    schema = GuidedDecoding("json_schema", json.dumps(JSON_SCHEMA))
+    regex = GuidedDecoding("regex", "[a-e]{3,6}!")
+    params = [
+        SamplingParams(max_tokens=48, temperature=0.0, guided=schema),
+        SamplingParams(max_tokens=48, temperature=0.9, seed=3, guided=schema),
+        SamplingParams(max_tokens=12, temperature=0.0, guided=regex),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    ]
+    half = NUM_PROMPTS // 2
+    return llm.generate(prompts[:half], [params[i % len(params)] for i in range(half)])
+
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+    "required": ["id", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_two_ranks_constrain_output_as_one_rank() -> None:
+    """Rank 0 samples with the grammar masks: the constrained outputs of two ranks equal one rank's."""
+    model_dir = cached_model("tiny", "llama")
+    roomy = {"num_kv_blocks": 64}
+    expected = constrained(engine(model_dir, 1, **roomy))
+    split = engine(model_dir, 2, **roomy)
+    try:
+        outputs = constrained(split)
+    finally:
+        split.close()
+    assert tokens(outputs) == tokens(expected)
+    for output in outputs[0::4] + outputs[1::4]:
+        jsonschema.validate(json.loads(output.outputs[0].text), JSON_SCHEMA)
 
 
 def test_four_ranks_replicate_kv_heads() -> None:

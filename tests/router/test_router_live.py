@@ -220,6 +220,23 @@ def test_structured_output_tools_and_responses_pass_through_unchanged(
         assert re.sub(PER_REQUEST, "", through.text) == re.sub(PER_REQUEST, "", direct.text)
 
 
+def test_stored_responses_are_fetched_and_deleted_through_the_router(
+    router: LiveRouter, servers: list[ServerProcess]
+) -> None:
+    """Each replica keeps its own responses: the router finds the one that has it."""
+    body = {"model": MODEL, "input": "Say hi", "max_output_tokens": 4}
+    for server in servers:
+        answered = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60).json()
+        url = f"{router.url}/v1/responses/{answered['id']}"
+        assert httpx.get(url, timeout=60).json() == answered
+        deleted = httpx.delete(url, timeout=60)
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        for method in ("GET", "DELETE"):
+            missing = httpx.request(method, url, timeout=60)
+            assert missing.status_code == 404
+            assert missing.json()["error"]["code"] == "response_not_found"
+
+
 def test_prefix_affinity_nearly_doubles_prefix_cache_hits_over_round_robin(
     servers: list[ServerProcess],
 ) -> None:

@@ -21,6 +21,7 @@ from inflight.engine.engine import LLMEngine
 from inflight.server.app import create_app
 from inflight.server.context import ServerSettings
 from inflight.server.limits import DEFAULT_MAX_BODY_BYTES, ConnectionLimits
+from inflight.server.tool_parsers import ParserChoice
 from inflight.server.transport import guarded_protocol
 
 from support.threaded_server import serve_in_thread, wait_ready
@@ -76,6 +77,7 @@ def start_server(
     connection_limits: ConnectionLimits | None = None,
     engine_max_slots: int | None = None,
     served_model_name: str = MODEL_NAME,
+    tool_call_parser: ParserChoice = "auto",
 ) -> LiveServer:
     """`engine_max_slots`: give the engine fewer slots than the server admits (to make it fail requests)."""
     config = EngineConfig(
@@ -87,7 +89,10 @@ def start_server(
     )
     engine = AsyncEngine(lambda: LLMEngine(model_dir, config), max_slots=max_slots, max_queue=max_queue)
     settings = ServerSettings(
-        served_model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes
+        served_model_name=served_model_name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        tool_call_parser=tool_call_parser,
     )
     app = create_app(engine, settings)
     url, server, thread = serve_in_thread(app, http=guarded_protocol(connection_limits or ConnectionLimits()))

@@ -138,3 +138,35 @@ def test_what_cannot_be_served_is_400(roomy_live: LiveServer, change: dict[str, 
     response = httpx.post(f"{roomy_live.url}/v1/responses", json={"input": "x", **change}, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_stored_response_is_fetched_and_deleted(client: openai.OpenAI, roomy_live: LiveServer) -> None:
+    answered = client.responses.create(model="tiny", input="Hello", max_output_tokens=5)
+    assert client.responses.retrieve(answered.id) == answered
+    with client.responses.create(model="tiny", input="Hi", max_output_tokens=5, stream=True) as stream:
+        final = next(event.response for event in stream if event.type == "response.completed")
+    assert client.responses.retrieve(final.id) == final
+    client.responses.delete(answered.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(answered.id)
+    unstored = client.responses.create(model="tiny", input="Hello", max_output_tokens=5, store=False)
+    for method in ("GET", "DELETE"):
+        for response_id in (answered.id, unstored.id, "resp_unknown"):
+            response = httpx.request(method, f"{roomy_live.url}/v1/responses/{response_id}", timeout=60)
+            assert response.status_code == 404, response.text
+            error = response.json()["error"]
+            assert error["code"] == "response_not_found" and error["param"] == "response_id"
+            assert response_id in error["message"]
+
+
+IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+FILE = {"type": "input_file", "file_id": "file-1"}
+
+
+@pytest.mark.parametrize("part", [IMAGE, FILE], ids=["image", "file"])
+def test_image_and_file_input_parts_are_400_naming_the_field(roomy_live: LiveServer, part: Any) -> None:
+    body = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}, part]}]}
+    response = httpx.post(f"{roomy_live.url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith("input") and part["type"] in error["message"], error

@@ -13,9 +13,11 @@ import jsonschema
 import openai
 import pytest
 
+from inflight.cli import build_parser
 from inflight.engine.tokenizer import Tokenizer
 from inflight.server.openai.protocol import ChatCompletionRequest, ChatMessage, Tool
 from inflight.server.openai.tools import ToolCallStream, ToolPlan, plan_tools, template_messages
+from inflight.server.tool_parsers import ParserChoice
 
 from support.tool_schemas import WEATHER
 
@@ -122,6 +124,40 @@ def test_named_calls_stream_their_arguments_as_they_are_generated(roomy_live: Li
     assert len(pieces) > 2 and pieces[0]["id"] and all(p.get("id") is None for p in pieces[1:])
 
 
+STRICT_TOOLS: list[dict[str, Any]] = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"]
+)
+def test_streamed_required_calls_assemble_to_the_answer(
+    client: openai.OpenAI, sampling: dict[str, Any]
+) -> None:
+    """The SDK's own stream accumulation joins the streamed calls into the non-streamed answer's calls;
+    the arguments come in more than one chunk."""
+    common: dict[str, Any] = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "tools": STRICT_TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 200,
+        **sampling,
+    }
+    whole = client.chat.completions.create(**common).choices[0]
+    fragments = 0
+    with client.chat.completions.stream(**common) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta" and event.arguments_delta:
+                fragments += 1
+        streamed = stream.get_final_completion().choices[0]
+    assert whole.finish_reason == streamed.finish_reason == "tool_calls"
+    assert not streamed.message.content  # no markup as content
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]  # type: ignore[union-attr]
+    got = [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []]
+    assert got == expected and expected
+    assert fragments > 1
+
+
 def first_call(client: openai.OpenAI, messages: list[Any], streamed: bool) -> tuple[str, str, str]:
     """The model's one forced call (id, name, arguments), read with the SDK's types."""
     common: dict[str, Any] = {
@@ -217,6 +253,28 @@ def test_a_template_with_tool_support_gets_them_itself() -> None:
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
 
 
+@pytest.mark.parametrize(
+    ("choice", "hermes_template", "llama_template"),
+    [("auto", "hermes", "llama3_json"), ("hermes", "hermes", "hermes"), ("llama3_json",) * 3],
+)
+def test_the_tool_call_parser_flag_chooses_the_parser(
+    choice: ParserChoice, hermes_template: str, llama_template: str
+) -> None:
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS})
+    llama = "{{ '<|python_tag|>' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    for template, expected in (("{{ messages }}", hermes_template), (llama, llama_template)):
+        plan = plan_tools(body, template, choice)
+        assert plan is not None and plan.parser == expected
+    args = build_parser().parse_args(["serve", "--model", "m", "--tool-call-parser", choice])
+    assert args.tool_call_parser == choice
+
+
+def test_an_unknown_tool_call_parser_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+
+
 def auto_plan(parser: str = "hermes") -> ToolPlan:
     return ToolPlan("auto", [Tool.model_validate(t) for t in TOOLS], parallel=True, parser=parser)  # type: ignore[arg-type]
 
@@ -233,20 +291,75 @@ def test_auto_output_is_parsed_per_family() -> None:
     assert content is None and json.loads(calls[0].function.arguments) == {"city": "Oslo", "days": 2}
 
 
-def test_an_auto_stream_holds_back_a_tag_and_sends_calls_at_the_end() -> None:
+def assembled(deltas: list[Any]) -> tuple[str, list[tuple[str, str, str]]]:
+    """Streamed deltas joined as a client joins them: content, and (id, name, arguments) per call."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            if piece.id is not None:
+                assert piece.index not in calls and piece.function.arguments == ""
+                calls[piece.index] = [piece.id, piece.function.name, ""]
+            else:
+                assert piece.function.name is None
+            calls[piece.index][2] += piece.function.arguments or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)]  # type: ignore[misc]
+
+
+def test_an_auto_stream_sends_content_then_calls_piece_by_piece() -> None:
+    text = (
+        'Sure <tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "note": "a \\"} {["}}\n'
+        '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
     stream = ToolCallStream(auto_plan())
-    pieces = [
-        "Sure",
-        " <tool",
-        '_call>\n{"name": "get_time", ',
-        '"arguments": {"zone": "CET"}}\n</tool_call>',
+    per_feed = [stream.feed(text[i : i + 3]) for i in range(0, len(text), 3)]
+    deltas = [d for feed in per_feed for d in feed] + stream.finish()
+    content, calls = assembled(deltas)
+    assert content == "Sure "  # the tag and the calls never go out as content
+    arguments = [
+        a for feed in per_feed for d in feed for p in d.tool_calls or [] for a in [p.function.arguments]
     ]
-    sent = [delta for piece in pieces for delta in stream.feed(piece)]
-    assert [d.content for d in sent] == ["Sure", " "]
-    calls = stream.finish()
-    assert calls[0].tool_calls is not None and calls[0].tool_calls[0].function.name == "get_time"
+    assert sum(1 for a in arguments if a) > 4, "arguments come in pieces as they are generated"
+    whole_content, whole_calls = auto_plan().parse(text)
+    assert whole_content == content
+    assert [(name, args) for _, name, args in calls] == [
+        (c.function.name, c.function.arguments) for c in whole_calls
+    ]
+    assert json.loads(calls[0][2]) == {"zone": "CET", "note": 'a "} {['}
+    assert [c.id for c in stream.calls] == [c[0] for c in calls]
+
+
+def test_a_stream_holds_back_only_what_could_begin_a_tag() -> None:
+    stream = ToolCallStream(auto_plan())
+    sent = [d.content for piece in ["Sure", " <tool", "s are"] for d in stream.feed(piece)]
+    assert sent == ["Sure", " ", "<tools are"]
     plain = ToolCallStream(auto_plan())
     assert [d.content for d in plain.feed("a <b") + plain.finish()] == ["a <b"]
+
+
+def test_text_that_is_not_calls_goes_out_as_content_at_the_end() -> None:
+    broken = ToolCallStream(auto_plan())
+    text = "Hm <tool_call>{broken"
+    assert assembled(broken.feed(text) + broken.finish()) == (text, [])
+    llama = ToolCallStream(auto_plan("llama3_json"))
+    assert assembled(llama.feed("The answer {is} 4") + llama.finish()) == ("The answer {is} 4", [])
+    cut = ToolPlan("required", [Tool.model_validate(t) for t in TOOLS], parallel=True)
+    assert cut.parse('[{"parameters": {"zone": "U') == ('[{"parameters": {"zone": "U', [])
+
+
+def test_llama3_calls_stream_and_keys_may_come_in_any_order() -> None:
+    text = (
+        '<|python_tag|>{"parameters": {"city": "Oslo", "days": 2}, "name": "get_weather"}; '
+        '{"name": "get_time", "parameters": {}}'
+    )
+    stream = ToolCallStream(auto_plan("llama3_json"))
+    deltas = [d for i in range(0, len(text), 5) for d in stream.feed(text[i : i + 5])] + stream.finish()
+    content, calls = assembled(deltas)
+    assert content == ""
+    assert [(name, json.loads(args)) for _, name, args in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}),
+        ("get_time", {}),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -275,3 +388,20 @@ def test_bad_tool_requests_are_400(roomy_live: LiveServer, change: dict[str, Any
     response = chat(roomy_live, **change)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith(param)
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-1"}},
+    ],
+    ids=["image", "audio", "file"],
+)
+def test_image_audio_and_file_parts_are_400_naming_the_field(roomy_live: LiveServer, part: Any) -> None:
+    content = [{"type": "text", "text": "What is it?"}, part]
+    response = chat(roomy_live, messages=[{"role": "user", "content": content}], tools=None)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith("messages") and part["type"] in error["message"], error

@@ -210,7 +210,7 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Prepa
             param="continue_final_message",
         )
     template = ctx.engine.tokenizer.chat_template
-    tools = plan_tools(body, template)
+    tools = plan_tools(body, template, ctx.settings.tool_call_parser)
     tool_grammar = await _check_grammar(ctx, body, tools)
     messages, tool_variables = template_messages(body.messages, tools, template)
     prompt = await ctx.off_loop(

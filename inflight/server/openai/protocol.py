@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -255,6 +256,21 @@ class TextPart(Strict):
     text: Text
 
 
+# Content parts a text-only model cannot read (chat's and /v1/responses' names).
+MEDIA_PART_TYPES = frozenset({"image_url", "input_audio", "file", "input_image", "input_file"})
+
+
+def refuse_media_parts(content: Any) -> Any:
+    """A message content's check before validation: an image, audio or file part is refused by name."""
+    for part in content if isinstance(content, list) else []:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PART_TYPES:
+            raise ValueError(
+                f"{kind} content parts are not supported: the served model reads text only; send text parts"
+            )
+    return content
+
+
 class FunctionCall(Strict):
     name: Text
     arguments: Text = Field(description="The arguments as JSON text.")
@@ -298,6 +314,8 @@ class ChatMessage(Strict):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, description="An assistant turn's calls.")
     tool_call_id: Text | None = Field(default=None, description="The call a tool message answers.")
+
+    _text_only = field_validator("content", mode="before")(refuse_media_parts)
 
     def text(self) -> str:
         if self.content is None:
@@ -417,12 +435,22 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class DeltaFunctionCall(BaseModel):
+class WithoutNone(BaseModel):
+    """Sent without its None fields, as OpenAI's stream deltas are: the SDK's stream accumulation takes a
+    later `"type": null` for the call's type."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields: dict[str, Any] = handler(self)
+        return {name: value for name, value in fields.items() if value is not None}
+
+
+class DeltaFunctionCall(WithoutNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(WithoutNone):
     """A streamed piece of a tool call: the first carries id, type and name, later ones argument text."""
 
     index: int
@@ -448,17 +476,12 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(WithoutNone):
     """Only the fields that are set are sent: the last chunk's delta is `{}`, as OpenAI's."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        fields: dict[str, Any] = handler(self)
-        return {name: value for name, value in fields.items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,4 +1,4 @@
-"""POST /v1/responses: OpenAI's Responses API over the chat path.
+"""POST /v1/responses: OpenAI's Responses API over the chat path; GET / DELETE /v1/responses/{id}: the store.
 
 A request becomes a chat request (instructions as a system message, the stored conversation of
 `previous_response_id`, then the input items: messages, function calls, function call outputs; tools,
@@ -14,14 +14,14 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 
-from inflight.openai_errors import APIError, bad_request, not_supported
+from inflight.openai_errors import APIError, bad_request, echoed, error_responses, not_supported
 from inflight.server.context import Context, ServerContext
 from inflight.server.openai.chat import prepare_chat
 from inflight.server.openai.common import (
@@ -46,6 +46,7 @@ from inflight.server.openai.responses_protocol import (
     ResponseUsage,
 )
 from inflight.server.openai.tools import ToolCallStream, ToolPlan
+from inflight.server.response_store import StoredResponse
 
 router = APIRouter(tags=["openai"])
 
@@ -72,7 +73,7 @@ def _history(ctx: ServerContext, body: ResponsesRequest) -> list[dict[str, Any]]
             "kept in memory, per replica, for a bounded number of responses).",
             param="previous_response_id",
         )
-    return stored
+    return list(stored.messages)
 
 
 def _input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -204,19 +205,20 @@ class _Response:
         ]
         return items
 
-    def remember(self, content: str | None, calls: list[ToolCall]) -> None:
-        if not self.body.store:
-            return
-        turn: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            turn["tool_calls"] = [call.model_dump() for call in calls]
-        self.ctx.responses.put(self.response_id, [*self.conversation, turn])
+    def remember(self, content: str | None, calls: list[ToolCall], response: bytes) -> bytes:
+        """Store the response (when `store`) for previous_response_id and GET; return it."""
+        if self.body.store:
+            turn: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                turn["tool_calls"] = [call.model_dump() for call in calls]
+            self.ctx.responses.put(self.response_id, StoredResponse([*self.conversation, turn], response))
+        return response
 
     def json(self) -> bytes:
         choice = self.run.choices[0]
         content, calls = self.tools.parse(choice.text) if self.tools is not None else (choice.text, [])
-        self.remember(content, calls)
-        return to_json(self.response(self.output(content, calls), choice.finish_reason))
+        response = self.response(self.output(content, calls), choice.finish_reason)
+        return self.remember(content, calls, to_json(response))
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -244,8 +246,9 @@ class _Response:
         for event in items.close():
             yield event
         calls = stream.calls if stream is not None else []
-        self.remember(items.content or None, calls)
-        yield self.event("response.completed", response=self.response(items.done, finish_reason).model_dump())
+        response = self.response(items.done, finish_reason)
+        self.remember(items.content or None, calls, to_json(response))
+        yield self.event("response.completed", response=response.model_dump())
 
 
 @dataclass
@@ -361,3 +364,36 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
     )
     answer = _Response(ctx, body, run, prepared.tools, conversation)
     return await respond(run, request, body.stream, answer.events, answer.json)
+
+
+def _not_stored(response_id: str) -> APIError:
+    return APIError(
+        404,
+        f"No response with id {echoed(response_id)} is stored on this server (responses are kept in memory, "
+        "per replica, for a bounded number of responses, and only with store: true).",
+        param="response_id",
+        code="response_not_found",
+    )
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=error_responses(404))
+async def get_response(response_id: str, ctx: Context) -> Response:
+    """A stored response, as it was answered (this replica's store)."""
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise _not_stored(response_id)
+    return Response(stored.response, media_type="application/json")
+
+
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=error_responses(404))
+async def delete_response(response_id: str, ctx: Context) -> ResponseDeleted:
+    """Forget a stored response: it can no longer be fetched or continued from."""
+    if not ctx.responses.delete(response_id):
+        raise _not_stored(response_id)
+    return ResponseDeleted(id=response_id)

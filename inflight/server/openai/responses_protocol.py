@@ -9,12 +9,13 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inflight.server.openai.protocol import (
     MAX_TOKENS_LIMIT,
     Strict,
     Text,
+    refuse_media_parts,
 )
 
 
@@ -30,6 +31,8 @@ class MessageItem(Strict):
     content: Text | list[ContentPart]
     id: str | None = None
     status: str | None = None
+
+    _text_only = field_validator("content", mode="before")(refuse_media_parts)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

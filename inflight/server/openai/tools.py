@@ -9,9 +9,10 @@ answer.
 - Grammar: `tool_choice` "required" makes the output a JSON array of `{"name", "parameters"}` objects
   (1 to MAX_PARALLEL_CALLS calls; one without `parallel_tool_calls`), a named function makes it that
   function's arguments object (vLLM's forms): both always parse and validate.
-- Answer: "auto" parses the model's text with the parser of the template's family (`<tool_call>` blocks,
-  or Llama 3.1's bare `{"name", "parameters"}` JSON); calls become `message.tool_calls` with ids and
-  `finish_reason: "tool_calls"`. `ToolCallStream` does the same for a stream, as `delta.tool_calls`.
+- Answer: "auto" parses the model's text with the server's --tool-call-parser (`<tool_call>` blocks, or
+  Llama 3.1's bare `{"name", "parameters"}` JSON; by default the template's family); calls become
+  `message.tool_calls` with ids and `finish_reason: "tool_calls"`. `ToolCallStream` reads a stream the
+  same way, sending `delta.tool_calls` as the calls are generated.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 from inflight.engine.sequence import GuidedDecoding
 from inflight.openai_errors import bad_request, not_supported
+from inflight.server.openai.call_reader import CallReader
 from inflight.server.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -35,6 +37,7 @@ from inflight.server.openai.protocol import (
     Tool,
     ToolCall,
 )
+from inflight.server.tool_parsers import LLAMA3_PYTHON_TAG, ParserChoice, ParserName, parser_for
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -42,7 +45,6 @@ _TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DO
 ToolMode = Literal["auto", "required", "named"]
 # Calls in one "required" answer: small models otherwise repeat a call until max_tokens.
 MAX_PARALLEL_CALLS = 4
-ParserName = Literal["hermes", "llama3_json"]
 
 BUILTIN_TOOL_PROMPT = """# Tools
 
@@ -62,11 +64,6 @@ For each function call, return a json object with function name and arguments wi
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def parser_for(template: str | None) -> ParserName:
-    """The output parser of a chat template's family: Llama 3.1's JSON, else `<tool_call>` blocks."""
-    return "llama3_json" if template is not None and "<|python_tag|>" in template else "hermes"
 
 
 @dataclass
@@ -107,21 +104,18 @@ class ToolPlan:
         return next(tool for tool in self.tools if tool.function.name == name)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """An answer's content (None when it is only calls) and its calls."""
-        if self.mode == "named":
-            return None, [_call(self.named or "", text)]
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []  # cut short (max_tokens): no call can be read
-            return None, [_call(item["name"], json.dumps(item["parameters"])) for item in items]
-        parse = _parse_hermes if self.parser == "hermes" else _parse_llama3_json
-        return parse(text)
+        """A whole answer's content (None when there is none) and its calls, read as a stream reads them."""
+        stream = ToolCallStream(self)
+        stream.feed(text)
+        stream.finish()
+        return (stream.content if stream.content.strip() else None), stream.calls
 
 
-def plan_tools(body: ChatCompletionRequest, template: str | None) -> ToolPlan | None:
-    """The request's ToolPlan (None without tools or with tool_choice "none"); 400s for what cannot be."""
+def plan_tools(
+    body: ChatCompletionRequest, template: str | None, parser: ParserChoice = "auto"
+) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools or with tool_choice "none"); 400s for what cannot be.
+    `parser`: the server's --tool-call-parser ("auto": the template's family)."""
     if body.functions:
         raise not_supported("functions is deprecated and not supported; send tools instead.", "functions")
     if body.function_call is not None:
@@ -137,15 +131,15 @@ def plan_tools(body: ChatCompletionRequest, template: str | None) -> ToolPlan | 
     if len(set(names)) < len(names):
         raise bad_request("tools must have distinct function names.", param="tools")
     parallel = body.parallel_tool_calls is not False
-    parser = parser_for(template)
+    output_parser = parser_for(parser, template)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise bad_request(
                 f"tool_choice names {choice.function.name!r}, which is not one of the tools.",
                 param="tool_choice",
             )
-        return ToolPlan("named", body.tools, parallel, parser, choice.function.name)
-    return ToolPlan("required" if choice == "required" else "auto", body.tools, parallel, parser)
+        return ToolPlan("named", body.tools, parallel, output_parser, choice.function.name)
+    return ToolPlan("required" if choice == "required" else "auto", body.tools, parallel, output_parser)
 
 
 def template_messages(
@@ -171,14 +165,6 @@ def template_messages(
 
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
-
-
-def _call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))
-
-
-def _arguments(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _loaded_arguments(arguments: str) -> Any:
@@ -222,112 +208,159 @@ def _builtin_message(message: ChatMessage) -> dict[str, Any]:
     return {"role": message.role, "content": content}
 
 
-def _call_from(item: Any) -> ToolCall | None:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    arguments = item.get("arguments", item.get("parameters", {}))
-    return _call(item["name"], _arguments(arguments))
+def _is_call(item: Any) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("name"), str)
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    start = text.find(TOOL_CALL_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for block in _TOOL_CALL_BLOCK.findall(text[start:]):
-        try:
-            call = _call_from(json.loads(block))
-        except json.JSONDecodeError:
-            call = None
-        if call is None:
-            return text, []  # not a well-formed call: the answer is text
-        calls.append(call)
-    content = text[:start]
-    return (content if content.strip() else None), calls
-
-
-def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    body = text.strip().removeprefix("<|python_tag|>")
-    if not body.startswith("{"):
-        return text, []
-    calls = []
-    for part in body.split(";"):
-        try:
-            call = _call_from(json.loads(part))
-        except json.JSONDecodeError:
-            call = None
-        if call is None:
-            return text, []
-        calls.append(call)
-    return None, calls
+def _well_formed(mode: ToolMode, parser: ParserName, text: str) -> bool:
+    """Whether `text` is wholly calls in the expected form ("required": a JSON array of calls; "auto": the
+    parser's call blocks, at least one): else an answer is its text (with no calls)."""
+    try:
+        if mode == "required":
+            return isinstance(json.loads(text), list)
+        if parser == "hermes":
+            start = text.find(TOOL_CALL_OPEN)
+            blocks = _TOOL_CALL_BLOCK.findall(text[start:]) if start >= 0 else []
+        else:
+            body = text.strip().removeprefix(LLAMA3_PYTHON_TAG)
+            blocks = body.split(";") if body.startswith("{") else []
+        return bool(blocks) and all(_is_call(json.loads(block)) for block in blocks)
+    except json.JSONDecodeError:
+        return False
 
 
 @dataclass
 class ToolCallStream:
-    """One streamed choice's text turned into chat deltas: content as it comes, calls as they are known.
+    """One choice's text turned into chat deltas as it is generated: content as it comes, each call's
+    first delta (index, id, type, name, arguments "") once its name is known, then its argument text
+    in pieces as written. A whole answer is read the same way (`ToolPlan.parse`).
 
-    A named function streams its arguments as they are generated; "required" and "auto" calls are sent
-    once the choice ends (each call whole: id, name and arguments in one delta). "auto" with `<tool_call>`
-    blocks streams the text before the first block, holding back what could be the start of its tag;
-    Llama 3.1's JSON is only known at the end, so that parser's text is sent then."""
+    - named function: all the text is the arguments;
+    - "required": the calls of the JSON array;
+    - "auto", hermes: content up to the first `<tool_call>` (holding back what could begin the tag),
+      then the calls of the blocks (text between blocks is dropped);
+    - "auto", llama3_json: calls when the text starts with `{` (or `<|python_tag|>`), else content.
+
+    Text that turns out not to be calls (`_well_formed` fails at the end, e.g. a broken block) is sent as
+    content at the end, unless a call's first delta already went out: then the calls read so far stand."""
 
     plan: ToolPlan
     text: str = ""  # everything generated so far
     sent: int = 0  # characters of `text` sent as content
-    started: bool = False  # a named call's first delta (id, name) went out
-    calls: list[ToolCall] = field(default_factory=list)
-    call_id: str = field(default_factory=new_call_id)
+    read: int = 0  # characters of `text` read for calls
+    in_calls: bool = False  # the text turned to calls: no more content
+    in_block: bool = False  # hermes: inside a <tool_call> block
+    content: str = ""  # the content sent
+    readers: list[CallReader] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)  # the calls announced (first delta out), by index
+    calls: list[ToolCall] = field(default_factory=list)  # once finished
+
+    def __post_init__(self) -> None:
+        self.in_calls = self.plan.mode == "required"
 
     def feed(self, delta: str) -> list[DeltaMessage]:
         self.text += delta
         if self.plan.mode == "named":
-            if self.started and not delta:
-                return []
-            first, self.started = not self.started, True
-            function = DeltaFunctionCall(name=self.plan.named if first else None, arguments=delta)
-            call = DeltaToolCall(
-                index=0,
-                id=self.call_id if first else None,
-                type="function" if first else None,
-                function=function,
-            )
-            return [DeltaMessage(tool_calls=[call])]
-        if self.plan.mode == "auto" and self.plan.parser == "hermes":
-            return self._content(final=False)
-        return []
+            return self._named(delta)
+        deltas = self._content(final=False) if not self.in_calls else []
+        if self.in_calls:
+            self._read_calls()
+        return deltas + self._call_deltas()
 
     def finish(self) -> list[DeltaMessage]:
         """The deltas left when the choice ends."""
         if self.plan.mode == "named":
-            self.calls = [
-                ToolCall(
-                    id=self.call_id, function=FunctionCall(name=self.plan.named or "", arguments=self.text)
-                )
-            ]
+            self.calls = [self._call(0, self.plan.named or "", self.text)]
             return []
-        content, self.calls = self.plan.parse(self.text)
-        if not self.calls:
+        if not self.ids and not _well_formed(self.plan.mode, self.plan.parser, self.text):
+            self.in_calls, self.readers = False, []
             return self._content(final=True)
-        deltas = self._content(final=True, upto=self.text.find(TOOL_CALL_OPEN)) if content is not None else []
-        for index, call in enumerate(self.calls):
-            function = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
-            delta = DeltaToolCall(index=index, id=call.id, type="function", function=function)
-            deltas.append(DeltaMessage(tool_calls=[delta]))
+        deltas = [] if self.in_calls else self._content(final=True)
+        deltas += self._call_deltas()
+        self.calls = [
+            self._call(index, reader.name or "", reader.arguments or "")
+            for index, reader in enumerate(self.readers[: len(self.ids)])
+        ]
         return deltas
 
-    def _content(self, final: bool, upto: int = -1) -> list[DeltaMessage]:
-        """Content not sent yet: up to `upto` (a call's start), all of it at the end, else up to what could
-        begin a tag."""
-        if upto >= 0:
-            end = upto
-        elif final:
-            end = len(self.text)
-        else:
+    def _named(self, delta: str) -> list[DeltaMessage]:
+        if self.ids and not delta:
+            return []
+        first = not self.ids
+        if first:
+            self.ids.append(new_call_id())
+        function = DeltaFunctionCall(name=self.plan.named if first else None, arguments=delta)
+        return [DeltaMessage(tool_calls=[self._piece(0, first, function)])]
+
+    def _call(self, index: int, name: str, arguments: str) -> ToolCall:
+        return ToolCall(id=self.ids[index], function=FunctionCall(name=name, arguments=arguments))
+
+    def _piece(self, index: int, first: bool, function: DeltaFunctionCall) -> DeltaToolCall:
+        return DeltaToolCall(
+            index=index,
+            id=self.ids[index] if first else None,
+            type="function" if first else None,
+            function=function,
+        )
+
+    def _call_deltas(self) -> list[DeltaMessage]:
+        """A first delta for each call whose name became known, then its new argument text."""
+        deltas = []
+        for index, reader in enumerate(self.readers):
+            first = index == len(self.ids)
+            if first:
+                if reader.name is None:
+                    break
+                self.ids.append(new_call_id())
+                function = DeltaFunctionCall(name=reader.name, arguments="")
+                deltas.append(DeltaMessage(tool_calls=[self._piece(index, True, function)]))
+            piece = reader.take_arguments()
+            if piece:
+                function = DeltaFunctionCall(arguments=piece)
+                deltas.append(DeltaMessage(tool_calls=[self._piece(index, False, function)]))
+        return deltas
+
+    def _read_calls(self) -> None:
+        """Read the text after `read` into call readers (a new one at each call's `{`)."""
+        while self.read < len(self.text):
+            reader = self.readers[-1] if self.readers else None
+            if reader is not None and not reader.done:
+                self.read += reader.feed(self.text[self.read :])
+                continue
+            if self.plan.parser == "hermes" and self.plan.mode == "auto" and not self.in_block:
+                tag = self.text.find(TOOL_CALL_OPEN, self.read)
+                if tag < 0:
+                    self.read = max(self.read, len(self.text) - _partial_tag(self.text))
+                    return
+                self.read, self.in_block = tag + len(TOOL_CALL_OPEN), True
+                continue
+            start = self.text.find("{", self.read)
+            if start < 0:
+                self.read = len(self.text)
+                return
+            self.read, self.in_block = start, False
+            self.readers.append(CallReader())
+
+    def _content(self, final: bool) -> list[DeltaMessage]:
+        """Content not sent yet, up to where calls begin (then reading turns to calls): at the end all
+        of it; before, up to what could begin a `<tool_call>` tag or Llama 3.1's call."""
+        end = len(self.text)
+        if not final and self.plan.parser == "hermes":
             tag = self.text.find(TOOL_CALL_OPEN, self.sent)
-            end = tag if tag >= 0 else len(self.text) - _partial_tag(self.text)
+            if tag >= 0:
+                end, self.in_calls, self.read = tag, True, tag
+            else:
+                end -= _partial_tag(self.text)
+        elif not final and self.sent == 0:
+            head = self.text.lstrip()
+            if head.startswith("{") or head.startswith(LLAMA3_PYTHON_TAG):
+                end, self.in_calls = 0, True
+            elif not head or LLAMA3_PYTHON_TAG.startswith(head):
+                end = 0  # cannot tell yet
         if end <= self.sent:
             return []
         piece, self.sent = self.text[self.sent : end], end
+        self.content += piece
         return [DeltaMessage(content=piece)]
 
 

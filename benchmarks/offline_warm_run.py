@@ -1,0 +1,37 @@
+"""One process, one timed run: the bench workload (64 requests, `builtin:smollm2`, bfloat16) through
+inflight's continuous engine twice, the first untimed (first-run costs), printing the second's output
+tokens/s. Point PYTHONPATH at a checkout to measure that version (the A/B of unconstrained batches
+against main before #28, docs/api.md); an optional schema share constrains part of the batch.
+
+    GOMP_SPINCOUNT=3000 PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/offline_warm_run.py [SHARE]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import inflight
+from inflight.bench.checkpoint import bench_checkpoint
+from inflight.bench.inflight_engine import CONTINUOUS
+from inflight.bench.system import BenchSettings
+from inflight.bench.workload import load_workload
+
+
+def main() -> None:
+    model = bench_checkpoint("builtin:smollm2")
+    share = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0
+    # Before #28 load_workload had no schema share: call it the old way for an unconstrained batch.
+    requests = load_workload(model, 64, schema_share=share) if share else load_workload(model, 64)
+    settings = BenchSettings(
+        model_dir=model, requests=requests, max_slots=64, dtype="bfloat16", vllm_python=None,
+        max_num_batched_tokens=2048,
+    )  # fmt: skip
+    speeds = []
+    for _ in range(2):
+        run = CONTINUOUS.run(settings)
+        speeds.append(sum(map(len, run.outputs)) / run.seconds)
+    print(f"{inflight.__file__}, share {share}: warm-up {speeds[0]:.1f}, timed {speeds[1]:.1f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()
