@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from inflight.engine.config import ContiguousReserve
+from inflight.engine.config import ContiguousReserve, KVAllocatorKind
 from inflight.engine.contiguous_kv import build_kv_allocator
 from inflight.engine.kv_cache import KVAllocator
 from inflight.engine.scheduler import Scheduler, create_scheduler
@@ -34,7 +34,7 @@ from inflight.sim.workload import DemoRequest, demo_workload
 from inflight.sizing import MIB, find_model, kv_bytes_per_token
 
 Reserve = ContiguousReserve
-Allocator = Literal["contiguous", "paged"]
+Allocator = KVAllocatorKind
 ALLOCATORS: tuple[Allocator, ...] = ("contiguous", "paged")
 
 MEMORY_MODEL = "meta-llama/Llama-3.1-8B"
