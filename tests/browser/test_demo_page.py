@@ -174,8 +174,20 @@ def test_memory_panel_runs_both_allocators_for_real(demo_url: str) -> None:
         page.wait_for_selector("body[data-budget='256:max_model_len']")
         simulated = _memory_figures(page)
         assert page.is_disabled("#mem-view-measured")
+        # While the run is pending, the status line follows the server's progress (the run's request is
+        # held and the progress answered by the test, so that is seen however fast the machine is).
+        held: list[Any] = []
+        page.route("**/v1/demo/memory/run", lambda route: held.append(route))
+        progress = {"running": True, "policy": None, "allocator": "paged", "requests_done": 9,
+                    "requests_total": 30, "output_tokens": 300, "tokens_per_s": 150.0}  # fmt: skip
+        page.route("**/v1/demo/run/progress", lambda route: route.fulfill(json=progress))
+        page.click("#mem-run")
+        page.wait_for_selector("#mem-run-status[data-progress]", timeout=60_000)
+        status = page.text_content("#mem-run-status") or ""
+        assert "paged KV (2 of 2): 9/30 requests done, 150 output tokens/s so far" in status
+        page.unroute("**/v1/demo/run/progress")
         with page.expect_response(lambda r: r.url.endswith("/v1/demo/memory/run"), timeout=300_000) as run:
-            page.click("#mem-run")
+            held[0].continue_()
         assert run.value.status == 200
         body = run.value.json()
         page.wait_for_selector("#mem-measured-summary[data-ratio]")
