@@ -10,6 +10,8 @@ from inflight.engine.dtypes import DType, KVCacheDType
 
 SchedulerPolicy = Literal["continuous", "static"]
 SpeculativeMethod = Literal["ngram"]
+KVAllocatorKind = Literal["paged", "contiguous"]
+ContiguousReserve = Literal["max_model_len", "prompt_plus_max_tokens"]
 
 
 class EngineConfig(BaseModel):
@@ -31,6 +33,18 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(default=None, ge=2, description="prompt + output cap per sequence")
     scheduler: SchedulerPolicy = "continuous"
     enable_prefix_caching: bool = True
+    # Internal and demo use (the demo page's memory panel): no command-line flag.
+    kv_allocator: KVAllocatorKind = Field(
+        default="paged",
+        description="paged = KV blocks taken as tokens are written (KVCacheManager); contiguous = each "
+        "request reserves its worst case as consecutive blocks up front, as servers before PagedAttention "
+        "did (ContiguousKVCache: no prefix caching, no n > 1, no speculative decoding)",
+    )
+    contiguous_reserve: ContiguousReserve = Field(
+        default="max_model_len",
+        description="what a request reserves with kv_allocator=contiguous: max_model_len tokens, or its own "
+        "prompt + max_tokens",
+    )
     dtype: DType = Field(
         default="auto",
         description="auto = bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16 / AMX), else "
@@ -64,4 +78,19 @@ class EngineConfig(BaseModel):
     def _ngram_range(self) -> EngineConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _contiguous_kv(self) -> EngineConfig:
+        if self.kv_allocator == "contiguous":
+            if self.enable_prefix_caching:
+                raise ValueError(
+                    "kv_allocator='contiguous' shares no KV blocks, so it cannot cache prefixes; "
+                    "set enable_prefix_caching=False (or use kv_allocator='paged')"
+                )
+            if self.speculative is not None:
+                raise ValueError(
+                    "kv_allocator='contiguous' does not support speculative decoding (proposals may run past "
+                    "a request's reservation); set speculative=None (or use kv_allocator='paged')"
+                )
         return self

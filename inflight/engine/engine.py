@@ -23,13 +23,13 @@ import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.constraints import TokenConstraints
+from inflight.engine.contiguous_kv import build_kv_allocator
 from inflight.engine.cpu.allocator import retain_freed_memory
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepare_linears
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.guided import GrammarCompiler, GrammarMatchers
 from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes, kv_cache_dtype
-from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.loader import load_model
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.output_processor import OutputProcessor, RequestOutput
@@ -105,7 +105,14 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
             self.num_kv_blocks * config.block_size,
         )
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = build_kv_allocator(
+            config.kv_allocator,
+            self.num_kv_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            reserve=config.contiguous_reserve,
+            waiting=lambda: self.scheduler.waiting,
+        )
         self.scheduler = create_scheduler(
             config.scheduler,
             self.kv_cache,
@@ -219,6 +226,11 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > 1 and self.config.kv_allocator == "contiguous":
+            raise ValueError(
+                f"n={params.n} shares KV blocks between completions; kv_allocator='contiguous' "
+                "cannot, so send n=1 (or use kv_allocator='paged')"
+            )
         if params.guided is not None:
             self.grammars.compile(params.guided)  # GrammarError (a ValueError) now, not at its first step
         if isinstance(prompt, str):

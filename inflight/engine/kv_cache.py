@@ -47,8 +47,8 @@ def block_key(parent: BlockKey, tokens: Sequence[int]) -> BlockKey:
 
 
 class KVAllocator(Protocol):
-    """What the scheduler asks of KV memory. `KVCacheManager` (paged) is the engine's; the simulator's
-    contiguous allocator (`inflight/sim/contiguous.py`) is the pre-PagedAttention one it is compared with.
+    """What the scheduler and the engine ask of KV memory. `KVCacheManager` (paged) is the engine's;
+    `ContiguousKVCache` (`contiguous_kv.py`) is the pre-PagedAttention one the demo compares it with.
 
     `num_blocks * block_size` is the pool's capacity in tokens; `allocate` returns False (changing
     nothing) when the memory is short.
@@ -67,6 +67,7 @@ class KVAllocator(Protocol):
     def fork(self, parent_id: str, child_id: str) -> None: ...
     def free(self, seq_id: str) -> None: ...
     def take_pending_copies(self) -> list[tuple[int, int]]: ...
+    def stats(self) -> KVCacheStats: ...
 
 
 @dataclass

@@ -13,16 +13,21 @@
 - `POST /v1/demo/run` `{"slots": N}`: the same requests run for real through the loaded model, once
   per policy, each with its own engine (scheduler + KV cache) sharing the live engine's weights; behind
   the API key like every model route. One run at a time.
-- `GET /v1/demo/run/progress`: how far that run is (policy, requests done, output tokens/s so far), for
-  the page to show while it waits (a run takes a minute or two on a CPU); behind the key as well.
+- `POST /v1/demo/memory/run` `{"budget_mib": M, "reserve": R}`: the memory panel's requests run for real
+  through the loaded model, once per KV allocator (contiguous, then paged), each engine's KV pool cut to
+  the budget's tokens; behind the key, and one live run (of either kind) at a time.
+- `GET /v1/demo/run/progress`: how far the live run in progress is (policy or allocator, requests done,
+  output tokens/s so far), for the page to show while it waits (a run takes a minute or two on a CPU);
+  behind the key as well.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from importlib.resources import files
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query, Request, Security
 from fastapi.responses import HTMLResponse
@@ -34,10 +39,12 @@ from inflight.server.context import Context
 from inflight.sim.comparison import DemoComparison
 from inflight.sim.cost_model import DEFAULT_COST_MODEL, CostModel
 from inflight.sim.live import LiveProgress, run_live_demo
+from inflight.sim.live_memory import run_live_memory
 from inflight.sim.memory import (
     DEFAULT_BUDGET_MIB,
     MAX_BUDGET_MIB,
     MIN_BUDGET_MIB,
+    Allocator,
     MemoryComparison,
     Reserve,
     simulate_memory_demo,
@@ -46,6 +53,7 @@ from inflight.sim.serving import ServingAnswer, UnknownChoice, Workload, answer
 from inflight.sim.simulator import MAX_SLOTS, MIN_SLOTS, simulate_demo
 from inflight.sim.timeline import Policy
 
+Result = TypeVar("Result")
 demo_router = APIRouter(tags=["demo"])
 _run_lock = threading.Lock()
 _run_progress: LiveProgress | None = None  # the run in progress, while one is
@@ -57,10 +65,22 @@ class DemoRunRequest(BaseModel):
     slots: int = Field(8, ge=MIN_SLOTS, le=MAX_SLOTS, description="slots (max running sequences) per engine")
 
 
+class MemoryRunRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    budget_mib: int = Field(
+        DEFAULT_BUDGET_MIB, ge=MIN_BUDGET_MIB, le=MAX_BUDGET_MIB, description="KV memory budget in MiB"
+    )
+    reserve: Reserve = Field("max_model_len", description="what a contiguous request reserves up front")
+
+
 class DemoRunProgress(BaseModel):
     running: bool
     policy: Policy | None = Field(
         default=None, description="the policy running now (static first, then continuous)"
+    )
+    allocator: Allocator | None = Field(
+        default=None, description="in a memory run: the KV allocator running now (contiguous, then paged)"
     )
     requests_done: int = 0
     requests_total: int = 0
@@ -149,6 +169,24 @@ def serving_endpoint(
     summary="Run the demo workload for real on the loaded model, once per policy",
 )
 async def run_endpoint(body: DemoRunRequest, ctx: Context) -> DemoComparison:
+    return await _live_run(ctx, lambda progress: run_live_demo(ctx.engine.engine, body.slots, progress))
+
+
+@demo_router.post(
+    "/v1/demo/memory/run",
+    response_model=MemoryComparison,
+    responses=error_responses(400, 401, 429, 503),
+    dependencies=[Security(API_KEY)],
+    summary="Run the memory panel's requests for real on the loaded model, once per KV allocator",
+)
+async def memory_run_endpoint(body: MemoryRunRequest, ctx: Context) -> MemoryComparison:
+    return await _live_run(
+        ctx, lambda progress: run_live_memory(ctx.engine.engine, body.budget_mib, body.reserve, progress)
+    )
+
+
+async def _live_run(ctx: Context, run: Callable[[LiveProgress], Result]) -> Result:
+    """`run` on a worker thread with the progress the page polls; one live run at a time."""
     if ctx.engine.state != "ready":
         raise APIError(
             503, f"The engine is {ctx.engine.state}; retry once it is ready.", headers={"Retry-After": "5"}
@@ -158,9 +196,9 @@ async def run_endpoint(body: DemoRunRequest, ctx: Context) -> DemoComparison:
             429, "A demo run is already in progress; retry when it finishes.", headers={"Retry-After": "10"}
         )
     global _run_progress
-    _run_progress = LiveProgress()
+    _run_progress = progress = LiveProgress()
     try:
-        return await asyncio.to_thread(run_live_demo, ctx.engine.engine, body.slots, _run_progress)
+        return await asyncio.to_thread(run, progress)
     finally:
         _run_progress = None
         _run_lock.release()
@@ -181,6 +219,7 @@ async def run_progress_endpoint() -> DemoRunProgress:
     return DemoRunProgress(
         running=True,
         policy=progress.policy,
+        allocator=progress.allocator,
         requests_done=progress.requests_done,
         requests_total=progress.requests_total,
         output_tokens=progress.output_tokens,

@@ -4,13 +4,15 @@ Both runs use the engine's real `ContinuousScheduler` on the virtual clock (the 
 simulator loop and cost model) with more slots than requests, so memory is the only limit; only the
 allocator differs:
 
-- contiguous (`ContiguousKVCache`): each request reserves max_model_len tokens (or its prompt +
-  max_tokens) up front, as servers before PagedAttention did, and holds them until it finishes;
+- contiguous (the engine's `ContiguousKVCache`): each request reserves max_model_len tokens (or its
+  prompt + max_tokens) of consecutive blocks up front, as servers before PagedAttention did, and holds
+  them until it finishes;
 - paged (the engine's `KVCacheManager`): 16-token blocks taken as the request writes them; out of
   blocks, the scheduler preempts the newest request and recomputes it later.
 
 The budget is bytes of KV memory for a stated model (Llama-3.1-8B in bfloat16 by default: 128 KiB a
-token, from `sizing.kv_bytes_per_token`), so the slider reads in MiB.
+token, from `sizing.kv_bytes_per_token`), so the slider reads in MiB. The same step records and figures
+serve the live run (`sim/live_memory.py`), which measures both allocators on the live engine.
 """
 
 from __future__ import annotations
@@ -21,17 +23,19 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from inflight.engine.kv_cache import KVAllocator, KVCacheManager
-from inflight.engine.scheduler import Scheduler, StepRecord, create_scheduler
+from inflight.engine.config import ContiguousReserve, KVAllocatorKind
+from inflight.engine.contiguous_kv import build_kv_allocator
+from inflight.engine.kv_cache import KVAllocator
+from inflight.engine.scheduler import Scheduler, create_scheduler
 from inflight.sim.comparison import WorkloadSummary, summarize_workload
-from inflight.sim.contiguous import ContiguousKVCache
 from inflight.sim.cost_model import CostModel
 from inflight.sim.simulator import MAX_SLOTS, DemoEngineSettings, run_on_virtual_clock
 from inflight.sim.workload import DemoRequest, demo_workload
 from inflight.sizing import MIB, find_model, kv_bytes_per_token
 
-Reserve = Literal["max_model_len", "prompt_plus_max_tokens"]
-Allocator = Literal["contiguous", "paged"]
+Reserve = ContiguousReserve
+Allocator = KVAllocatorKind
+ALLOCATORS: tuple[Allocator, ...] = ("contiguous", "paged")
 
 MEMORY_MODEL = "meta-llama/Llama-3.1-8B"
 MEMORY_DTYPE = "bfloat16"
@@ -64,6 +68,10 @@ class AllocatorResult(BaseModel):
 
 
 class MemoryComparison(BaseModel):
+    kind: Literal["simulated", "measured"] = Field(
+        description="'simulated' (virtual clock) or 'measured' (the live engine, its KV pool "
+        "cut to the budget's tokens)"
+    )
     budget_mib: int
     model: str = Field(description="the model whose KV bytes per token turn the budget into tokens")
     dtype: str
@@ -71,7 +79,10 @@ class MemoryComparison(BaseModel):
     block_size: int
     max_model_len: int
     reserve: Reserve = Field(description="what the contiguous allocator reserves per request")
-    cost_model: CostModel
+    cost_model: CostModel | None = Field(description="the step cost model; None for measured runs")
+    live_model: str | None = Field(
+        default=None, description="measured runs: the live engine's model folder and dtype"
+    )
     workload: WorkloadSummary
     contiguous: AllocatorResult
     paged: AllocatorResult
@@ -93,20 +104,48 @@ def token_bytes() -> int:
     return kv_bytes_per_token(shape, MEMORY_DTYPE, 1)
 
 
-def reservation_of(requests: Sequence[DemoRequest], reserve: Reserve, max_model_len: int) -> dict[str, int]:
-    if reserve == "max_model_len":
-        return {request.request_id: max_model_len for request in requests}
-    return {request.request_id: request.prompt_tokens + request.output_tokens for request in requests}
+def budget_blocks(budget_mib: int, block_size: int) -> int:
+    """The KV pool a budget buys, in blocks: the budget's tokens of `MEMORY_MODEL` (the live run cuts the
+    live engine's pool to the same number, whatever its own bytes per token)."""
+    validate_budget(budget_mib)
+    return budget_mib * MIB // token_bytes() // block_size
 
 
-def run_allocator(
+def memory_step(start_s: float, end_s: float, scheduler: Scheduler, kv_cache: KVAllocator) -> MemoryStep:
+    """What memory holds after a step: requests in flight and waiting, blocks held and tokens written."""
+    return MemoryStep(
+        start_s=start_s,
+        end_s=end_s,
+        in_flight=scheduler.num_running,
+        waiting=scheduler.num_waiting,
+        reserved_tokens=kv_cache.stats().num_used_blocks * kv_cache.block_size,
+        written_tokens=sum(seq.num_computed_tokens for seq in scheduler.running),
+    )
+
+
+def simulate_allocator(
     allocator: Allocator,
-    kv_cache: KVAllocator,
+    num_blocks: int,
+    reserve: Reserve,
     requests: Sequence[DemoRequest],
     settings: DemoEngineSettings,
     cost_model: CostModel,
 ) -> AllocatorResult:
-    """`requests` through the continuous scheduler over `kv_cache`; what memory held at each step."""
+    """`requests` through the continuous scheduler over `allocator`; what memory held at each step."""
+    scheduler: Scheduler | None = None
+
+    def the_scheduler() -> Scheduler:
+        assert scheduler is not None
+        return scheduler
+
+    kv_cache = build_kv_allocator(
+        allocator,
+        num_blocks,
+        settings.block_size,
+        enable_prefix_caching=False,
+        reserve=reserve,
+        waiting=lambda: the_scheduler().waiting,
+    )
     scheduler = create_scheduler(
         "continuous",
         kv_cache,
@@ -115,37 +154,25 @@ def run_allocator(
         max_model_len=settings.max_model_len,
     )
     steps: list[MemoryStep] = []
-
-    def on_step(start_s: float, end_s: float, _: StepRecord) -> None:
-        steps.append(
-            MemoryStep(
-                start_s=start_s,
-                end_s=end_s,
-                in_flight=scheduler.num_running,
-                waiting=scheduler.num_waiting,
-                reserved_tokens=_reserved_tokens(kv_cache),
-                written_tokens=sum(seq.num_computed_tokens for seq in scheduler.running),
-            )
-        )
-
-    run_on_virtual_clock(scheduler, requests, cost_model, on_step)
-    return _result(allocator, kv_cache, scheduler, requests, steps)
+    run_on_virtual_clock(
+        scheduler,
+        requests,
+        cost_model,
+        lambda start_s, end_s, _: steps.append(memory_step(start_s, end_s, the_scheduler(), kv_cache)),
+    )
+    return allocator_result(
+        allocator, num_blocks * settings.block_size, scheduler.num_preemptions_total, requests, steps
+    )
 
 
-def _reserved_tokens(kv_cache: KVAllocator) -> int:
-    if isinstance(kv_cache, ContiguousKVCache):
-        return kv_cache.reserved_tokens
-    assert isinstance(kv_cache, KVCacheManager)
-    return kv_cache.num_used_blocks * kv_cache.block_size
-
-
-def _result(
+def allocator_result(
     allocator: Allocator,
-    kv_cache: KVAllocator,
-    scheduler: Scheduler,
+    capacity_tokens: int,
+    preemptions: int,
     requests: Sequence[DemoRequest],
     steps: list[MemoryStep],
 ) -> AllocatorResult:
+    """The figures of one allocator's run from its steps (virtual or wall-clock seconds)."""
     makespan = steps[-1].end_s
     output_tokens = sum(request.output_tokens for request in requests)
 
@@ -156,7 +183,7 @@ def _result(
     written = time_weighted([step.written_tokens for step in steps])
     return AllocatorResult(
         allocator=allocator,
-        capacity_tokens=kv_cache.num_blocks * kv_cache.block_size,
+        capacity_tokens=capacity_tokens,
         num_steps=len(steps),
         makespan_s=makespan,
         throughput_tokens_per_s=output_tokens / makespan,
@@ -164,13 +191,13 @@ def _result(
         peak_in_flight=max(step.in_flight for step in steps),
         mean_waiting=time_weighted([step.waiting for step in steps]) / makespan,
         waste_share=1 - written / reserved if reserved > 0 else 0.0,
-        preemptions=scheduler.num_preemptions_total,
+        preemptions=preemptions,
         steps=steps,
     )
 
 
 def summary_sentence(
-    budget_mib: int, num_requests: int, contiguous: AllocatorResult, paged: AllocatorResult
+    kind: str, budget_mib: int, num_requests: int, contiguous: AllocatorResult, paged: AllocatorResult
 ) -> str:
     c, p = contiguous, paged
     return (
@@ -180,7 +207,7 @@ def summary_sentence(
         f"{p.waste_share:.0%} vs {c.waste_share:.0%} of the memory they hold, and serve the same "
         f"{num_requests} requests at {throughput_ratio(c, p):.2f}x the "
         f"throughput ({p.throughput_tokens_per_s:,.0f} vs {c.throughput_tokens_per_s:,.0f} output tokens/s, "
-        "simulated)."
+        f"{kind})."
     )
 
 
@@ -192,41 +219,54 @@ def throughput_ratio(contiguous: AllocatorResult, paged: AllocatorResult) -> flo
     return paged.throughput_tokens_per_s / contiguous.throughput_tokens_per_s
 
 
-def simulate_memory(
-    budget_mib: int, reserve: Reserve, cost_model: CostModel, requests: Sequence[DemoRequest] | None = None
+def compare_memory(
+    kind: Literal["simulated", "measured"],
+    budget_mib: int,
+    reserve: Reserve,
+    settings: DemoEngineSettings,
+    requests: Sequence[DemoRequest],
+    results: dict[Allocator, AllocatorResult],
+    cost_model: CostModel | None,
+    live_model: str | None = None,
 ) -> MemoryComparison:
-    """Both allocators on the same requests (the demo workload by default) and the same budget."""
-    validate_budget(budget_mib)
-    workload = list(requests) if requests is not None else demo_workload()
-    settings = DemoEngineSettings(slots=MAX_SLOTS)
-    per_token = token_bytes()
-    capacity_tokens = budget_mib * MIB // per_token
-    reservations = reservation_of(workload, reserve, settings.max_model_len)
-    contiguous = run_allocator(
-        "contiguous",
-        ContiguousKVCache(capacity_tokens, lambda seq_id: reservations[seq_id]),
-        workload,
-        settings,
-        cost_model,
-    )
-    paged_cache = KVCacheManager(capacity_tokens // settings.block_size, settings.block_size, False)
-    paged = run_allocator("paged", paged_cache, workload, settings, cost_model)
+    contiguous, paged = results["contiguous"], results["paged"]
     return MemoryComparison(
+        kind=kind,
         budget_mib=budget_mib,
         model=MEMORY_MODEL,
         dtype=MEMORY_DTYPE,
-        kv_bytes_per_token=per_token,
+        kv_bytes_per_token=token_bytes(),
         block_size=settings.block_size,
         max_model_len=settings.max_model_len,
         reserve=reserve,
         cost_model=cost_model,
-        workload=summarize_workload(workload),
+        live_model=live_model,
+        workload=summarize_workload(requests),
         contiguous=contiguous,
         paged=paged,
         in_flight_ratio=in_flight_ratio(contiguous, paged),
         throughput_ratio=throughput_ratio(contiguous, paged),
-        summary=summary_sentence(budget_mib, len(workload), contiguous, paged),
+        summary=summary_sentence(kind, budget_mib, len(requests), contiguous, paged),
     )
+
+
+def memory_settings() -> DemoEngineSettings:
+    """The demo engine's settings with more slots than requests, so memory is the only limit."""
+    return DemoEngineSettings(slots=MAX_SLOTS)
+
+
+def simulate_memory(
+    budget_mib: int, reserve: Reserve, cost_model: CostModel, requests: Sequence[DemoRequest] | None = None
+) -> MemoryComparison:
+    """Both allocators on the same requests (the demo workload by default) and the same budget."""
+    workload = list(requests) if requests is not None else demo_workload()
+    settings = memory_settings()
+    num_blocks = budget_blocks(budget_mib, settings.block_size)
+    results = {
+        allocator: simulate_allocator(allocator, num_blocks, reserve, workload, settings, cost_model)
+        for allocator in ALLOCATORS
+    }
+    return compare_memory("simulated", budget_mib, reserve, settings, workload, results, cost_model)
 
 
 @lru_cache(maxsize=256)

@@ -169,6 +169,60 @@ def test_memory_panel_slider_and_reservation(demo_url: str) -> None:
         assert exact["paged.makespan_s"] == seen[-1]["paged.makespan_s"]
 
 
+def test_memory_panel_runs_both_allocators_for_real(demo_url: str) -> None:
+    with demo_page(demo_url) as page:
+        page.wait_for_selector("body[data-budget='256:max_model_len']")
+        simulated = _memory_figures(page)
+        assert page.is_disabled("#mem-view-measured")
+        # While the run is pending, the status line follows the server's progress (the run's request is
+        # held and the progress answered by the test, so that is seen however fast the machine is).
+        held: list[Any] = []
+        page.route("**/v1/demo/memory/run", lambda route: held.append(route))
+        progress = {"running": True, "policy": None, "allocator": "paged", "requests_done": 9,
+                    "requests_total": 30, "output_tokens": 300, "tokens_per_s": 150.0}  # fmt: skip
+        page.route("**/v1/demo/run/progress", lambda route: route.fulfill(json=progress))
+        page.click("#mem-run")
+        page.wait_for_selector("#mem-run-status[data-progress]", timeout=60_000)
+        status = page.text_content("#mem-run-status") or ""
+        assert "paged KV (2 of 2): 9/30 requests done, 150 output tokens/s so far" in status
+        page.unroute("**/v1/demo/run/progress")
+        with page.expect_response(lambda r: r.url.endswith("/v1/demo/memory/run"), timeout=300_000) as run:
+            held[0].continue_()
+        assert run.value.status == 200
+        body = run.value.json()
+        page.wait_for_selector("#mem-measured-summary[data-ratio]")
+        measured = {
+            f"{a}.{key}": float(page.get_attribute(f"[data-mem-measured='{a}.{key}']", "data-value"))
+            for a in ALLOCATORS
+            for key in MEMORY_FIGURES
+        }
+        # Figures for both allocators, the response's, next to the simulated ones.
+        assert measured == pytest.approx(
+            {f"{a}.{key}": float(body[a][key]) for a in ALLOCATORS for key in MEMORY_FIGURES}
+        )
+        assert body["kind"] == "measured" and body["budget_mib"] == 256
+        assert page.is_visible("[data-mem-measured='paged.mean_in_flight']")
+        assert _memory_figures(page) == simulated
+        # At the default budget, paged holds more requests in flight than contiguous, measured too; the
+        # peaks are the simulated ones (the same scheduling decisions).
+        assert measured["paged.mean_in_flight"] > measured["contiguous.mean_in_flight"]
+        for allocator in ALLOCATORS:
+            assert measured[f"{allocator}.peak_in_flight"] == simulated[f"{allocator}.peak_in_flight"]
+            assert measured[f"{allocator}.throughput_tokens_per_s"] > 0
+        assert f"{body['in_flight_ratio']:.1f}×" in (page.text_content("#mem-measured-summary") or "")
+        # The headline and the charts show the measured run; the toggle switches back to the simulated.
+        assert page.text_content("#mem-ratio") == f"{body['in_flight_ratio']:.1f}×"
+        assert page.text_content("#mem-summary") == body["summary"]
+        assert (page.text_content("#mem-paged-caption") or "").startswith("measured:")
+        page.locator("#memory").scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "demo-page-memory-measured.png"), full_page=True)
+        page.check("input[name=mem-view][value=simulated]")
+        assert (page.text_content("#mem-paged-caption") or "").startswith("simulated:")
+        page.locator("#budget").fill("128")
+        page.wait_for_selector("body[data-budget='128:max_model_len']")
+        assert page.is_disabled("#mem-view-measured")
+
+
 SERVING_POLICIES = ("naive", "static", "continuous")
 
 

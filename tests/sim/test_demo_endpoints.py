@@ -1,4 +1,5 @@
-"""GET /demo, GET /v1/demo/simulate and POST /v1/demo/run on a live server (real sockets)."""
+"""GET /demo, GET /v1/demo/simulate, POST /v1/demo/run and /v1/demo/memory/run on a live server (real
+sockets)."""
 
 from __future__ import annotations
 
@@ -124,8 +125,8 @@ def test_run_progress_says_how_far_the_real_run_is(
 
     monkeypatch.setattr(demo, "run_live_demo", held_run)
     assert httpx.get(f"{demo_server.url}/v1/demo/run/progress").json() == {
-        "running": False, "policy": None, "requests_done": 0, "requests_total": 0, "output_tokens": 0,
-        "tokens_per_s": 0.0,
+        "running": False, "policy": None, "allocator": None, "requests_done": 0, "requests_total": 0,
+        "output_tokens": 0, "tokens_per_s": 0.0,
     }  # fmt: skip
     run = threading.Thread(
         target=lambda: httpx.post(f"{demo_server.url}/v1/demo/run", json={"slots": 2}, timeout=60)
@@ -138,8 +139,8 @@ def test_run_progress_says_how_far_the_real_run_is(
         finish.set()
         run.join(60)
     assert progress == {
-        "running": True, "policy": "static", "requests_done": 12, "requests_total": 30, "output_tokens": 600,
-        "tokens_per_s": 300.0,
+        "running": True, "policy": "static", "allocator": None, "requests_done": 12, "requests_total": 30,
+        "output_tokens": 600, "tokens_per_s": 300.0,
     }  # fmt: skip
     assert httpx.get(f"{demo_server.url}/v1/demo/run/progress").json()["running"] is False
 
@@ -168,9 +169,10 @@ def test_with_an_api_key_only_the_real_run_needs_it(demo_server: DemoServer) -> 
     try:
         assert httpx.get(f"{demo_server.url}/demo").status_code == 200
         assert httpx.get(f"{demo_server.url}/v1/demo/simulate?slots=2").status_code == 200
-        response = httpx.post(f"{demo_server.url}/v1/demo/run", json={"slots": 2})
-        assert response.status_code == 401
-        assert response.json()["error"]["type"] == "authentication_error"
+        for path, body in (("/v1/demo/run", {"slots": 2}), ("/v1/demo/memory/run", {"budget_mib": 64})):
+            response = httpx.post(f"{demo_server.url}{path}", json=body)
+            assert response.status_code == 401
+            assert response.json()["error"]["type"] == "authentication_error"
     finally:
         demo_server.app.state.api_key = None
 
@@ -257,3 +259,66 @@ def test_memory_and_serving_reject_bad_parameters_with_an_openai_error(
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert error["message"]
+
+
+def test_memory_run_measures_both_allocators_with_the_simulated_decisions(demo_server: DemoServer) -> None:
+    """The live engine, its KV pool cut to the budget's 128 blocks, once per allocator: every step holds the
+    simulated requests in flight, waiting, blocks reserved and tokens written; only the clock differs."""
+    response = httpx.post(f"{demo_server.url}/v1/demo/memory/run", json={"budget_mib": 256}, timeout=600)
+    assert response.status_code == 200, response.text
+    measured = MemoryComparison.model_validate(response.json())
+    simulated = simulate_memory(256, "max_model_len", DEFAULT_COST_MODEL)
+    assert measured.kind == "measured" and measured.cost_model is None and measured.live_model
+    assert measured.summary.endswith("measured).")
+    for allocator in ("contiguous", "paged"):
+        real, sim = getattr(measured, allocator), getattr(simulated, allocator)
+        assert real.capacity_tokens == sim.capacity_tokens == 2048
+        assert real.num_steps == sim.num_steps and real.preemptions == sim.preemptions
+        fields = ("in_flight", "waiting", "reserved_tokens", "written_tokens")
+        assert [[getattr(step, f) for f in fields] for step in real.steps] == [
+            [getattr(step, f) for f in fields] for step in sim.steps
+        ]
+        assert real.throughput_tokens_per_s > 0
+    assert measured.paged.peak_in_flight > measured.contiguous.peak_in_flight == 4
+    assert measured.paged.mean_in_flight > measured.contiguous.mean_in_flight
+
+
+@pytest.mark.parametrize(
+    "body", [{"budget_mib": 32}, {"budget_mib": 2048}, {"reserve": "everything"}, {"slots": 8}, [256]]
+)
+def test_memory_run_rejects_bad_bodies_with_an_openai_error(demo_server: DemoServer, body: object) -> None:
+    response = httpx.post(f"{demo_server.url}/v1/demo/memory/run", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_memory_run_progress_names_the_allocator(
+    demo_server: DemoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from inflight.server import demo
+
+    halfway, finish = threading.Event(), threading.Event()
+
+    def held_run(engine: object, budget_mib: int, reserve: str, tracker: LiveProgress) -> MemoryComparison:
+        tracker.requests_total, tracker.allocator, tracker.requests_done = 30, "paged", 5
+        halfway.set()
+        assert finish.wait(60), "the test never let the run finish"
+        return simulate_memory(budget_mib, "max_model_len", DEFAULT_COST_MODEL)
+
+    monkeypatch.setattr(demo, "run_live_memory", held_run)
+    run = threading.Thread(
+        target=lambda: httpx.post(
+            f"{demo_server.url}/v1/demo/memory/run", json={"budget_mib": 64}, timeout=60
+        )
+    )
+    run.start()
+    try:
+        assert halfway.wait(60), "the run never started"
+        progress = httpx.get(f"{demo_server.url}/v1/demo/run/progress").json()
+        # One live run at a time, of either kind.
+        assert httpx.post(f"{demo_server.url}/v1/demo/run", json={"slots": 2}).status_code == 429
+    finally:
+        finish.set()
+        run.join(60)
+    assert progress["running"] and progress["allocator"] == "paged" and progress["policy"] is None
+    assert progress["requests_done"] == 5 and progress["requests_total"] == 30

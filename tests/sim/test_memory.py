@@ -1,12 +1,10 @@
-"""Contiguous vs paged KV memory: the contiguous allocator's invariants and the two runs side by side."""
+"""Contiguous vs paged KV memory on the virtual clock: the two runs side by side (the contiguous allocator's
+own invariants are in tests/engine/test_contiguous_kv.py)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from inflight.sim.contiguous import ContiguousKVCache
 from inflight.sim.cost_model import DEFAULT_COST_MODEL
 from inflight.sim.memory import (
     DEFAULT_BUDGET_MIB,
@@ -19,59 +17,6 @@ from inflight.sim.memory import (
 from inflight.sim.workload import demo_workload
 
 RESERVES: tuple[Reserve, ...] = ("max_model_len", "prompt_plus_max_tokens")
-
-
-def test_a_request_reserves_its_whole_region_up_front_and_writes_into_it() -> None:
-    cache = ContiguousKVCache(100, lambda seq_id: 40)
-    assert cache.allocate("a", 0, 10)
-    assert (cache.reserved_tokens, cache.written_tokens) == (40, 10)
-    assert cache.allocate("a", 10, 1)
-    assert (cache.reserved_tokens, cache.written_tokens) == (40, 11)
-    with pytest.raises(ValueError, match="reserved 40"):
-        cache.allocate("a", 40, 1)
-    cache.free("a")
-    assert (cache.reserved_tokens, cache.written_tokens) == (0, 0)
-
-
-def test_free_space_split_into_holes_is_not_one_region() -> None:
-    sizes = {"a": 4, "b": 3, "c": 3, "d": 6}
-    cache = ContiguousKVCache(10, sizes.__getitem__)
-    assert cache.allocate("a", 0, 1) and cache.allocate("b", 0, 1) and cache.allocate("c", 0, 1)
-    cache.free("a")
-    cache.free("c")
-    assert cache.holes() == [(0, 4), (7, 3)]
-    assert not cache.allocate("d", 0, 1)  # 7 tokens free, but no 6 in a row
-    assert not cache.holds("d")
-    cache.free("b")
-    assert cache.allocate("d", 0, 1)
-    assert cache.holes() == [(6, 4)]
-
-
-def test_random_reservations_never_overlap_or_exceed_the_budget() -> None:
-    rng = random.Random(7)
-    sizes: dict[str, int] = {}
-    cache = ContiguousKVCache(500, sizes.__getitem__)
-    written: dict[str, int] = {}
-    for index in range(2000):
-        if written and rng.random() < 0.4:
-            victim = rng.choice(sorted(written))
-            cache.free(victim)
-            del written[victim]
-        elif written and rng.random() < 0.5:
-            seq = rng.choice(sorted(written))
-            if written[seq] < sizes[seq]:
-                assert cache.allocate(seq, written[seq], 1)
-                written[seq] += 1
-        else:
-            seq = f"s{index}"
-            sizes[seq] = rng.randint(1, 120)
-            fits = any(length >= sizes[seq] for _, length in cache.holes())
-            assert cache.allocate(seq, 0, 1) == fits
-            if fits:
-                written[seq] = 1
-        cache.check_consistency()
-        assert cache.reserved_tokens <= cache.capacity_tokens
-        assert cache.written_tokens == sum(written.values()) <= cache.reserved_tokens
 
 
 @pytest.fixture(scope="module")
