@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from inflight.engine.dtypes import DType
+from inflight.engine.quantization import Quantization
 
 SchedulerPolicy = Literal["continuous", "static"]
 
@@ -36,6 +37,12 @@ class EngineConfig(BaseModel):
         "float32",
     )
     device: str = Field(default="auto", description="auto = cuda if available, else cpu")
+    quantization: Quantization = Field(
+        default="auto",
+        description="auto = the checkpoint's format (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K blocks kept "
+        "quantized on CPU); none = dequantize everything; int8, q8_0, q4_0, q4_1 = quantize at load "
+        "(CPU; engine/quantization.py)",
+    )
     kv_cache_memory_gib: float = Field(
         default=1.0, gt=0, description="KV pool size on CPU if num_kv_blocks unset"
     )
