@@ -25,6 +25,21 @@ class BenchSettings:
     threads: int | None = None
     # Ranks of the inflight engines (tensor parallelism); the other systems run unsplit.
     tensor_parallel_size: int = 1
+    # inflight's weight format (engine/quantization.py) and the checkpoint its systems read (the GGUF
+    # file when its weights stay quantized; None: model_dir, like every other system).
+    quantization: str = "auto"
+    inflight_model: Path | None = None
+
+
+def resident_mib(pid: int | str = "self") -> float | None:
+    """Resident memory (VmRSS) of process `pid` in MiB; None where /proc has no answer."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 @dataclass

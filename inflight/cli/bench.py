@@ -7,7 +7,12 @@ import sys
 from pathlib import Path
 
 from inflight.cli.args import add_model_arg
-from inflight.engine.cli_args import add_batching_args, add_engine_args, add_tensor_parallel_arg
+from inflight.engine.cli_args import (
+    add_batching_args,
+    add_engine_args,
+    add_quantization_arg,
+    add_tensor_parallel_arg,
+)
 from inflight.engine.config import EngineConfig
 from inflight.engine.dtypes import DTYPE_CHOICES
 
@@ -135,6 +140,7 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
         help="CPU threads for every system (default: all cores; on a busy machine fewer can be faster)",
     )
     add_tensor_parallel_arg(parser)
+    add_quantization_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.set_defaults(func=run_offline_command)
 
@@ -167,6 +173,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
     from inflight.engine.cpu.isa import cpu_isa
     from inflight.engine.dtypes import resolve_dtype_name
 
+    inflight_model = None
     if args.model is None:
         model_dir = DEFAULT_MODEL
         if not (model_dir / "config.json").is_file():
@@ -175,9 +182,10 @@ def run_offline_command(args: argparse.Namespace) -> int:
             _say(f"bench: making the `small` benchmark model in {model_dir}")
             make_model(model_dir, preset="small", arch="llama", seed=0, progress=_say, overwrite=True)
     else:
-        from inflight.bench.checkpoint import bench_checkpoint
+        from inflight.bench.checkpoint import bench_checkpoint, inflight_checkpoint
 
         model_dir = bench_checkpoint(args.model)
+        inflight_model = inflight_checkpoint(args.model, model_dir, args.quantization)
     vllm_python = args.vllm_python
     if vllm_python is None and DEFAULT_VLLM_PYTHON.is_file():
         vllm_python = DEFAULT_VLLM_PYTHON
@@ -190,6 +198,8 @@ def run_offline_command(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        inflight_model=inflight_model,
     )
     report = run_offline(names, settings, _say, rounds=args.rounds)
     print(format_table(report))
