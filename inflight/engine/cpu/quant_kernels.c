@@ -6,12 +6,14 @@
  *   QFORMAT_U4: per block 16 bytes, byte j holding value j in its low nibble and value j + 16 in its
  *               high nibble (GGUF Q4_0's order), a float scale d and a float offset m:  w = d * q + m
  *
- * The weights stay quantized in memory; the kernel dequantizes a tile of output rows into a float buffer
- * the size of the L1/L2 cache and runs a float32 register-tiled dot-product micro-kernel over it (4 rows of
- * x by 4 rows of W; AVX-512 16 lanes, AVX2 + FMA 8 lanes, plain C elsewhere), so the activations stay
- * float32 (no second rounding of x) and the result is the dequantized float matmul up to summation order.
- * Built beside kernels.c by kernels.py with the same flags; -march=native picks the path at build time on
- * the machine that runs it.
+ * The weights stay quantized in memory. Two products, chosen at build time by -march=native (kernels.py
+ * builds on the machine that runs it):
+ * - AVX-512 VNNI: x quantized per row and block of 32 to int8 (llama.cpp's Q8_0 activations), each block
+ *   pair one vpdpbusd (64 byte products) scaled in float: the fastest here (docs/models.md), and x's int8
+ *   rounding is its only difference from the dequantized float product (relative 1e-3..1e-2 of a dot).
+ * - elsewhere: a tile of output rows dequantized into a float buffer and a float32 register-tiled
+ *   micro-kernel over it (4 rows of x by 4 rows of W; AVX-512 16 lanes, AVX2 + FMA 8 lanes, plain C):
+ *   the dequantized float product up to summation order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -164,6 +166,117 @@ static void dot_tile_rows(const float *const x[QTILE_M], int mt, const float *w,
     }
 }
 
+/* ---- AVX-512 VNNI: int8 dot products (the path where the CPU has them) ---------------------------------
+ * x is quantized once per call like llama.cpp's Q8_0 activations: per row and block of 32, a float scale
+ * dx = max |x| / 127 and int8 values qx = round(x / dx). A block's dot product with a weight block is then
+ * one integer sum: vpdpbusd multiplies 64 unsigned by 64 signed bytes (two blocks) into 16 int32 lanes,
+ * 8 per block, scaled by dw * dx and accumulated in float. u4 weights are unsigned already (the offset m
+ * adds m * dx * sum(qx)); s8 weights go in as |w| with qx negated where w < 0. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QUANT_VNNI 1
+
+/* rows x [rows, k] (float) as int8 qx [rows, k] and, per row and pair of blocks (2p, 2p + 1), 16 lanes
+ * for the kernel: dx2 holds block 2p's scale dx in lanes 0-7 and block 2p + 1's in lanes 8-15 (0 past the
+ * last block); sx2 likewise holds dx * sum(qx) / 8 (the u4 offset's factor: 8 lanes sum to it). */
+static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t *qx, float *dx2, float *sx2) {
+    const int64_t blocks = k / QBLOCK, pairs = (blocks + 1) / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        float *d2 = dx2 + r * pairs * 16, *s2 = sx2 + r * pairs * 16;
+        if (blocks % 2) {
+            memset(d2 + (pairs - 1) * 16 + 8, 0, 8 * sizeof(float));
+            memset(s2 + (pairs - 1) * 16 + 8, 0, 8 * sizeof(float));
+        }
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + r * k + b * QBLOCK;
+            const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(qx + r * k + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(qx + r * k + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+            const float sum = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)) * 0.125f;
+            _mm256_storeu_ps(d2 + b * 8, _mm256_set1_ps(d));
+            _mm256_storeu_ps(s2 + b * 8, _mm256_set1_ps(sum));
+        }
+    }
+}
+
+/* Two weight blocks (b, b + 1; only b when `one`) as 64 bytes in value order: u4 nibbles unpacked. */
+static Q_INLINE __m512i weight_pair(const uint8_t *q, int format, int64_t b, int one) {
+    if (format == QFORMAT_S8) {
+        return one ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)))
+                   : _mm512_loadu_si512((const void *)(q + b * QBLOCK));
+    }
+    const __m256i packed = one ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)))
+                               : _mm256_loadu_si256((const __m256i *)(q + b * 16));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(packed, low4);                         /* [A.lo, B.lo] */
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);   /* [A.hi, B.hi] */
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* [A.lo B.lo A.hi B.hi] */
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));         /* [A.lo A.hi B.lo B.hi] */
+}
+
+/* out[i] = dot(x row i, W row n) for `mt` (1..4) quantized rows of x (dx2 / sx2 rows: see above). */
+static Q_INLINE void vnni_row(const int8_t *const qx[QTILE_M], const float *const dx2[QTILE_M],
+                              const float *const sx2[QTILE_M], int mt, const uint8_t *q, const float *dw,
+                              const float *mw, int format, int64_t blocks, float out[QTILE_M]) {
+    __m512 acc[QTILE_M];
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += 2) {
+        const int one = b + 1 == blocks;
+        const __m512i w = weight_pair(q, format, b, one);
+        const __m512i wu = format == QFORMAT_S8 ? _mm512_abs_epi8(w) : w;
+        const __mmask64 negative = format == QFORMAT_S8 ? _mm512_movepi8_mask(w) : 0;
+        const __mmask64 valid = one ? 0xFFFFFFFFull : ~0ull;
+        const __m512 dwv = _mm512_insertf32x8(_mm512_set1_ps(dw[b]), _mm256_set1_ps(one ? 0.0f : dw[b + 1]), 1);
+        const __m512 mwv = format == QFORMAT_U4
+            ? _mm512_insertf32x8(_mm512_set1_ps(mw[b]), _mm256_set1_ps(one ? 0.0f : mw[b + 1]), 1)
+            : _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < mt; i++) {
+            __m512i a = _mm512_maskz_loadu_epi8(valid, qx[i] + b * QBLOCK);
+            if (format == QFORMAT_S8) a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, a);
+            const __m512 scale = _mm512_mul_ps(dwv, _mm512_loadu_ps(dx2[i] + b * 8));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+            if (format == QFORMAT_U4) acc[i] = _mm512_fmadd_ps(mwv, _mm512_loadu_ps(sx2[i] + b * 8), acc[i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* vnni_row with `mt` a constant in each copy, and the layout's branches resolved once per row. */
+static void vnni_rows(const int8_t *const qx[QTILE_M], const float *const dx2[QTILE_M],
+                      const float *const sx2[QTILE_M], int mt, const uint8_t *q, const float *dw,
+                      const float *mw, int format, int64_t blocks, float out[QTILE_M]) {
+#define VNNI_CASES(FORMAT)                                                                   \
+    switch (mt) {                                                                            \
+    case 1: vnni_row(qx, dx2, sx2, 1, q, dw, mw, FORMAT, blocks, out); break;                \
+    case 2: vnni_row(qx, dx2, sx2, 2, q, dw, mw, FORMAT, blocks, out); break;                \
+    case 3: vnni_row(qx, dx2, sx2, 3, q, dw, mw, FORMAT, blocks, out); break;                \
+    default: vnni_row(qx, dx2, sx2, 4, q, dw, mw, FORMAT, blocks, out); break;               \
+    }
+    if (format == QFORMAT_S8) {
+        VNNI_CASES(QFORMAT_S8)
+    } else {
+        VNNI_CASES(QFORMAT_U4)
+    }
+#undef VNNI_CASES
+}
+#endif
+
+/* Which product quant_linear computes: 1 int8 dot products (x quantized per 32-block), 0 float. */
+int quant_linear_int8_activations(void) {
+#if defined(QUANT_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format` (see the top of the file).
  * x, bias and out in `dtype` (bias may be NULL); k a multiple of 32. Returns 0, or -1 when out of memory. */
 int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const float *scales,
@@ -180,6 +293,54 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
     }
     const int64_t groups = (n + QROWS_N - 1) / QROWS_N;
     int failed = 0;
+#if defined(QUANT_VNNI)
+    {
+        const int64_t blocks = k / QBLOCK, pair_lanes = (blocks + 1) / 2 * 16;
+        int8_t *qx = malloc((size_t)(rows * k));
+        float *dx = malloc((size_t)(rows * pair_lanes) * sizeof(float));
+        float *sx = malloc((size_t)(rows * pair_lanes) * sizeof(float));
+        if (qx == NULL || dx == NULL || sx == NULL) failed = 1;
+        else quantize_activations(xf, rows, k, qx, dx, sx);
+        const int64_t row_bytes = blocks * qblock_bytes(format);
+        const int threads = (int)(groups < num_threads ? groups : num_threads);
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (!failed)
+        for (int64_t g = 0; g < groups; g++) {
+            if (failed) continue;
+            const int64_t n_end = (g + 1) * QROWS_N < n ? (g + 1) * QROWS_N : n;
+            for (int64_t m0 = 0; m0 < rows; m0 += QTILE_M) {
+                const int mt = rows - m0 < QTILE_M ? (int)(rows - m0) : QTILE_M;
+                const int8_t *qrows[QTILE_M];
+                const float *drows[QTILE_M], *srows[QTILE_M];
+                for (int i = 0; i < QTILE_M; i++) {
+                    const int64_t r = i < mt ? m0 + i : m0;
+                    qrows[i] = qx + r * k;
+                    drows[i] = dx + r * pair_lanes;
+                    srows[i] = sx + r * pair_lanes;
+                }
+                for (int64_t col = g * QROWS_N; col < n_end; col++) {
+                    float values[QTILE_M];
+                    vnni_rows(qrows, drows, srows, mt, qweight + col * row_bytes, scales + col * blocks,
+                              mins == NULL ? NULL : mins + col * blocks, format, blocks, values);
+                    for (int i = 0; i < mt; i++) {
+                        float value = values[i];
+                        if (dtype == QDTYPE_BFLOAT16) {
+                            if (bias != NULL) value += q_bf16_to_float(((const uint16_t *)bias)[col]);
+                            ((uint16_t *)out)[(m0 + i) * n + col] = q_float_to_bf16(value);
+                        } else {
+                            if (bias != NULL) value += ((const float *)bias)[col];
+                            ((float *)out)[(m0 + i) * n + col] = value;
+                        }
+                    }
+                }
+            }
+        }
+        free(qx);
+        free(dx);
+        free(sx);
+        free(converted);
+        return failed ? -1 : 0;
+    }
+#endif
     /* Few groups (a small layer) or little work: fewer threads than asked, never more than groups. */
     const int threads = (int)(groups < num_threads ? groups : num_threads);
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
@@ -237,8 +398,15 @@ int quant_rows(const uint8_t *qweight, const float *scales, const float *mins, i
     for (int64_t r = 0; r < count; r++) {
         float *dst = dtype == QDTYPE_FLOAT32 ? (float *)out + r * k : row;
         dequantize_row(qweight, scales, mins, format, ids[r], k, dst);
-        if (dtype == QDTYPE_BFLOAT16)
-            for (int64_t p = 0; p < k; p++) ((uint16_t *)out)[r * k + p] = q_float_to_bf16(row[p]);
+        if (dtype == QDTYPE_BFLOAT16) {
+            uint16_t *o = (uint16_t *)out + r * k;
+            int64_t p = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+            for (; p + 16 <= k; p += 16)
+                _mm256_storeu_si256((__m256i *)(o + p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + p)));
+#endif
+            for (; p < k; p++) o[p] = q_float_to_bf16(row[p]);
+        }
     }
     free(row);
     return 0;

@@ -125,33 +125,80 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     )
 
 
+# Rows of x up to which the fused kernel runs; above, each weight is dequantized (by the C kernel, into
+# the activations' dtype) and multiplied by oneDNN/MKL: the dequantization is shared by the rows, and the
+# float GEMM (bfloat16 dot products where native) beats the kernel's float32 FMAs there (docs/models.md).
+KERNEL_MAX_ROWS = 8
+# Output rows dequantized at a time above KERNEL_MAX_ROWS: bounds the float copy of a large matrix (an
+# LM head of 49152 x 576) to a few MiB.
+DEQUANTIZE_CHUNK_ROWS = 8192
+
+
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x W^T (+ bias) for a quantized W: the C kernel where it runs, else the dequantized PyTorch product."""
+    """x W^T (+ bias) for a quantized W: the C kernel for up to KERNEL_MAX_ROWS rows of x, else W
+    dequantized chunk by chunk and the float product; without the kernels, the dequantized PyTorch product."""
     library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
     rows_out, cols = weight.shape
-    if library is not None and x.shape[-1] == cols:
-        x2 = x.reshape(-1, cols).contiguous()
-        out = x.new_empty((x2.shape[0], rows_out))
-        status = library.quant_linear(
-            x2.data_ptr(),
-            x2.shape[0],
-            cols,
-            weight.qweight.data_ptr(),
-            weight.scales.data_ptr(),
-            None if weight.mins is None else weight.mins.data_ptr(),
-            FORMAT_CODES[weight.format],
-            rows_out,
-            None if bias is None else bias.data_ptr(),
-            cpu_kernels.DTYPE_CODES[x.dtype],
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise MemoryError("quant_linear: out of memory for its buffers")
-        return out.reshape(*x.shape[:-1], rows_out)
-    return F.linear(x, weight.dequantize(x.dtype), bias)
+    x2 = x.reshape(-1, cols)
+    if library is None or x2.shape[0] > KERNEL_MAX_ROWS:
+        parts = [
+            F.linear(
+                x,
+                dequantize_rows(weight, start, min(start + DEQUANTIZE_CHUNK_ROWS, rows_out), x.dtype),
+                None if bias is None else bias[start : start + DEQUANTIZE_CHUNK_ROWS],
+            )
+            for start in range(0, rows_out, DEQUANTIZE_CHUNK_ROWS)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    x2 = x2.contiguous()
+    out = x.new_empty((x2.shape[0], rows_out))
+    status = library.quant_linear(
+        x2.data_ptr(),
+        x2.shape[0],
+        cols,
+        weight.qweight.data_ptr(),
+        weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        FORMAT_CODES[weight.format],
+        rows_out,
+        None if bias is None else bias.data_ptr(),
+        cpu_kernels.DTYPE_CODES[x.dtype],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("quant_linear: out of memory for its buffers")
+    return out.reshape(*x.shape[:-1], rows_out)
+
+
+def dequantize_rows(weight: QuantizedTensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows start..end of W in `dtype`: by the C kernel where it takes `dtype`, else by PyTorch."""
+    return lookup_rows(weight, torch.arange(start, end), dtype)
+
+
+def lookup_rows(weight: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (int64, 1-D) of W dequantized into `dtype` (an embedding lookup)."""
+    library = cpu_kernels.library() if dtype in cpu_kernels.DTYPE_CODES else None
+    if library is None:
+        return weight[ids].dequantize(dtype)
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), weight.shape[1], dtype=dtype)
+    status = library.quant_rows(
+        weight.qweight.data_ptr(),
+        weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        FORMAT_CODES[weight.format],
+        weight.shape[1],
+        ids.data_ptr(),
+        ids.numel(),
+        cpu_kernels.DTYPE_CODES[dtype],
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("quant_rows: out of memory for its buffer")
+    return out
 
 
 class QuantizedLinear(nn.Module):
@@ -185,26 +232,8 @@ class QuantizedEmbedding(nn.Module):
         self.weight = QuantizedTensor.empty(format, num_embeddings, embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
-        weight = self.weight
-        library = cpu_kernels.library() if self.dtype in cpu_kernels.DTYPE_CODES else None
-        if library is None:
-            return weight[flat].dequantize(self.dtype).reshape(*ids.shape, self.embedding_dim)
-        out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.dtype)
-        status = library.quant_rows(
-            weight.qweight.data_ptr(),
-            weight.scales.data_ptr(),
-            None if weight.mins is None else weight.mins.data_ptr(),
-            FORMAT_CODES[weight.format],
-            self.embedding_dim,
-            flat.data_ptr(),
-            flat.numel(),
-            cpu_kernels.DTYPE_CODES[self.dtype],
-            out.data_ptr(),
-        )
-        if status != 0:
-            raise MemoryError("quant_rows: out of memory for its buffer")
-        return out.reshape(*ids.shape, self.embedding_dim)
+        flat = ids.reshape(-1).to(torch.int64)
+        return lookup_rows(self.weight, flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight.format}"
