@@ -9,6 +9,7 @@ the model at a time).
 from __future__ import annotations
 
 import logging
+import mmap
 import re
 import time
 from collections import Counter
@@ -207,6 +208,17 @@ class GGUFCheckpoint:
             "(low/high frequency factors 1 and 4); load the Hugging Face checkpoint instead."
         )
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory once the weights are copied out: the
+        memory map stays (the tokenizer may read its arrays again, faulting those pages back in), but the
+        read weights no longer count twice in RSS (a 98 MB file: 94 MiB). Linux only; a no-op elsewhere."""
+        mapping = getattr(self._reader.data, "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mapping.madvise(mmap.MADV_DONTNEED)
+            except OSError as e:  # never fatal: the pages only stay resident
+                logger.debug("GGUF %s: madvise(DONTNEED) failed: %s", self.path.name, e)
+
     def tensor_types(self) -> dict[str, GGMLQuantizationType]:
         """Hugging Face name -> the GGUF type it is stored in, for every weight with a name."""
         types = {}
@@ -265,6 +277,7 @@ class GGUFCheckpoint:
                     else:
                         weight = unpermute_rows(weight, count)
             yield name, weight
+        self.release_pages()
         logger.info(
             "GGUF %s: weights read (%d kept quantized, the rest dequantized to %s) in %.1fs",
             self.path.name,
