@@ -1,14 +1,17 @@
 """Weight-quantized matmuls on CPU at SmolLM2-135M's shapes: inflight's quant_kernels.c (Q4 `u4` and Q8
 `s8` layouts) against oneDNN's prepacked float product (what the engine runs for float weights) and,
-where it is importable, torchao's int8 / int4 weight-only CPU kernels (torchao is not a dependency:
-put it on PYTHONPATH, e.g. `pip download --no-deps torchao` and unzip the wheel).
+where it is importable, torchao's int8 weight-only CPU path (torchao is not a dependency: put it on
+PYTHONPATH, e.g. `pip download --no-deps torchao` and unzip the wheel; 0.18.0's int4 weight-only has no
+CPU packing format outside its prototype package).
 
 Per row count (decode batch 1, 16, 64; a 256-token prefill chunk) it times one decoder layer's four
 projections (q/k/v 960 x 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536) and the LM head
 (49152 x 576), each system in turn, repeated (A, B, C, A, B, C, ...) so machine load hits all alike, and
-prints the median microseconds per call.
+prints the best (least disturbed by other jobs on a shared machine) microseconds per call. The fused
+kernel is timed alone (inflight's engine switches to dequantize + GEMM above KERNEL_MAX_ROWS rows:
+"inflight ... engine" columns).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/quantized_matmul.py [--dtype bfloat16] [--threads 2]
+    PYTHONPATH=. .venv/bin/python benchmarks/quantized_matmul.py [--dtype bfloat16] [--threads 1]
         [--rows 1 16 64 256] [--repeats 5]
 """
 
@@ -16,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from inflight.engine.cpu import quantized as quantized_module
 from inflight.engine.cpu.linear import PrepackedLinear, can_prepack
 from inflight.engine.cpu.quantized import QuantizedTensor, quantized_linear
 from inflight.engine.gguf.repack import quantize
@@ -33,13 +36,12 @@ LM_HEAD = [(49152, 576)]
 
 def _torchao_systems(weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, list[nn.Module]]:
     try:
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError:
         return {}
     systems: dict[str, list[nn.Module]] = {}
     configs = {
         "torchao int8": lambda: Int8WeightOnlyConfig(),
-        "torchao int4 g32": lambda: Int4WeightOnlyConfig(group_size=32, int4_packing_format="opaque"),
     }
     for name, make in configs.items():
         modules: list[nn.Module] = []
@@ -60,6 +62,15 @@ def _quantized(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     return quantized_linear(x, weight)
 
 
+def _fused(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    limit = quantized_module.KERNEL_MAX_ROWS
+    quantized_module.KERNEL_MAX_ROWS = x.shape[0]
+    try:
+        return quantized_linear(x, weight)
+    finally:
+        quantized_module.KERNEL_MAX_ROWS = limit
+
+
 def _run_all(fns: list[Callable[[torch.Tensor], torch.Tensor]], xs: list[torch.Tensor]) -> None:
     for fn, x in zip(fns, xs, strict=True):
         fn(x)
@@ -77,7 +88,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -96,10 +107,11 @@ def main() -> None:
             systems[f"oneDNN {args.dtype}"] = [m.forward for m in packed]
         for fmt in ("q4_1", "q8_0"):
             quantized = [quantize(w.float(), fmt) for w in weights]
-            systems[f"inflight {fmt}"] = [functools.partial(_quantized, weight=q) for q in quantized]
+            systems[f"inflight {fmt} fused"] = [functools.partial(_fused, weight=q) for q in quantized]
+        systems["inflight q4_1 engine"] = [functools.partial(_quantized, weight=q) for q in quantized]
         for name, modules in _torchao_systems(weights, dtype).items():
             systems[name] = [m.forward for m in modules]
-        print(f"\n{label}, {args.dtype}, {args.threads} threads: median us per call")
+        print(f"\n{label}, {args.dtype}, {args.threads} threads: best us per call")
         print(f"{'rows':>6} " + " ".join(f"{name:>18}" for name in systems))
         with torch.inference_mode():
             for rows in args.rows:
@@ -112,7 +124,7 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for name, fns in systems.items():
                         times[name].append(_time(functools.partial(_run_all, fns, xs), calls))
-                print(f"{rows:>6} " + " ".join(f"{statistics.median(t):>18.0f}" for t in times.values()))
+                print(f"{rows:>6} " + " ".join(f"{min(t):>18.0f}" for t in times.values()))
 
 
 if __name__ == "__main__":
