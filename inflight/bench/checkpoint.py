@@ -56,6 +56,14 @@ def _add_classic_rope_theta(config_json: Path) -> None:
         config_json.write_text(json.dumps(raw, indent=2) + "\n")
 
 
+def inflight_checkpoint(model: str, exported: Path, quantization: str) -> Path:
+    """What inflight's own systems read: the GGUF file itself when `model` is one and its weights are to
+    stay quantized (`--quantization` other than none: kept in its blocks, or quantized at load), else the
+    `exported` folder every system reads."""
+    path = resolve_model(model)
+    return path if is_gguf(path) and quantization != "none" else exported
+
+
 def bench_checkpoint(model: str) -> Path:
     """The Hugging Face folder to benchmark for `--model` (folder, .gguf file or builtin:NAME)."""
     path = resolve_model(model)

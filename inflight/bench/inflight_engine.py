@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable
 
-from inflight.bench.system import BenchSettings, System, SystemRun
+from inflight.bench.system import BenchSettings, System, SystemRun, resident_mib
 from inflight.bench.workload import BenchRequest
 from inflight.engine.config import SchedulerPolicy
 from inflight.engine.sequence import GuidedDecoding
@@ -29,7 +29,8 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
         num_kv_blocks = settings.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
         start = time.perf_counter()
         llm = LLM(
-            str(settings.model_dir),
+            str(settings.inflight_model or settings.model_dir),
+            quantization=settings.quantization,
             max_slots=settings.max_slots,
             num_kv_blocks=num_kv_blocks,
             block_size=BLOCK_SIZE,
@@ -42,6 +43,9 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
         # The server's warm-up (a full prefill step, then a decode step), untimed.
         warm_up(llm.engine)
         setup = time.perf_counter() - start
+        # This process's resident memory with the model loaded and the KV pool allocated (the process
+        # also holds whatever the systems benchmarked before it left behind).
+        rss_mib = resident_mib()
 
         params = [
             SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, guided=_guided(r))
@@ -59,6 +63,9 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
             "max_num_batched_tokens": settings.max_num_batched_tokens,
             "tensor_parallel_size": settings.tensor_parallel_size,
             "kv_cache_dtype": settings.kv_cache_dtype,
+            "quantization": settings.quantization,
+            "model": str(settings.inflight_model or settings.model_dir),
+            "rss_mib_after_load": rss_mib,
         }
         return SystemRun([list(o.outputs[0].token_ids) for o in outputs], seconds, setup, config)
 

@@ -224,6 +224,13 @@ def format_table(report: OfflineReport) -> str:
         if len(r.rounds_tokens_per_s) > 1:
             speeds = ", ".join(f"{v:.1f}" for v in r.rounds_tokens_per_s)
             lines.append(f"{r.name} by round: {speeds} tokens/s (the median round above)")
+    for r in report.results:
+        if r.status == "ok" and "rss_mib_after_load" in r.config:
+            lines.append(
+                f"{r.name}: {r.config['quantization']} weights from {r.config['model']}, "
+                f"{r.config['num_kv_blocks']} KV blocks, "
+                f"process RSS after load {r.config['rss_mib_after_load']} MiB"
+            )
     for pair, values in report.round_ratios.items():
         if len(values) > 1:
             lines.append(f"{pair} by round: {', '.join(f'{v:.2f}x' for v in values)}")

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from inflight.bench.system import resident_mib
 from inflight.bench.workload import BenchRequest, load_workload
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.dtypes import resolve_dtype_name
@@ -329,7 +330,7 @@ def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_
         "--num-kv-blocks", str(num_kv_blocks), "--block-size", str(BLOCK_SIZE),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--scheduler", args.scheduler,
         "--max-queue", str(args.num_requests), "--tensor-parallel-size", str(args.tensor_parallel_size),
-        "--log-level", "warning",
+        "--quantization", args.quantization, "--log-level", "warning",
     ]  # fmt: skip
     command += ["--kv-cache-dtype", args.kv_cache_dtype]
     if not args.enable_prefix_caching:
@@ -407,7 +408,7 @@ def wait_until_ready(
 
 
 def _offline_tokens_per_s(
-    args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]
+    args: argparse.Namespace, model_dir: Path, inflight_model: Path, requests: list[BenchRequest]
 ) -> dict[str, Any]:
     import torch
 
@@ -427,6 +428,8 @@ def _offline_tokens_per_s(
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        inflight_model=inflight_model,
     )
     run = (STATIC if args.scheduler == "static" else CONTINUOUS).run(settings)
     generated = sum(len(tokens) for tokens in run.outputs)
@@ -536,7 +539,7 @@ def parse_loads(args: argparse.Namespace) -> list[Load]:
 def run_serve_benchmark(args: argparse.Namespace) -> int:
     import tempfile
 
-    from inflight.bench.checkpoint import bench_checkpoint
+    from inflight.bench.checkpoint import bench_checkpoint, inflight_checkpoint
 
     loads = parse_loads(args)
     # One concrete dtype (the engine's `auto` rule on this CPU) for both servers and the offline engine.
@@ -554,6 +557,8 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
             "`make bench-vllm` creates .venv-vllm"
         )
     model_dir = bench_checkpoint(args.model)
+    # inflight serves the GGUF file itself when its weights stay quantized; vLLM reads the folder.
+    inflight_model = inflight_checkpoint(args.model, model_dir, args.quantization)
     requests = load_workload(model_dir, args.num_requests, args.seed, args.workload, args.schema_share)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
@@ -566,7 +571,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
                 model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
                 systems.append(ServedSystem("inflight", url, model, "/ready"))
             else:
-                systems.append(start_inflight(args, model_dir, num_kv_blocks))
+                systems.append(start_inflight(args, inflight_model, num_kv_blocks))
             if compare:
                 systems.append(start_vllm(args, model_dir, longest, Path(work)))
             for system in systems:
@@ -576,7 +581,9 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
                 warmup = [BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)] * 2
                 asyncio.run(run_clients(system.url, system.model, warmup, math.inf, args.seed))
             for load in loads:
-                report, results = _run_load(args, load, systems, model_dir, requests, num_kv_blocks)
+                report, results = _run_load(
+                    args, load, systems, model_dir, inflight_model, requests, num_kv_blocks
+                )
                 stem = "serve" if len(loads) == 1 else f"serve-{load.name}"
                 _write_report(report, results, args.out, stem)
                 failed = failed or any(summary["failed"] for summary in report["systems"].values())
@@ -591,6 +598,7 @@ def _run_load(
     load: Load,
     systems: list[ServedSystem],
     model_dir: Path,
+    inflight_model: Path,
     requests: list[BenchRequest],
     num_kv_blocks: int,
 ) -> tuple[dict[str, Any], dict[str, list[RequestResult]]]:
@@ -613,6 +621,10 @@ def _run_load(
                 run_clients(system.url, system.model, requests, load.rate, args.seed, load.concurrency)
             )
             summary = summarize(results, duration)
+            # The server's resident memory after the round (weights, KV pool, runtime); None for --url.
+            summary["server_rss_mib"] = (
+                resident_mib(system.process.pid) if system.process is not None else None
+            )
             client_cpu = time.process_time() - client_before
             server_after = system.cpu_seconds()
             server_cpu = (
@@ -629,7 +641,8 @@ def _run_load(
                 f"{system.name}: {summary['completed']}/{summary['requests']} ok in "
                 f"{summary['duration_s']} s, {summary['output_tokens_per_s']:.1f} output tokens/s, "
                 f"TTFT p50 {summary['ttft_ms']['p50']} ms, ITL p50 {summary['itl_ms']['p50']} ms, "
-                f"TPOT p50 {summary['tpot_ms']['p50']} ms; CPU per output token: server "
+                f"TPOT p50 {summary['tpot_ms']['p50']} ms; server RSS {summary['server_rss_mib']} MiB; "
+                f"CPU per output token: server "
                 f"{summary['server_cpu_us_per_output_token']} us, "
                 f"client {summary['client_cpu_us_per_output_token']} us"
             )
@@ -638,7 +651,7 @@ def _run_load(
             for system in systems:
                 system.pause()
             _say("the same workload through the offline engine (same engine settings)")
-            offline_runs.append(_offline_tokens_per_s(args, model_dir, requests))
+            offline_runs.append(_offline_tokens_per_s(args, model_dir, inflight_model, requests))
             _say(f"offline: {offline_runs[-1]['output_tokens_per_s']:.1f} output tokens/s")
     medians = {name: _median_round(system_rounds) for name, system_rounds in rounds.items()}
     summaries = {name: summary for name, (summary, _) in medians.items()}
@@ -671,6 +684,8 @@ def _run_load(
             "url": args.url or "started by the benchmark",
             "dtype": args.dtype,
             "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": args.quantization,
+            "model": str(inflight_model),
             "max_slots": args.max_slots,
             "num_kv_blocks": num_kv_blocks,
             "block_size": BLOCK_SIZE,

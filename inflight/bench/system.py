@@ -27,6 +27,21 @@ class BenchSettings:
     tensor_parallel_size: int = 1
     # The inflight engines' KV cache element type (auto or fp8; --kv-cache-dtype).
     kv_cache_dtype: str = "auto"
+    # inflight's weight format (engine/quantization.py) and the checkpoint its systems read (the GGUF
+    # file when its weights stay quantized; None: model_dir, like every other system).
+    quantization: str = "auto"
+    inflight_model: Path | None = None
+
+
+def resident_mib(pid: int | str = "self") -> float | None:
+    """Resident memory (VmRSS) of process `pid` in MiB; None where /proc has no answer."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 @dataclass

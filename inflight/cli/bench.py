@@ -11,6 +11,7 @@ from inflight.engine.cli_args import (
     add_batching_args,
     add_engine_args,
     add_kv_cache_dtype_arg,
+    add_quantization_arg,
     add_tensor_parallel_arg,
 )
 from inflight.engine.config import EngineConfig
@@ -151,6 +152,7 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
     )
     add_tensor_parallel_arg(parser)
     add_kv_cache_dtype_arg(parser)
+    add_quantization_arg(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.set_defaults(func=run_offline_command)
 
@@ -212,6 +214,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
     from inflight.engine.cpu.isa import cpu_isa
     from inflight.engine.dtypes import resolve_dtype_name
 
+    inflight_model = None
     if args.model is None:
         model_dir = DEFAULT_MODEL
         if not (model_dir / "config.json").is_file():
@@ -220,9 +223,10 @@ def run_offline_command(args: argparse.Namespace) -> int:
             _say(f"bench: making the `small` benchmark model in {model_dir}")
             make_model(model_dir, preset="small", arch="llama", seed=0, progress=_say, overwrite=True)
     else:
-        from inflight.bench.checkpoint import bench_checkpoint
+        from inflight.bench.checkpoint import bench_checkpoint, inflight_checkpoint
 
         model_dir = bench_checkpoint(args.model)
+        inflight_model = inflight_checkpoint(args.model, model_dir, args.quantization)
     vllm_python = args.vllm_python
     if vllm_python is None and DEFAULT_VLLM_PYTHON.is_file():
         vllm_python = DEFAULT_VLLM_PYTHON
@@ -236,6 +240,8 @@ def run_offline_command(args: argparse.Namespace) -> int:
         threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        inflight_model=inflight_model,
     )
     report = run_offline(names, settings, _say, rounds=args.rounds)
     print(format_table(report))

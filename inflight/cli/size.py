@@ -8,9 +8,8 @@ import sys
 
 from pydantic import ValidationError
 
-from inflight.engine.cli_args import add_kv_cache_dtype_arg
+from inflight.engine.cli_args import add_kv_cache_dtype_arg, add_quantization_arg
 from inflight.engine.dtypes import DTYPE_CHOICES
-from inflight.engine.quantization import QUANTIZATION_CHOICES
 from inflight.sim import serving
 
 SHAPE_KEYS = {
@@ -44,12 +43,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     size.add_argument("--gpus", type=int, default=1, help="GPUs per replica (tensor parallel); 0 = CPU")
     size.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     size.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    size.add_argument(
-        "--quantization",
-        default="none",
-        choices=QUANTIZATION_CHOICES,
-        help="weight format of the linear layers (default: none, the dtype); fp8 needs a GPU with FP8",
-    )
+    add_quantization_arg(size)  # sizing plans auto as none: name a quantized format to plan its bytes
     add_kv_cache_dtype_arg(size)
     size.add_argument("--block-size", type=int, default=16)
     size.add_argument("--max-slots", type=int, default=256)
@@ -180,7 +174,7 @@ def _run_size(args: argparse.Namespace) -> int:
         where = f"{args.gpus} x {gpu_type.name if gpu_type else f'{memory_mib} MiB'}" if args.gpus else "CPU"
         formats = (
             result.dtype
-            if result.quantization == "none"
+            if result.quantization in ("auto", "none")
             else f"{result.quantization} weights, {result.dtype}"
         )
         print(f"{shape.name} ({result.parameter_count / 1e9:.2f}B parameters, {formats}) on {where}")

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from inflight.engine.quantization import QUANTIZATION_CHOICES
 
 ArgumentTarget = argparse.ArgumentParser | argparse._ArgumentGroup
 
@@ -33,6 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: auto = cuda if any)"
     )
+    add_quantization_arg(engine)
     add_batching_args(engine)
     engine.add_argument(
         "--num-kv-blocks",
@@ -113,6 +115,17 @@ def add_kv_cache_dtype_arg(parser: ArgumentTarget) -> None:
     )
 
 
+def add_quantization_arg(parser: ArgumentTarget) -> None:
+    """`--quantization` (vLLM's name): the weight format (the offline benchmark takes it too)."""
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=_default("quantization"),
+        choices=QUANTIZATION_CHOICES,
+        help=f"weight format (default: {EngineConfig.model_fields['quantization'].description})",
+    )
+
+
 def add_tensor_parallel_arg(parser: ArgumentTarget) -> None:
     """`--tensor-parallel-size` (vLLM's name)."""
     size = _default("tensor_parallel_size")
@@ -138,6 +151,7 @@ FLAG_DESTS = {
     "dtype": "dtype",
     "kv_cache_dtype": "kv_cache_dtype",
     "device": "device",
+    "quantization": "quantization",
     "gpu_memory_utilization": "gpu_memory_utilization",
     "tensor_parallel_size": "tensor_parallel_size",
     "speculative": "speculative",

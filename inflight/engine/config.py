@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inflight.engine.dtypes import DType, KVCacheDType
+from inflight.engine.quantization import Quantization
 
 SchedulerPolicy = Literal["continuous", "static"]
 SpeculativeMethod = Literal["ngram"]
@@ -55,6 +56,12 @@ class EngineConfig(BaseModel):
         description="auto = the dtype above; fp8 = float8 e4m3 (half of bfloat16's bytes: twice the blocks)",
     )
     device: str = Field(default="auto", description="auto = cuda if available, else cpu")
+    quantization: Quantization = Field(
+        default="auto",
+        description="auto = the checkpoint's format (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K blocks kept "
+        "quantized on CPU); none = dequantize everything; int8, q8_0, q4_0, q4_1 = quantize at load "
+        "(CPU; engine/quantization.py)",
+    )
     kv_cache_memory_gib: float = Field(
         default=1.0, gt=0, description="KV pool size on CPU if num_kv_blocks unset"
     )

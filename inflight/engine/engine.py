@@ -55,8 +55,8 @@ class LLMEngine:
         *,
         share_model_of: LLMEngine | None = None,
     ) -> None:
-        """`share_model_of`: reuse that engine's loaded weights and tokenizer (same model_dir, device, dtype)
-        instead of loading them again; this engine still has its own scheduler and KV cache."""
+        """`share_model_of`: reuse that engine's loaded weights and tokenizer (same model_dir, device, dtype,
+        quantization) instead of loading them again; this engine still has its own scheduler and KV cache."""
         self.config = config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.device = torch.device(
@@ -86,11 +86,19 @@ class LLMEngine:
     def _build(self, donor: LLMEngine | None) -> None:
         config = self.config
         # A tensor-parallel engine always loads its own shard.
-        shares = donor is not None and (donor.device, donor.dtype) == (self.device, self.dtype)
+        shares = donor is not None and (donor.device, donor.dtype, donor.config.quantization) == (
+            self.device,
+            self.dtype,
+            config.quantization,
+        )
         if donor is None or not shares or self.workers is not None:
             self.tokenizer = Tokenizer.from_path(self.model_dir)
             self.model = load_model(
-                self.model_dir, self.dtype, self.device, world_size=config.tensor_parallel_size
+                self.model_dir,
+                self.dtype,
+                self.device,
+                world_size=config.tensor_parallel_size,
+                quantization=config.quantization,
             )
             if can_prepack(self.device, self.dtype):
                 prepare_linears(self.model, config.max_num_seqs)
@@ -130,7 +138,8 @@ class LLMEngine:
             self.model.layout.kv_heads,
         )
         # Parameter bytes held by each tensor-parallel rank (one entry without tensor parallelism).
-        self.parameter_bytes_per_rank = [sum(p.numel() * p.element_size() for p in self.model.parameters())]
+        # (quantized weights count with their blocks and scales: model.weight_tensors())
+        self.parameter_bytes_per_rank = [sum(t.nbytes for t in self.model.weight_tensors().values())]
         if self.workers is not None:
             self.workers.allocate(self.num_kv_blocks)
             self.parameter_bytes_per_rank += self.workers.parameter_bytes

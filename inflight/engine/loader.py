@@ -1,5 +1,10 @@
 """Load a Llama-family checkpoint: a Hugging Face folder (config.json + safetensors, read directly) or a
-single GGUF file (inflight/engine/gguf/, dequantized at load).
+single GGUF file (inflight/engine/gguf/).
+
+Weights are float in the model's dtype, or kept quantized on CPU (`quantization`, see
+engine/quantization.py): a GGUF file's Q8_0 / Q4 blocks repacked once, or float weights quantized at load.
+The projections (and the embedding) that stay quantized are swapped for QuantizedLinear /
+QuantizedEmbedding before any memory is allocated, so their float weights never exist.
 
 A tensor-parallel rank reads only its own slices of a safetensors file (`get_slice`), so it never holds
 the whole checkpoint; from a GGUF file it dequantizes one whole tensor at a time and keeps its part."""
@@ -12,14 +17,18 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
+from inflight.engine.cpu.quantized import KernelFormat, QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from inflight.engine.dtypes import DTYPE_NAMES
 from inflight.engine.gguf import is_gguf
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint, open_checkpoint
+from inflight.engine.gguf.repack import KEPT_GGUF_TYPES, load_time_format, quantize
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.llama import LlamaForCausalLM, WeightTarget, shard_layout
+from inflight.engine.quantization import GGUF_ONLY_FORMATS, LOAD_TIME_FORMATS, check_quantization
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,10 +43,11 @@ def load_model(
     attention_backend: AttentionBackend | None = None,
     rank: int = 0,
     world_size: int = 1,
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model (rank `rank`'s shard of `world_size`) for `model_dir`'s config.json and fill it
     from its safetensors files, or (when `model_dir` is a .gguf file) from the GGUF file's metadata and
-    tensors.
+    tensors; weights in `quantization` (engine/quantization.py).
 
     Raises ModelLoadError naming the file and the problem when anything is missing, corrupt or unsupported
     (including a tensor-parallel size that cannot split the model).
@@ -59,15 +69,27 @@ def load_model(
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from e
     device = torch.device(device)
+    try:
+        check_quantization(quantization, device.type == "cuda", world_size, gguf is not None)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from e
+    if quantization in GGUF_ONLY_FORMATS:
+        quantization = "auto"  # the file's own blocks
     files = [model_dir] if gguf is not None else _weight_files(model_dir)
     backend = attention_backend or get_attention_backend(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, device, layout)
-    model = model.to(torch_dtype).to_empty(device=device)
+    model = model.to(torch_dtype)
+    formats = (
+        _quantized_formats(model, quantization, gguf) if device.type == "cpu" and world_size == 1 else {}
+    )
+    _swap_quantized(model, formats, torch_dtype)
+    model = model.to_empty(device=device)
+    targets = model.weight_targets()
     if gguf is not None:
-        _load_gguf_weights(model, gguf, config, torch_dtype)
+        _load_gguf_weights(targets, gguf, config, torch_dtype, quantization)
     else:
-        _load_weights(model, files, config)
+        _load_weights(targets, files, config, quantization)
     model.zero_vocab_padding()
     return model.eval()
 
@@ -108,8 +130,54 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"{model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file.{hint}")
 
 
-def _load_weights(model: LlamaForCausalLM, files: list[Path], config: ModelConfig) -> None:
-    targets = model.weight_targets()
+def _quantized_formats(
+    model: LlamaForCausalLM, quantization: str, gguf: GGUFCheckpoint | None
+) -> dict[str, KernelFormat]:
+    """Module name -> the kernel layout its weight is kept in, for the projections, the LM head and the
+    embedding that stay quantized: every one with a multiple of 32 input features for a load-time format;
+    with `auto`, each whose GGUF tensors are all of kept types of one layout (e.g. a fused q/k/v with a
+    Q4_1 q and a Q8_0 v is dequantized)."""
+    if quantization == "none" or (quantization == "auto" and gguf is None):
+        return {}
+    owner = {
+        id(module.weight): name
+        for name, module in model.named_modules()
+        if type(module) in (nn.Linear, nn.Embedding) and module.weight.shape[-1] % 32 == 0
+    }
+    if quantization in LOAD_TIME_FORMATS:
+        return dict.fromkeys(owner.values(), load_time_format(quantization))
+    assert gguf is not None
+    types = gguf.tensor_types()
+    layouts: dict[str, set[KernelFormat | None]] = {}
+    for hf_name, target in model.weight_targets().items():
+        module = owner.get(id(target.param))
+        if module is not None and hf_name in types:
+            layouts.setdefault(module, set()).add(KEPT_GGUF_TYPES.get(types[hf_name]))
+    formats: dict[str, KernelFormat] = {}
+    for module, kinds in layouts.items():
+        kind = kinds.pop()
+        if kind is not None and not kinds:
+            formats[module] = kind
+    return formats
+
+
+def _swap_quantized(model: nn.Module, formats: dict[str, KernelFormat], dtype: torch.dtype) -> None:
+    """Replace each module named in `formats` by its quantized counterpart (empty: the loader fills it)."""
+    for name, format in formats.items():
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = getattr(parent, attribute)
+        replacement: nn.Module
+        if isinstance(module, nn.Embedding):
+            replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, format, dtype)
+        else:
+            replacement = QuantizedLinear(module.in_features, module.out_features, format, module.bias)
+        setattr(parent, attribute, replacement)
+
+
+def _load_weights(
+    targets: dict[str, WeightTarget], files: list[Path], config: ModelConfig, quantization: str
+) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     for path in files:
@@ -119,7 +187,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path], config: ModelConfi
                     stored = f.get_slice(name)
                     shape = tuple(stored.get_shape())
                     read = lambda source, s=stored: s[:] if source is None else s[source]  # noqa: E731
-                    _place(targets, name, shape, read, config, str(path), loaded, unexpected)
+                    _place(targets, name, shape, read, config, str(path), loaded, unexpected, quantization)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(
                 f"{path}: cannot read safetensors file ({e}). The file is corrupt or truncated; "
@@ -129,14 +197,25 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path], config: ModelConfi
 
 
 def _load_gguf_weights(
-    model: LlamaForCausalLM, gguf: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype
+    targets: dict[str, WeightTarget],
+    gguf: GGUFCheckpoint,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    quantization: str,
 ) -> None:
-    targets = model.weight_targets()
+    # With `auto`, the tensors whose target stays quantized are read as blocks, never dequantized.
+    keep = (
+        {name for name, t in targets.items() if isinstance(t.param, QuantizedTensor)}
+        if quantization == "auto"
+        else set()
+    )
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in gguf.tensors(config, dtype):
+    for name, tensor in gguf.tensors(config, dtype, keep):
         read = lambda source, t=tensor: t if source is None else t[source]  # noqa: E731
-        _place(targets, name, tuple(tensor.shape), read, config, str(gguf.path), loaded, unexpected)
+        _place(
+            targets, name, tuple(tensor.shape), read, config, str(gguf.path), loaded, unexpected, quantization
+        )
     _check_complete(targets, loaded, unexpected, [gguf.path], config)
 
 
@@ -144,13 +223,15 @@ def _place(
     targets: dict[str, WeightTarget],
     name: str,
     shape: tuple[int, ...],
-    read: Callable[[tuple[slice, ...] | None], torch.Tensor],
+    read: Callable[[tuple[slice, ...] | None], torch.Tensor | QuantizedTensor],
     config: ModelConfig,
     where: str,
     loaded: set[str],
     unexpected: list[str],
+    quantization: str,
 ) -> None:
-    """Copy checkpoint tensor `name` (of `shape`; `read(source)` gives its part `source`) into its target."""
+    """Copy checkpoint tensor `name` (of `shape`; `read(source)` gives its part `source`) into its target;
+    a float tensor whose target is quantized is quantized to `quantization` on the way."""
     target = targets.get(name)
     if target is None:
         if not name.endswith(IGNORED_SUFFIXES) and not (
@@ -171,7 +252,12 @@ def _place(
     tensor = read(target.source)
     with torch.no_grad():
         dest = target.param if target.rows is None else target.param[target.rows]
-        dest.copy_(tensor)
+        if isinstance(dest, QuantizedTensor):
+            dest.copy_(tensor if isinstance(tensor, QuantizedTensor) else quantize(tensor, quantization))
+        elif isinstance(tensor, torch.Tensor):
+            dest.copy_(tensor)
+        else:
+            raise ModelLoadError(f"{where}: tensor {name!r} is quantized but its target is not")
 
 
 def _check_complete(

@@ -24,6 +24,7 @@ from torch import nn
 
 from inflight.engine.attention.backend import AttentionBackend
 from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.cpu.quantized import QuantizedTensor, quantized_linear
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
@@ -196,7 +197,7 @@ class WeightTarget:
     dimension, all of it when None) is copied into rows `rows` of `param` (the whole parameter when
     None). `param` None: this rank holds no part of it (the o_proj bias off rank 0)."""
 
-    param: torch.Tensor | None
+    param: torch.Tensor | QuantizedTensor | None
     checkpoint_shape: tuple[int, ...]
     rows: slice | None = None
     source: tuple[slice, ...] | None = None
@@ -276,6 +277,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             # Through the module: on CPU the engine may have swapped in a prepacked projection.
             logits: torch.Tensor = self.lm_head(hidden)
+        elif isinstance(self.embed_tokens.weight, QuantizedTensor):
+            logits = quantized_linear(hidden, self.embed_tokens.weight)
         else:
             logits = F.linear(hidden, self.embed_tokens.weight)
         if self.layout.size > 1:
@@ -291,10 +294,20 @@ class LlamaForCausalLM(nn.Module):
             if weight is not None:
                 weight[used:].zero_()
 
+    def weight_tensors(self) -> dict[str, torch.Tensor | QuantizedTensor]:
+        """Every parameter by name, and the `weight` of each module that keeps it quantized
+        (engine/cpu/quantized.py: not a parameter)."""
+        tensors: dict[str, torch.Tensor | QuantizedTensor] = dict(self.named_parameters())
+        for name, module in self.named_modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, QuantizedTensor):
+                tensors[f"{name}.weight"] = weight
+        return tensors
+
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every tensor name a Hugging Face checkpoint of this model must hold, and which part of it goes
         where on this rank."""
-        params = dict(self.named_parameters())
+        params = self.weight_tensors()
         config, layout = self.config, self.layout
         d, hidden = config.head_dim, config.hidden_size
         q_full, kv_full = config.num_attention_heads * d, config.num_key_value_heads * d

@@ -264,11 +264,11 @@ class ModelSpec(SpecModel):
     )
     quantization: Quantization | None = Field(
         default=None,
-        description="Weight format of the linear layers (`inflight serve --quantization`): `none` (the "
-        "dtype), `fp8` (e4m3, GPUs with FP8 only), `int8`, or a GGUF format (`q8_0`, `q4_0`, `q4_1`, "
-        "`q4_k`). "
-        "Absent: the checkpoint's own format, sized as `none`. The plan counts each format's bytes per "
-        "weight (inflight/engine/quantization.py).",
+        description="Weight format of the linear layers (`inflight serve --quantization`): `auto` (the "
+        "checkpoint's own format), `none` (the dtype), `fp8` (e4m3, GPUs with FP8 only), `int8`, or a "
+        "GGUF format (`q8_0`, `q4_0`, `q4_1`, `q4_k`). "
+        "Absent or `auto`: the checkpoint's own format, sized as `none`. The plan counts each format's "
+        "bytes per weight (inflight/engine/quantization.py).",
     )
 
 

