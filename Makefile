@@ -96,5 +96,20 @@ bench-vllm: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/inflight bench offline --vllm-python $(VLLM_VENV)/bin/python --out bench-results \
 	  --compare hf-naive,hf-static,hf-continuous,vllm,inflight-static,inflight-continuous
 
+# llama.cpp's CPU tools built from the source in PyPI's llama-cpp-python sdist (a benchmark-only tool, never
+# an inflight dependency; into the cache, skipped when built), then inflight's perplexity against
+# llama-perplexity's on the real SmolLM2 Q4_1 GGUF and a Q8_0 made from its weights, and bench serve against
+# llama-server on the Q4_1 file.
+.PHONY: llama-cpp bench-llama-cpp
+
+llama-cpp: $(STAMP)
+	PYTHONPATH=. $(PY) benchmarks/llama_cpp.py build
+
+bench-llama-cpp: llama-cpp
+	PYTHONPATH=. $(PY) benchmarks/llama_cpp_perplexity.py
+	$(VENV)/bin/inflight bench serve --model builtin:smollm2 --compare llama-cpp --request-rate inf \
+	  --llama-server $$(PYTHONPATH=. $(PY) benchmarks/llama_cpp.py path llama-server) --skip-offline \
+	  --threads 2 --out bench-results/llama-cpp-q4_1
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

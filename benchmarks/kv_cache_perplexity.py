@@ -35,12 +35,14 @@ def fixed_text() -> str:
     return "\n\n".join(git("show", f"{TEXT_COMMIT}:{path}") for path in paths)
 
 
-def mean_nll(llm: LLM, windows: list[list[int]]) -> float:
+def mean_nll(llm: LLM, windows: list[list[int]], first_scored: int = 1) -> float:
+    """Mean negative log-likelihood of each window's tokens from index `first_scored` on."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     total, count = 0.0, 0
     for output, window in zip(llm.generate(windows, params), windows, strict=True):
         assert output.prompt_logprobs is not None
-        for entry, token in zip(output.prompt_logprobs[1:], window[1:], strict=True):
+        scored = zip(output.prompt_logprobs[first_scored:], window[first_scored:], strict=True)
+        for entry, token in scored:
             assert entry is not None
             total -= entry[token].logprob
             count += 1

@@ -130,9 +130,11 @@ async def _one_request(
             if payload.startswith(b'{"error"'):
                 result.error = json.loads(payload)["error"]["message"]
                 return result
-            if b'"choices":[]' in payload:  # the closing usage chunk
-                result.output_tokens = json.loads(payload)["usage"]["completion_tokens"]
-                continue
+            if b'"usage":{' in payload:  # the usage chunk: its own (OpenAI, vLLM) or the last (llama-server)
+                chunk = json.loads(payload)
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not any(choice.get("text") for choice in chunk["choices"]):
+                    continue
             if payload == b"[DONE]":
                 continue
             now = time.perf_counter()
@@ -359,6 +361,20 @@ def _vllm_command(args: argparse.Namespace, model_dir: Path, port: int, longest:
     ]  # fmt: skip
 
 
+def _llama_server_command(args: argparse.Namespace, gguf_file: Path, port: int, longest: int) -> list[str]:
+    # One slot per request in flight, each with the workload's longest sequence (-c is split over -np).
+    return [
+        str(args.llama_server), "-m", str(gguf_file), "--host", "127.0.0.1", "--port", str(port),
+        "-a", "bench", "-np", str(args.max_slots), "-c", str(args.max_slots * longest),
+        "-t", str(args.threads or os.cpu_count() or 1), "--no-webui",
+    ]  # fmt: skip
+
+
+def start_llama_server(args: argparse.Namespace, gguf_file: Path, longest: int) -> ServedSystem:
+    command = _llama_server_command(args, gguf_file, free_port(), longest)
+    return _start("llama-cpp", command, dict(os.environ), "/health")
+
+
 def _start(name: str, command: list[str], env: dict[str, str], ready_path: str) -> ServedSystem:
     port = int(command[command.index("--port") + 1])
     _say(f"starting {name}: {' '.join(command[1:])}")
@@ -547,18 +563,20 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
     if min(args.num_requests, args.rounds, args.threads or 1) < 1:
         raise SystemExit("--num-requests, --rounds and --threads must be >= 1")
     compare = [name for name in (args.compare or "").split(",") if name.strip()]
-    if compare not in ([], ["vllm"]):
-        raise SystemExit(f"--compare {args.compare}: the only system to compare with is `vllm`")
+    if compare not in ([], ["vllm"], ["llama-cpp"]):
+        raise SystemExit(f"--compare {args.compare}: compare with one system, `vllm` or `llama-cpp`")
     if compare and args.url:
         raise SystemExit("--compare starts both servers itself; it cannot be used with --url")
-    if compare and not (args.vllm_python.is_file() and os.access(args.vllm_python, os.X_OK)):
+    if compare == ["vllm"] and not (args.vllm_python.is_file() and os.access(args.vllm_python, os.X_OK)):
         raise SystemExit(
             f"--vllm-python {args.vllm_python} is not an executable Python; "
             "`make bench-vllm` creates .venv-vllm"
         )
+    gguf_file = _llama_cpp_gguf(args) if compare == ["llama-cpp"] else None
     model_dir = bench_checkpoint(args.model)
-    # inflight serves the GGUF file itself when its weights stay quantized; vLLM reads the folder.
-    inflight_model = inflight_checkpoint(args.model, model_dir, args.quantization)
+    # inflight serves the GGUF file itself when its weights stay quantized, and always against llama.cpp
+    # (the same file for both); vLLM reads the folder.
+    inflight_model = gguf_file or inflight_checkpoint(args.model, model_dir, args.quantization)
     requests = load_workload(model_dir, args.num_requests, args.seed, args.workload, args.schema_share)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
@@ -572,8 +590,10 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
                 systems.append(ServedSystem("inflight", url, model, "/ready"))
             else:
                 systems.append(start_inflight(args, inflight_model, num_kv_blocks))
-            if compare:
+            if compare == ["vllm"]:
                 systems.append(start_vllm(args, model_dir, longest, Path(work)))
+            if gguf_file is not None:
+                systems.append(start_llama_server(args, gguf_file, longest))
             for system in systems:
                 if system.process is not None:
                     _wait_ready(system)
@@ -591,6 +611,26 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
             for system in systems:
                 system.stop()
     return 1 if failed else 0
+
+
+def _llama_cpp_gguf(args: argparse.Namespace) -> Path:
+    """The GGUF file llama-server and inflight serve for --compare llama-cpp; SystemExit with the fix."""
+    from inflight.checkpoints.resolve import resolve_model
+    from inflight.engine.gguf import is_gguf
+
+    if args.llama_server is None or not (
+        args.llama_server.is_file() and os.access(args.llama_server, os.X_OK)
+    ):
+        raise SystemExit(
+            f"--llama-server {args.llama_server} is not an executable; `make llama-cpp` builds it "
+            "(`benchmarks/llama_cpp.py path llama-server` prints its path)"
+        )
+    path = resolve_model(args.model)
+    if not is_gguf(path):
+        raise SystemExit(
+            f"--compare llama-cpp needs a GGUF --model (a .gguf file or builtin:smollm2), not {path}"
+        )
+    return path
 
 
 def _run_load(
@@ -708,6 +748,9 @@ def _run_load(
         if offline
         else None,
         "ratio_inflight_to_vllm": _ratios(served, summaries["vllm"]) if "vllm" in summaries else None,
+        "ratio_inflight_to_llama_cpp": (
+            _ratios(served, summaries["llama-cpp"]) if "llama-cpp" in summaries else None
+        ),
         "requests": {
             name: [asdict(r) | {"itls": [round(g, 5) for g in r.itls]} for r in results]
             for name, results in median_results.items()
@@ -727,4 +770,6 @@ def _write_report(
         _say(f"served / offline output tokens/s = {report['ratio_served_to_offline']:.2f}")
     if report["ratio_inflight_to_vllm"] is not None:
         _say(f"inflight / vLLM: {report['ratio_inflight_to_vllm']}")
+    if report["ratio_inflight_to_llama_cpp"] is not None:
+        _say(f"inflight / llama.cpp: {report['ratio_inflight_to_llama_cpp']}")
     _say(f"wrote {json_path} and {png_path}")

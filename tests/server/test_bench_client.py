@@ -16,6 +16,7 @@ import pytest
 from inflight.bench.served import (
     RequestResult,
     _inflight_command,
+    _llama_server_command,
     _vllm_command,
     cpu_per_output_token,
     parse_loads,
@@ -163,3 +164,70 @@ def test_bench_passes_the_kv_cache_dtype_to_both_servers_and_the_offline_engines
     for command in (_inflight_command(args, tmp_path, 8000, 100), _vllm_command(args, tmp_path, 8001, 300)):
         assert command[command.index("--kv-cache-dtype") + 1] == "fp8"
     assert build_parser().parse_args(["bench", "offline", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+
+
+def serve_events(events: list[bytes]) -> Any:
+    """A one-route SSE server that streams `events` (each a `data:` payload) as chunked HTTP."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # the request line and headers; the body is not needed
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        for event in events:
+            data = b"data: " + event + b"\n\n"
+            writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    return handle
+
+
+@pytest.mark.parametrize(
+    ("last_text", "tokens"),
+    [(b"", 2), (b"c", 3)],
+    ids=["empty last chunk", "last chunk with a token"],
+)
+def test_the_client_reads_usage_from_llama_servers_last_chunk(last_text: bytes, tokens: int) -> None:
+    """llama-server's streamed completion carries `usage` in its last chunk beside the finish reason
+    (no separate `"choices":[]` chunk like OpenAI's and vLLM's)."""
+    events = [
+        b'{"choices":[{"text":"a","index":0,"finish_reason":null}],"object":"text_completion"}',
+        b'{"choices":[{"text":"b","index":0,"finish_reason":null}],"object":"text_completion"}',
+        b'{"choices":[{"text":"' + last_text + b'","index":0,"finish_reason":"length"}],'
+        b'"usage":{"completion_tokens":' + str(tokens).encode() + b',"prompt_tokens":2,"total_tokens":5}}',
+        b"[DONE]",
+    ]
+
+    async def run() -> list[RequestResult]:
+        server = await asyncio.start_server(serve_events(events), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            requests = [BenchRequest([1, 2], output_len=tokens)]
+            results, _ = await run_clients(
+                f"http://127.0.0.1:{port}", "bench", requests, float("inf"), seed=0
+            )
+        return results
+
+    (result,) = asyncio.run(run())
+    assert result.error is None
+    assert result.output_tokens == tokens
+    assert len(result.itls) + 1 == tokens  # a token per chunk that carries text
+
+
+def test_llama_server_gets_a_slot_per_request_in_flight(tmp_path: Path) -> None:
+    from inflight.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "serve", "--compare", "llama-cpp", "--llama-server", "/opt/llama-server", "--threads", "2"]
+    )
+    command = _llama_server_command(args, tmp_path / "m.gguf", 8002, 300)
+    assert command[0] == "/opt/llama-server"
+    flags = dict(zip(command[1::2], command[2::2], strict=False))
+    assert flags["-m"] == str(tmp_path / "m.gguf") and flags["--port"] == "8002" and flags["-a"] == "bench"
+    # -c is the context of all slots together: each of the max_slots slots holds the longest request.
+    assert flags["-np"] == str(args.max_slots) and flags["-c"] == str(args.max_slots * 300)
+    assert flags["-t"] == "2"
