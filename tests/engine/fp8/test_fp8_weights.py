@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from inflight.engine.config import DType, EngineConfig
@@ -21,6 +22,7 @@ from inflight.engine.quantization import Quantization, check_quantization
 from inflight.engine.sequence import SamplingParams
 
 from support.fp8_checkpoints import Fp8Format, dequantized, write_fp8_checkpoint
+from support.gguf_files import write_gguf
 
 PROMPTS = [[5, 77, 300, 12, 901, 4, 64], [9, 8, 7, 6, 5], list(range(40, 70))]
 # How far below the float model's most likely token (in log-probability, nats) a token the FP8 engine
@@ -140,11 +142,13 @@ def test_an_fp8_checkpoint_generates_the_dequantized_models_tokens(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v bias, tied embeddings
 def test_fp8_greedy_tokens_are_ones_the_float_model_ranks_nearly_first(
-    tiny_llama_dir: Path, dtype: DType
+    request: pytest.FixtureRequest, arch: str, dtype: DType
 ) -> None:
-    generated = _greedy(tiny_llama_dir, "fp8", dtype)
-    engine = LLMEngine(tiny_llama_dir, EngineConfig(dtype=dtype, device="cpu", num_kv_blocks=64))
+    model: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    generated = _greedy(model, "fp8", dtype)
+    engine = LLMEngine(model, EngineConfig(dtype=dtype, device="cpu", num_kv_blocks=64))
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
         scored = engine.generate([p + g for p, g in zip(PROMPTS, generated, strict=True)], params)
@@ -190,3 +194,12 @@ def test_an_unsupported_quantization_config_is_refused(tiny_llama_dir: Path, tmp
     (checkpoint / "config.json").write_text(config)
     with pytest.raises(ModelLoadError, match="quant_method 'gptq' is not supported"):
         load_model(checkpoint)
+
+
+def test_fp8_quantizes_a_gguf_files_dequantized_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    gguf = write_gguf(tiny_llama_dir, tmp_path / "q8.gguf", GGMLQuantizationType.Q8_0)
+    model = load_model(gguf, quantization="fp8")
+    reference = load_model(gguf, quantization="none")
+    assert len(_projections(model)) == 4 * model.config.num_hidden_layers
+    expected = quantize_fp8(_dense(reference, 0, "mlp.down_proj"))
+    assert torch.equal(_fp8(model, 0, "mlp.down_proj").dequantize(), expected.dequantize())
