@@ -3,9 +3,9 @@
 `--quantization fp8` quantizes a float checkpoint's decoder projections at load (scale = row amax / 448,
 round to nearest); an FP8 checkpoint's own float8 values are kept as they are (engine/fp8/checkpoint.py).
 `Fp8Linear` replaces the nn.Linear of each quantized projection; the loader fills it row by row through
-`Fp8Weight`, a view of its two parameters that slices like a float weight (rows for the fused q/k/v and
-gate/up and for column-parallel ranks, columns for row-parallel ones: the scale is per row, so a column
-slice keeps it).
+`Fp8Weight`, a view of its two parameters whose rows slice like a float weight's (the fused q/k/v and
+gate/up). A tensor-parallel rank's part of a checkpoint tensor is read by engine/fp8/checkpoint.py: rows
+with their scales, or columns with every row's scale.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ class Fp8Weight:
     def nbytes(self) -> int:
         return self.values.numel() * self.values.element_size() + self.scale.numel() * 4
 
-    def __getitem__(self, key: slice | tuple[slice, ...]) -> Fp8Weight:
-        """Rows `key`, or (rows, columns): views, like a tensor's."""
-        rows = key[0] if isinstance(key, tuple) else key
-        return Fp8Weight(self.values[key], self.scale[rows])
+    def __getitem__(self, rows: slice) -> Fp8Weight:
+        """Rows `rows` (views, like a tensor's)."""
+        return Fp8Weight(self.values[rows], self.scale[rows])
 
     def copy_(self, source: Fp8Weight) -> Fp8Weight:
         if source.shape != self.shape:

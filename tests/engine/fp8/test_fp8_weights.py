@@ -203,3 +203,20 @@ def test_fp8_quantizes_a_gguf_files_dequantized_weights(tiny_llama_dir: Path, tm
     assert len(_projections(model)) == 4 * model.config.num_hidden_layers
     expected = quantize_fp8(_dense(reference, 0, "mlp.down_proj"))
     assert torch.equal(_fp8(model, 0, "mlp.down_proj").dequantize(), expected.dequantize())
+
+
+def test_two_ranks_generate_one_ranks_tokens_from_an_fp8_checkpoint(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The stored FP8 values split over two CPU ranks (gloo): the same greedy tokens as one rank."""
+    checkpoint = write_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", "per-channel")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for ranks in (1, 2):
+        config = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, tensor_parallel_size=ranks)
+        engine = LLMEngine(checkpoint, config)
+        try:
+            outputs[ranks] = [output.outputs[0].token_ids for output in engine.generate(PROMPTS, params)]
+        finally:
+            engine.close()
+    assert outputs[2] == outputs[1]
