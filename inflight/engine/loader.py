@@ -236,6 +236,11 @@ def _fp8_reader(
     where: str,
 ) -> Callable[[tuple[slice, ...] | None], torch.Tensor | Fp8Weight]:
     """How to read part of the stored float8 weight `name` with its scale."""
+    if stored.get_dtype() != STORED_DTYPE:
+        raise ModelLoadError(
+            f"{where}: tensor {name!r} is {stored.get_dtype()}; inflight reads float8 weights in e4m3 "
+            f"({STORED_DTYPE}) only"
+        )
     scale = next((scales[n] for n in scale_names(name) if n in scales), None)
     if fp8_format is None or scale is None or len(shape) != 2:
         raise ModelLoadError(
@@ -279,7 +284,7 @@ def _load_weights(
                     shape = tuple(stored.get_shape())
                     read = (
                         _fp8_reader(name, shape, stored, scales, fp8_format, str(path))
-                        if stored.get_dtype() == STORED_DTYPE
+                        if stored.get_dtype().startswith("F8_")
                         else _slice_reader(stored)
                     )
                     _place(targets, name, shape, read, config, str(path), loaded, unexpected, quantization)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from inflight.engine.config import DType, EngineConfig
@@ -193,6 +194,17 @@ def test_an_unsupported_quantization_config_is_refused(tiny_llama_dir: Path, tmp
     config = (checkpoint / "config.json").read_text().replace('"compressed-tensors"', '"gptq"')
     (checkpoint / "config.json").write_text(config)
     with pytest.raises(ModelLoadError, match="quant_method 'gptq' is not supported"):
+        load_model(checkpoint)
+
+
+def test_a_float8_weight_without_its_scale_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    checkpoint = write_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", "per-channel")
+    tensors = load_file(checkpoint / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    save_file(tensors, checkpoint / "model.safetensors")
+    with pytest.raises(
+        ModelLoadError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' is float8 but has no weight_scale"
+    ):
         load_model(checkpoint)
 
 
