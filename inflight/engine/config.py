@@ -59,7 +59,8 @@ class EngineConfig(BaseModel):
     quantization: Quantization = Field(
         default="auto",
         description="auto = the checkpoint's format (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K blocks kept "
-        "quantized on CPU); none = dequantize everything; int8, q8_0, q4_0, q4_1 = quantize at load "
+        "quantized on CPU, an FP8 checkpoint's float8 weights); none = dequantize everything; fp8 = float8 "
+        "e4m3 weights with per-channel scales (any device); int8, q8_0, q4_0, q4_1 = quantize at load "
         "(CPU; engine/quantization.py)",
     )
     kv_cache_memory_gib: float = Field(

@@ -1,10 +1,11 @@
 """Load a Llama-family checkpoint: a Hugging Face folder (config.json + safetensors, read directly) or a
 single GGUF file (inflight/engine/gguf/).
 
-Weights are float in the model's dtype, or kept quantized on CPU (`quantization`, see
-engine/quantization.py): a GGUF file's Q8_0 / Q4 blocks repacked once, or float weights quantized at load.
-The projections (and the embedding) that stay quantized are swapped for QuantizedLinear /
-QuantizedEmbedding before any memory is allocated, so their float weights never exist.
+Weights are float in the model's dtype, or kept quantized (`quantization`, see engine/quantization.py):
+on CPU a GGUF file's Q8_0 / Q4 blocks repacked once, or float weights quantized at load; on any device the
+decoder projections in FP8 (engine/fp8/), quantized at load or as an FP8 checkpoint stores them. The
+modules that stay quantized are swapped for QuantizedLinear / QuantizedEmbedding / Fp8Linear before any
+memory is allocated, so their float weights never exist.
 
 A tensor-parallel rank reads only its own slices of a safetensors file (`get_slice`), so it never holds
 the whole checkpoint; from a GGUF file it dequantizes one whole tensor at a time and keeps its part."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,6 +24,16 @@ from torch import nn
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
 from inflight.engine.cpu.quantized import KernelFormat, QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from inflight.engine.dtypes import DTYPE_NAMES
+from inflight.engine.fp8.checkpoint import (
+    SCALE_SUFFIXES,
+    STORED_DTYPE,
+    UNUSED_SUFFIXES,
+    Fp8Checkpoint,
+    fp8_checkpoint,
+    fp8_part,
+    scale_names,
+)
+from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight, quantize_fp8
 from inflight.engine.gguf import is_gguf
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint, open_checkpoint
 from inflight.engine.gguf.repack import KEPT_GGUF_TYPES, load_time_format, quantize
@@ -75,6 +87,9 @@ def load_model(
         raise ModelLoadError(f"{model_dir}: {e}") from e
     if quantization in GGUF_ONLY_FORMATS:
         quantization = "auto"  # the file's own blocks
+    fp8_format = None if gguf is not None else _fp8_format(model_dir)
+    if quantization == "auto" and fp8_format is not None:
+        quantization = "fp8"  # the checkpoint's own float8 weights
     files = [model_dir] if gguf is not None else _weight_files(model_dir)
     backend = attention_backend or get_attention_backend(device)
     with torch.device("meta"):
@@ -84,12 +99,14 @@ def load_model(
         _quantized_formats(model, quantization, gguf) if device.type == "cpu" and world_size == 1 else {}
     )
     _swap_quantized(model, formats, torch_dtype)
+    if quantization == "fp8":
+        _swap_fp8(model)
     model = model.to_empty(device=device)
     targets = model.weight_targets()
     if gguf is not None:
         _load_gguf_weights(targets, gguf, config, torch_dtype, quantization)
     else:
-        _load_weights(targets, files, config, quantization)
+        _load_weights(targets, files, config, quantization, fp8_format)
     model.zero_vocab_padding()
     return model.eval()
 
@@ -97,6 +114,15 @@ def load_model(
 def read_config(model: str | Path) -> ModelConfig:
     """The ModelConfig of a checkpoint folder (config.json) or of a GGUF file (its metadata)."""
     return open_checkpoint(model).config() if is_gguf(model) else ModelConfig.from_dir(model)
+
+
+def _fp8_format(model_dir: Path) -> Fp8Checkpoint | None:
+    """The FP8 format config.json's quantization_config names (None: a float checkpoint)."""
+    path = model_dir / "config.json"
+    try:
+        return fp8_checkpoint(json.loads(path.read_text()))
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -137,7 +163,7 @@ def _quantized_formats(
     embedding that stay quantized: every one with a multiple of 32 input features for a load-time format;
     with `auto`, each whose GGUF tensors are all of kept types of one layout (e.g. a fused q/k/v with a
     Q4_1 q and a Q8_0 v is dequantized)."""
-    if quantization == "none" or (quantization == "auto" and gguf is None):
+    if quantization in ("none", "fp8") or (quantization == "auto" and gguf is None):
         return {}
     owner = {
         id(module.weight): name
@@ -175,18 +201,92 @@ def _swap_quantized(model: nn.Module, formats: dict[str, KernelFormat], dtype: t
         setattr(parent, attribute, replacement)
 
 
-def _load_weights(
-    targets: dict[str, WeightTarget], files: list[Path], config: ModelConfig, quantization: str
-) -> None:
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+def _swap_fp8(model: nn.Module) -> None:
+    """Replace the decoder layers' projections by Fp8Linear (on the meta device: the loader fills them);
+    the embedding and the LM head stay in the model's dtype."""
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and name.startswith("layers."):
+            parent_name, _, attribute = name.rpartition(".")
+            with torch.device("meta"):
+                replacement = Fp8Linear(module.in_features, module.out_features, module.bias)
+            setattr(model.get_submodule(parent_name), attribute, replacement)
+
+
+def _fp8_scales(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The scale tensors of an FP8 checkpoint's weights, by name (small; read first, as a weight's scale
+    may be in another shard)."""
+    scales: dict[str, torch.Tensor] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name.endswith(SCALE_SUFFIXES):
+                        scales[name] = f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"{path}: cannot read safetensors file ({e}); download it again.") from e
+    return scales
+
+
+def _fp8_reader(
+    name: str,
+    shape: tuple[int, ...],
+    stored: Any,
+    scales: dict[str, torch.Tensor],
+    fp8_format: Fp8Checkpoint | None,
+    where: str,
+) -> Callable[[tuple[slice, ...] | None], torch.Tensor | Fp8Weight]:
+    """How to read part of the stored float8 weight `name` with its scale."""
+    if stored.get_dtype() != STORED_DTYPE:
+        raise ModelLoadError(
+            f"{where}: tensor {name!r} is {stored.get_dtype()}; inflight reads float8 weights in e4m3 "
+            f"({STORED_DTYPE}) only"
+        )
+    scale = next((scales[n] for n in scale_names(name) if n in scales), None)
+    if fp8_format is None or scale is None or len(shape) != 2:
+        raise ModelLoadError(
+            f"{where}: tensor {name!r} is float8 but "
+            + ("config.json has no FP8 quantization_config" if fp8_format is None else "has no weight_scale")
+            + "; the checkpoint is incomplete or not an FP8 release inflight reads (docs/models.md)"
+        )
+
+    def read(source: tuple[slice, ...] | None) -> torch.Tensor | Fp8Weight:
+        values = stored[:] if source is None else stored[source]
+        try:
+            return fp8_part(values, scale, shape, source, fp8_format)
+        except ValueError as e:
+            raise ModelLoadError(f"{where}: tensor {name!r}: {e}") from e
+
+    return read
+
+
+def _slice_reader(stored: Any) -> Callable[[tuple[slice, ...] | None], torch.Tensor]:
+    """How to read part of a stored float tensor (a safetensors slice)."""
+    return lambda source: stored[:] if source is None else stored[source]
+
+
+def _load_weights(
+    targets: dict[str, WeightTarget],
+    files: list[Path],
+    config: ModelConfig,
+    quantization: str,
+    fp8_format: Fp8Checkpoint | None,
+) -> None:
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    scales = _fp8_scales(files) if fp8_format is not None else {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if fp8_format is not None and name.endswith(SCALE_SUFFIXES + UNUSED_SUFFIXES):
+                        continue
                     stored = f.get_slice(name)
                     shape = tuple(stored.get_shape())
-                    read = lambda source, s=stored: s[:] if source is None else s[source]  # noqa: E731
+                    read = (
+                        _fp8_reader(name, shape, stored, scales, fp8_format, str(path))
+                        if stored.get_dtype().startswith("F8_")
+                        else _slice_reader(stored)
+                    )
                     _place(targets, name, shape, read, config, str(path), loaded, unexpected, quantization)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(
@@ -223,7 +323,7 @@ def _place(
     targets: dict[str, WeightTarget],
     name: str,
     shape: tuple[int, ...],
-    read: Callable[[tuple[slice, ...] | None], torch.Tensor | QuantizedTensor],
+    read: Callable[[tuple[slice, ...] | None], torch.Tensor | QuantizedTensor | Fp8Weight],
     config: ModelConfig,
     where: str,
     loaded: set[str],
@@ -231,7 +331,8 @@ def _place(
     quantization: str,
 ) -> None:
     """Copy checkpoint tensor `name` (of `shape`; `read(source)` gives its part `source`) into its target;
-    a float tensor whose target is quantized is quantized to `quantization` on the way."""
+    a float tensor whose target is quantized is quantized to `quantization` on the way, an FP8 one whose
+    target is not FP8 dequantized."""
     target = targets.get(name)
     if target is None:
         if not name.endswith(IGNORED_SUFFIXES) and not (
@@ -252,6 +353,12 @@ def _place(
     tensor = read(target.source)
     with torch.no_grad():
         dest = target.param if target.rows is None else target.param[target.rows]
+        if isinstance(dest, Fp8Weight):
+            assert not isinstance(tensor, QuantizedTensor)  # GGUF blocks are kept with `auto` only
+            dest.copy_(tensor if isinstance(tensor, Fp8Weight) else quantize_fp8(tensor))
+            return
+        if isinstance(tensor, Fp8Weight):
+            tensor = tensor.dequantize()
         if isinstance(dest, QuantizedTensor):
             dest.copy_(tensor if isinstance(tensor, QuantizedTensor) else quantize(tensor, quantization))
         elif isinstance(tensor, torch.Tensor):

@@ -3,13 +3,17 @@
 
 - `auto` (the engine's default): the checkpoint's own format. A GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K
   tensors stay in their blocks on CPU (other GGUF types, and every type on CUDA or with tensor
-  parallelism, are dequantized to the model's dtype); float checkpoints stay float. Sizing cannot see a
-  checkpoint, so it plans `auto` like `none`: name the format to plan its bytes.
+  parallelism, are dequantized to the model's dtype); an FP8 checkpoint (config.json
+  `quantization_config`, engine/fp8/checkpoint.py) stays FP8; float checkpoints stay float. Sizing cannot
+  see a checkpoint, so it plans `auto` like `none`: name the format to plan its bytes.
 - `none`: every weight dequantized to the model's dtype.
 - `int8`: int8 weight-only with one scale per output channel, quantized at load (CPU).
 - `q8_0`, `q4_0`, `q4_1`: the float weights quantized at load into that GGUF block format (CPU).
 - `q4_k`: a GGUF file's own Q4_K tensors (what `auto` keeps; the engine does not make Q4_K at load).
-- `fp8`: float8 e4m3 weights with per-channel scales (FP8 tensor cores on the GPU).
+- `fp8`: float8 e4m3 weights with per-channel scales (engine/fp8/), quantized at load from a float
+  checkpoint or kept from an FP8 one; on every device and with tensor parallelism. The GPU multiplies
+  them on FP8 tensor cores (compute capability 8.9+), older GPUs by a Triton kernel, the CPU by
+  dequantizing per call (for testing and memory, not speed).
 
 The formats quantize the decoder's linear layers (attention q/k/v/o and the MLP); for sizing, embeddings,
 the LM head and the norms stay in the engine's dtype (FP8 and INT8 checkpoints on the Hugging Face hub
@@ -39,7 +43,8 @@ QUANTIZED_WEIGHT_BYTES: dict[str, float | None] = {
     "q4_k": 144 / 256,
 }
 
-# Formats whose matrix multiplies need FP8 tensor cores on a GPU (Ada Lovelace / Hopper and later).
+# Formats whose matrix multiplies run at speed on FP8 tensor cores only (Ada Lovelace / Hopper and later);
+# sizing plans them on such GPUs.
 NEEDS_FP8_GPU: frozenset[str] = frozenset({"fp8"})
 # Formats the CPU engine quantizes float weights into at load.
 LOAD_TIME_FORMATS: tuple[str, ...] = ("int8", "q8_0", "q4_0", "q4_1")
@@ -58,11 +63,6 @@ def check_quantization(quantization: str, on_cuda: bool, tensor_parallel_size: i
         raise ValueError(
             f"--quantization {quantization} keeps a GGUF file's own {quantization.upper()} tensors; this "
             "checkpoint is not a GGUF file (quantize at load with q4_0, q4_1, q8_0 or int8 instead)"
-        )
-    if quantization in NEEDS_FP8_GPU:
-        raise ValueError(
-            f"--quantization {quantization}: the engine has no FP8 weight path yet (it is planned by "
-            "`inflight size` only); serve with --quantization none (or int8 on CPU)"
         )
     if quantization not in LOAD_TIME_FORMATS and quantization not in GGUF_ONLY_FORMATS:
         return

@@ -25,6 +25,7 @@ from torch import nn
 from inflight.engine.attention.backend import AttentionBackend
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu.quantized import QuantizedTensor, quantized_linear
+from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
@@ -197,7 +198,7 @@ class WeightTarget:
     dimension, all of it when None) is copied into rows `rows` of `param` (the whole parameter when
     None). `param` None: this rank holds no part of it (the o_proj bias off rank 0)."""
 
-    param: torch.Tensor | QuantizedTensor | None
+    param: torch.Tensor | QuantizedTensor | Fp8Weight | None
     checkpoint_shape: tuple[int, ...]
     rows: slice | None = None
     source: tuple[slice, ...] | None = None
@@ -294,14 +295,17 @@ class LlamaForCausalLM(nn.Module):
             if weight is not None:
                 weight[used:].zero_()
 
-    def weight_tensors(self) -> dict[str, torch.Tensor | QuantizedTensor]:
+    def weight_tensors(self) -> dict[str, torch.Tensor | QuantizedTensor | Fp8Weight]:
         """Every parameter by name, and the `weight` of each module that keeps it quantized
-        (engine/cpu/quantized.py: not a parameter)."""
-        tensors: dict[str, torch.Tensor | QuantizedTensor] = dict(self.named_parameters())
+        (engine/cpu/quantized.py: not a parameter; engine/fp8: the float8 values with their scales)."""
+        tensors: dict[str, torch.Tensor | QuantizedTensor | Fp8Weight] = dict(self.named_parameters())
         for name, module in self.named_modules():
             weight = getattr(module, "weight", None)
             if isinstance(weight, QuantizedTensor):
                 tensors[f"{name}.weight"] = weight
+            elif isinstance(module, Fp8Linear):
+                tensors[f"{name}.weight"] = module.fp8_weight
+                del tensors[f"{name}.weight_scale"]
         return tensors
 
     def weight_targets(self) -> dict[str, WeightTarget]:
