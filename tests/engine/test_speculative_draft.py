@@ -235,3 +235,16 @@ def test_config_needs_a_draft_model() -> None:
         EngineConfig(speculative="draft")
     with pytest.raises(ValidationError, match="set speculative='draft'"):
         EngineConfig(draft_model="/models/draft")
+
+
+def test_command_line_flags() -> None:
+    import argparse
+
+    from inflight.engine.cli_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--speculative", "draft", "--draft-model", "/m/d"]))
+    assert (config.speculative, config.draft_model) == ("draft", "/m/d")
+    with pytest.raises(SystemExit, match="needs draft_model"):
+        engine_config_from_args(parser.parse_args(["--speculative", "draft"]))
