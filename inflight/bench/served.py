@@ -344,6 +344,8 @@ def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_
             "--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max),
             "--speculative-max-running", str(args.speculative_max_running),
         ]  # fmt: skip
+        if args.draft_model is not None:
+            command += ["--draft-model", args.draft_model]
     return command
 
 

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inflight.checkpoints.resolve import resolve_model
+from inflight.checkpoints.resolve import resolve_draft_model, resolve_model
 from inflight.cli.args import add_listen_args, add_log_level_arg, add_model_arg
 from inflight.engine.cli_args import add_engine_args, engine_config_from_args
 
@@ -79,7 +79,7 @@ def _calibrate(args: argparse.Namespace, cost_path: Path) -> CostModel:
     from inflight.sim.simulator import simulate
 
     model_dir = resolve_model(args.model)
-    base_config = engine_config_from_args(args)
+    base_config = resolve_draft_model(engine_config_from_args(args))
     started = time.perf_counter()
     comparison, samples = run_live(
         model_dir,
@@ -119,7 +119,7 @@ def _serve_demo(args: argparse.Namespace, cost_model: CostModel) -> int:
     from inflight.server.run import bind_socket, configure_logging, serve
 
     configure_logging(args.log_level)
-    config = engine_config_from_args(args)
+    config = resolve_draft_model(engine_config_from_args(args))
     sock = bind_socket(args.host, args.port)  # before the model: a taken port fails at once
     model_dir = resolve_model(args.model)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from inflight.checkpoints.resolve import resolve_model
+from inflight.checkpoints.resolve import resolve_draft_model, resolve_model
 from inflight.cli.args import add_model_arg
 from inflight.engine.cli_args import add_engine_args, engine_config_from_args
 
@@ -55,7 +55,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
     try:
         model_dir = resolve_model(args.model)
-        config = engine_config_from_args(args)
+        config = resolve_draft_model(engine_config_from_args(args))
     except SystemExit as e:
         print(f"inflight generate: {e}", file=sys.stderr)
         return 2

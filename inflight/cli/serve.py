@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from inflight.checkpoints.resolve import resolve_model
+from inflight.checkpoints.resolve import resolve_draft_model, resolve_model
 from inflight.cli.args import add_listen_args, add_log_level_arg, add_model_arg, positive
 from inflight.engine.cli_args import add_engine_args, engine_config_from_args
 from inflight.server.limits import (
@@ -95,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise SystemExit("--max-queue must be >= 0")
     api_key = load_api_key(args.api_key_file)
-    config = engine_config_from_args(args)
+    config = resolve_draft_model(engine_config_from_args(args))
     sock = bind_socket(args.host, args.port)  # before the model: a taken port fails at once
     model_dir = resolve_model(args.model)
     settings = ServerSettings(

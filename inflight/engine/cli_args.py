@@ -6,11 +6,11 @@ read from EngineConfig, so the flags and the Python API cannot disagree. No torc
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from inflight.engine.config import EngineConfig
+from inflight.engine.config import EngineConfig, SpeculativeMethod
 from inflight.engine.dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from inflight.engine.quantization import QUANTIZATION_CHOICES
 
@@ -75,10 +75,17 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument(
         "--speculative",
-        choices=("ngram",),
+        choices=get_args(SpeculativeMethod),
         default=_default("speculative"),
-        help="ngram: propose tokens by looking the last n tokens up in the prompt and output, verify them in "
-        "one step (greedy and seeded outputs are unchanged) (default: off)",
+        help="ngram: propose tokens by looking the last n tokens up in the prompt and output; draft: propose "
+        "them with --draft-model; either verifies them in one step (greedy outputs are unchanged, sampling "
+        "keeps its distribution) (default: off)",
+    )
+    group.add_argument(
+        "--draft-model",
+        default=_default("draft_model"),
+        help="the draft model for --speculative draft: a folder, a .gguf file or builtin:NAME with the same "
+        "tokenizer as --model",
     )
     for field, flag in (
         ("num_speculative_tokens", "--num-speculative-tokens"),
@@ -155,6 +162,7 @@ FLAG_DESTS = {
     "gpu_memory_utilization": "gpu_memory_utilization",
     "tensor_parallel_size": "tensor_parallel_size",
     "speculative": "speculative",
+    "draft_model": "draft_model",
     "num_speculative_tokens": "num_speculative_tokens",
     "ngram_min": "ngram_min",
     "ngram_max": "ngram_max",

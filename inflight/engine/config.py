@@ -10,7 +10,7 @@ from inflight.engine.dtypes import DType, KVCacheDType
 from inflight.engine.quantization import Quantization
 
 SchedulerPolicy = Literal["continuous", "static"]
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "draft"]
 KVAllocatorKind = Literal["paged", "contiguous"]
 ContiguousReserve = Literal["max_model_len", "prompt_plus_max_tokens"]
 
@@ -73,7 +73,13 @@ class EngineConfig(BaseModel):
     )
     # Speculative decoding (engine/speculative.py).
     speculative: SpeculativeMethod | None = Field(
-        default=None, description="ngram = propose tokens by prompt lookup, verify in one step; None = off"
+        default=None,
+        description="ngram = propose tokens by prompt lookup; draft = propose them with a smaller model of "
+        "the same tokenizer (draft_model); either verifies them in one step; None = off",
+    )
+    draft_model: str | None = Field(
+        default=None,
+        description="the draft model's checkpoint (a folder or .gguf file) for speculative='draft'",
     )
     num_speculative_tokens: int = Field(default=4, ge=1, le=32, description="tokens proposed per step")
     ngram_min: int = Field(default=2, ge=1, description="shortest n-gram matched against the context")
@@ -86,6 +92,21 @@ class EngineConfig(BaseModel):
     def _ngram_range(self) -> EngineConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _draft_model(self) -> EngineConfig:
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative='draft' needs draft_model (the smaller model's checkpoint)")
+        if self.speculative != "draft" and self.draft_model is not None:
+            raise ValueError(
+                f"draft_model is set but speculative is {self.speculative!r}; set speculative='draft'"
+            )
+        if self.speculative == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative='draft' runs the draft model on one device; set tensor_parallel_size=1 "
+                "(or use speculative='ngram')"
+            )
         return self
 
     @model_validator(mode="after")

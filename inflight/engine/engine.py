@@ -27,18 +27,20 @@ from inflight.engine.contiguous_kv import build_kv_allocator
 from inflight.engine.cpu.allocator import retain_freed_memory
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepare_linears
+from inflight.engine.draft import DraftProposer, check_same_vocabulary
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.guided import GrammarCompiler, GrammarMatchers
 from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes, kv_cache_dtype
 from inflight.engine.loader import load_model
 from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.output_processor import OutputProcessor, RequestOutput
 from inflight.engine.parallel.group import TensorParallelGroup
 from inflight.engine.runner import ModelRunner, allocate_kv_caches
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import CapacityError, create_scheduler
 from inflight.engine.sequence import SamplingParams, Sequence
-from inflight.engine.speculative import NgramProposer
+from inflight.engine.speculative import NgramProposer, Proposer
 from inflight.engine.stats import EngineStats
 from inflight.engine.tokenizer import Tokenizer
 
@@ -107,7 +109,8 @@ class LLMEngine:
         self.model_config: ModelConfig = self.model.config
         self.eos_token_ids = frozenset(self.tokenizer.all_eos_ids) | frozenset(self.model_config.eos_token_id)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.num_kv_blocks = self._plan_num_blocks()
+        draft_model = self._load_draft_model()
+        self.num_kv_blocks = self._plan_num_blocks(draft_model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -127,7 +130,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            proposer=NgramProposer.from_config(config),
+            proposer=self._proposer(draft_model),
         )
         kv_caches = allocate_kv_caches(
             self.model_config,
@@ -173,16 +176,61 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.on_failure = callback
 
-    def _plan_num_blocks(self) -> int:
+    def _load_draft_model(self) -> LlamaForCausalLM | None:
+        """The draft model of speculative='draft' (None otherwise), refused unless its vocabulary is the
+        target's."""
+        config = self.config
+        if config.speculative != "draft":
+            return None
+        assert config.draft_model is not None
+        draft_tokenizer = Tokenizer.from_path(config.draft_model)
+        draft = load_model(config.draft_model, self.dtype, self.device, quantization=config.quantization)
+        check_same_vocabulary(
+            str(self.model_dir),
+            self.tokenizer,
+            self.model_config.vocab_size,
+            config.draft_model,
+            draft_tokenizer,
+            draft.config.vocab_size,
+        )
+        if can_prepack(self.device, self.dtype):
+            prepare_linears(draft, config.max_num_seqs)
+        return draft
+
+    def _proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer | None:
+        config = self.config
+        if config.speculative == "ngram":
+            return NgramProposer.from_config(config)
+        if draft_model is None:
+            return None
+        # As many blocks as the target's pool: the draft holds (at most) the same sequences' tokens.
+        return DraftProposer(
+            draft_model,
+            self.num_kv_blocks,
+            config.block_size,
+            self.kv_dtype,
+            self.device,
+            num_tokens=config.num_speculative_tokens,
+            max_running=config.speculative_max_running,
+            seed=config.seed,
+        )
+
+    def _plan_num_blocks(self, draft_model: LlamaForCausalLM | None) -> int:
         """The KV pool size: `num_kv_blocks` if given, else what fits the memory budget.
 
         On a GPU the budget is re-measured (free memory x gpu_memory_utilization); a requested pool larger
-        than that (a plan made from node labels, say) is cut to what fits, and the log says so.
+        than that (a plan made from node labels, say) is cut to what fits, and the log says so. With a
+        draft model, a block's bytes are the target's and the draft's (its pool has as many blocks): the
+        draft takes its share of the budget by its bytes per token.
         """
         mc = self.model_config
         bytes_per_block = kv_block_bytes(
             mc, self.model.layout.kv_heads, self.config.block_size, self.kv_dtype
         )
+        if draft_model is not None:
+            bytes_per_block += kv_block_bytes(
+                draft_model.config, draft_model.layout.kv_heads, self.config.block_size, self.kv_dtype
+            )
         budget = kv_budget_bytes(self.config, self.device)
         fit = int(budget // bytes_per_block)
         if self.workers is not None:

@@ -21,6 +21,7 @@ from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.constraints import TokenConstraints
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
+from inflight.engine.rejection import ACCEPT_STREAM, rejection_sample
 from inflight.engine.sampler import Sampler, SampleResult, SamplingRow, top_logprobs
 from inflight.engine.scheduler import ScheduledSequence, SchedulerOutput
 from inflight.engine.sequence import Logprob, PositionLogprobs
@@ -194,6 +195,8 @@ class ModelRunner:
         sampling: list[SamplingRow] = []
         owners: list[str] = []
         speculative = False
+        # Speculating sequences whose proposals were drawn from a draft's q, with their first sampling row.
+        drawn_proposals: list[tuple[ScheduledSequence, int]] = []
         start = 0
         for index, item in enumerate(out.scheduled):
             seq = item.seq
@@ -209,6 +212,8 @@ class ModelRunner:
                 # A sample after the last token and after each proposal (speculative decoding).
                 sample_rows.extend(range(start, end))
                 speculative = True
+                if item.draft_probs is not None:
+                    drawn_proposals.append((item, len(sampling)))
                 for j in range(len(item.draft_token_ids) + 1):
                     sampling.append(
                         SamplingRow(
@@ -262,8 +267,38 @@ class ModelRunner:
             limited, failed = limits.apply(sample_logits)
             self._sample_allowed(limited, sampling, owners, failed, result)
             if speculative:
+                for item, first in drawn_proposals:
+                    self._rejection_sample(item, limited, sampling, first, result)
                 accept_proposals(out.scheduled, result)
         return result
+
+    def _rejection_sample(
+        self,
+        item: ScheduledSequence,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        first: int,
+        result: RunnerOutput,
+    ) -> None:
+        """Replace the samples of a sequence whose proposals a draft drew from q by rejection sampling's
+        tokens (engine/rejection.py); the target's own draw after the last proposal is the bonus token."""
+        samples = result.samples.get(item.seq.seq_id)
+        if samples is None or item.draft_probs is None:
+            return
+        k = len(item.draft_token_ids)
+        own = rows[first : first + k]
+        target = self.sampler.probabilities(logits[first : first + k], own)
+        uniforms = torch.exp(-self.sampler.noise(own, target[:, :1], ACCEPT_STREAM))[:, 0]
+        tokens = rejection_sample(
+            target,
+            item.draft_token_ids,
+            item.draft_probs,
+            uniforms,
+            self.sampler.noise(own, target),
+            samples[k].token_id,
+        )
+        end = first + len(tokens)
+        result.samples[item.seq.seq_id] = self.sampler.results(logits[first:end], tokens, rows[first:end])
 
     def _sample_allowed(
         self,

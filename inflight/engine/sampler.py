@@ -92,8 +92,19 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        probs = self.filtered_probs(logits, rows)
+        sampled = argmax_rows(probs / self.noise(rows, probs))
+        return torch.where(greedy, argmax_rows(logits), sampled)
+
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distributions a non-greedy draw of each row picks from: penalties, temperature, top-k, top-p
+        and min-p applied (unnormalized after min-p)."""
+        return self.filtered_probs(self._apply_penalties(logits, rows), rows)
+
+    def filtered_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """`probabilities` of logits whose penalties are already applied."""
         device = logits.device
-        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
         temperature = torch.tensor(
             [r.params.temperature if not r.params.greedy else 1.0 for r in rows],
             dtype=logits.dtype,
@@ -107,19 +118,35 @@ class Sampler:
             min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs)
+        return probs
+
+    def noise(self, rows: list[SamplingRow], like: torch.Tensor, stream: int = 0) -> torch.Tensor:
+        """Exp(1) noise shaped like `like` ([len(rows), n]): a seeded row's from a generator keyed by (seed,
+        sequence index, output position, `stream`) alone, the others' from the engine-wide generator.
+        Stream 0 is the draw of the token itself; speculative decoding keys its other draws with others."""
+        noise = torch.empty_like(like)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
             noise[unseeded] = torch.empty(
-                (len(unseeded), probs.shape[1]), dtype=probs.dtype, device=device
+                (len(unseeded), like.shape[1]), dtype=like.dtype, device=like.device
             ).exponential_(generator=self.generator)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                generator = torch.Generator(device=device)
-                generator.manual_seed(hash((r.params.seed, r.index, r.output_position)) & SEED_MASK)
+                key = (r.params.seed, r.index, r.output_position) + ((stream,) if stream else ())
+                generator = torch.Generator(device=like.device)
+                generator.manual_seed(hash(key) & SEED_MASK)
                 noise[i].exponential_(generator=generator)
-        sampled = argmax_rows(probs / noise)
-        return torch.where(greedy, argmax_rows(logits), sampled)
+        return noise
+
+    def results(
+        self, logits: torch.Tensor, token_ids: list[int], rows: list[SamplingRow]
+    ) -> list[SampleResult]:
+        """SampleResults of tokens chosen for `rows` by other means (speculative decoding's rejection
+        sampling), with the logprobs their rows ask for."""
+        if not any(r.params.logprobs is not None for r in rows):
+            return [SampleResult(t, 0.0, None) for t in token_ids]
+        chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        return self._with_logprobs(torch.log_softmax(logits, dim=-1), chosen, token_ids, rows)
 
     def _top_k_top_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """`logits` with every token outside each row's top-k / top-p set at -inf (rows with neither

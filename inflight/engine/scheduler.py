@@ -31,11 +31,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inflight.engine.config import SchedulerPolicy
 from inflight.engine.kv_cache import KVAllocator
 from inflight.engine.sequence import Sequence, SequenceStatus
-from inflight.engine.speculative import NgramProposer
+from inflight.engine.speculative import Proposal, Proposer
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class ScheduledSequence:
     # Proposed next tokens (speculative decoding): computed after the sequence's last token, in the
     # step's `num_new_tokens`, and a token is sampled after each of them too.
     draft_token_ids: list[int] = field(default_factory=list)
+    # The distributions the proposals were drawn from (Proposal.probs), None for point masses.
+    draft_probs: torch.Tensor | None = None
     # True if this step computes the sequence's last token, so a next token is sampled (fixed at
     # schedule time; the sequence grows in `update`).
     samples: bool = field(init=False)
@@ -138,7 +144,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         on_step: Callable[[StepRecord], None] | None = None,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         """`proposer`: speculative decoding's (None: off)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
@@ -271,7 +277,10 @@ class Scheduler:
         scheduled_ids: set[str] = set()
 
         # 1. Running sequences, oldest first: next prefill chunk or one decode token each (plus proposals).
-        speculate = self.proposer is not None and len(self.running) <= self.proposer.max_running
+        proposals: dict[str, Proposal] = {}
+        if self.proposer is not None and len(self.running) <= self.proposer.max_running:
+            decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+            proposals = self.proposer.propose(decoding, self.running)
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -279,14 +288,13 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if speculate and num_new == seq.num_tokens - seq.num_computed_tokens == 1:
-                draft = self._draft(seq, budget)
-                if draft:
-                    out.scheduled.append(
-                        ScheduledSequence(seq, 1 + len(draft), seq.num_computed_tokens, [], draft)
-                    )
+            proposal = proposals.get(seq.seq_id) if num_new == 1 else None
+            if proposal is not None:
+                scheduled = self._draft(seq, proposal, budget)
+                if scheduled is not None:
+                    out.scheduled.append(scheduled)
                     scheduled_ids.add(seq.seq_id)
-                    budget -= 1 + len(draft)
+                    budget -= scheduled.num_new_tokens
                     i += 1
                     continue
             while not self.kv_cache.allocate(seq.seq_id, seq.num_computed_tokens, num_new):
@@ -329,14 +337,14 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """The sequence's proposals that fit the step's token budget and the free KV blocks (allocated),
-        or [] (nothing allocated)."""
-        assert self.proposer is not None
-        draft = self.proposer.propose(seq)[: budget - 1]
-        if draft and self.kv_cache.allocate(seq.seq_id, seq.num_computed_tokens, 1 + len(draft)):
-            return draft
-        return []
+    def _draft(self, seq: Sequence, proposal: Proposal, budget: int) -> ScheduledSequence | None:
+        """The sequence's step with the proposals that fit the step's token budget and the free KV blocks
+        (allocated), or None (nothing allocated)."""
+        draft = proposal.token_ids[: budget - 1]
+        if not draft or not self.kv_cache.allocate(seq.seq_id, seq.num_computed_tokens, 1 + len(draft)):
+            return None
+        probs = None if proposal.probs is None else proposal.probs[: len(draft)]
+        return ScheduledSequence(seq, 1 + len(draft), seq.num_computed_tokens, [], draft, probs)
 
     def _match_prefix(self, seq: Sequence) -> None:
         # Requests that want prompt logprobs compute every prompt position, so they skip the cache.
@@ -451,7 +459,7 @@ def create_scheduler(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int,
-    proposer: NgramProposer | None = None,
+    proposer: Proposer | None = None,
 ) -> Scheduler:
     return SCHEDULERS[policy](
         kv_cache,

@@ -125,6 +125,11 @@ class Tokenizer:
         )
         self._plain: HFTokenizer | None = None  # a copy that reads special-token text as plain text
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text -> id, added tokens included."""
+        vocab: dict[str, int] = self._tokenizer.get_vocab(with_added_tokens=True)
+        return vocab
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
 

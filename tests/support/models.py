@@ -31,3 +31,28 @@ def cached_model(preset: str, arch: str, seed: int = 0) -> Path:
         if not (final / "config.json").is_file():
             raise
     return final
+
+
+def truncated_model(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
+    """A copy of a checkpoint folder with only its first `num_layers` decoder layers (same embeddings,
+    head and tokenizer): a smaller model with the same vocabulary, for speculative decoding's draft."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json" and path.is_file():
+            shutil.copy(path, out_dir / path.name)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        for name, tensor in load_file(path).items():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
+                continue
+            tensors[name] = tensor
+    save_file(tensors, out_dir / "model.safetensors")
+    return out_dir
