@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from inflight.checkpoints.builtin import BUILTIN_NAMES
+from inflight.engine.quantization import QUANTIZATION_CHOICES
 from inflight.operator.api.crd import render_crd
 from inflight.operator.api.types import ModelServer, ModelServerStatus
 from inflight.operator.children import server
@@ -344,3 +345,16 @@ def test_the_server_cli_takes_the_kv_cache_dtype_of_the_deployment() -> None:
     assert engine_config_from_args(parsed).kv_cache_dtype == "fp8"
     _, default, _ = built(tiny())
     assert "--kv-cache-dtype" not in default["spec"]["template"]["spec"]["containers"][0]["args"]  # auto
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATION_CHOICES)
+def test_the_server_cli_takes_every_quantization_the_crd_allows(quantization: str) -> None:
+    from inflight.cli import build_parser
+    from inflight.engine.cli_args import engine_config_from_args
+
+    _, deployment, _ = built(
+        tiny(model={"name": "t", "source": "builtin:tiny", "quantization": quantization})
+    )
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert engine_config_from_args(parsed).quantization == quantization
