@@ -110,7 +110,13 @@ def main() -> int:
         alternate("offline", offline_runner(args, model_dir), plain, mixed, args.rounds)
     if "served" in modes:
         serve_args = argparse.Namespace(
-            **vars(args), scheduler="continuous", tensor_parallel_size=1, enable_prefix_caching=False
+            **vars(args),
+            scheduler="continuous",
+            tensor_parallel_size=1,
+            enable_prefix_caching=False,
+            quantization="auto",
+            kv_cache_dtype="auto",
+            speculative=None,
         )
         longest = max(len(r.prompt_token_ids) + r.output_len for r in plain)
         server = start_inflight(serve_args, model_dir, args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1)
