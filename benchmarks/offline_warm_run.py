@@ -1,7 +1,8 @@
 """One process, one timed run: the bench workload (64 requests, `builtin:smollm2`, bfloat16) through
 inflight's continuous engine twice, the first untimed (first-run costs), printing the second's output
-tokens/s. Point PYTHONPATH at a checkout to measure that version (the A/B of unconstrained batches
-against main before #28, docs/api.md); an optional schema share constrains part of the batch.
+tokens/s (and per CPU second where the checkout's harness measures it). Point PYTHONPATH at a checkout
+to measure that version (the A/B of unconstrained batches against main before #28, docs/api.md); an
+optional schema share constrains part of the batch.
 
     GOMP_SPINCOUNT=3000 PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/offline_warm_run.py [SHARE]
 """
@@ -30,7 +31,11 @@ def main() -> None:
     for _ in range(2):
         run = CONTINUOUS.run(settings)
         speeds.append(sum(map(len, run.outputs)) / run.seconds)
-    print(f"{inflight.__file__}, share {share}: warm-up {speeds[0]:.1f}, timed {speeds[1]:.1f} tokens/s")
+    # A checkout whose harness measures CPU time (SystemRun.cpu_seconds) also gets tokens per CPU second.
+    cpu_seconds = getattr(run, "cpu_seconds", None)
+    per_cpu = f" ({sum(map(len, run.outputs)) / cpu_seconds:.1f} per CPU second)" if cpu_seconds else ""
+    timed = f"timed {speeds[1]:.1f} tokens/s{per_cpu}"
+    print(f"{inflight.__file__}, share {share}: warm-up {speeds[0]:.1f}, {timed}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ schema (`inflight bench ... --schema-share`) against the same workload with none
 Offline: the inflight engine as `inflight bench offline` runs it (model loaded per run, not timed).
 Served: one `inflight serve` (as `inflight bench serve` starts it), the workload's streaming completions
 all at once. The two workloads alternate (A,B then B,A ...) so shared-machine noise hits both; per round:
-output tokens/s of each and constrained / unconstrained; then the median of the rounds' ratios.
+output tokens/s of each and constrained / unconstrained; then the median of the rounds' ratios. The same
+ratio of output tokens per CPU second (the engine's process, all its threads, in the timed region) is
+printed beside it: on a machine shared with other jobs it moves far less with their load than tokens/s.
 
     PYTHONPATH=. .venv/bin/python benchmarks/structured_output_cost.py --model builtin:smollm2 \
         [--schema-share 0.5] [--rounds 3] [--modes offline,served] [--dtype auto] [--threads N]
@@ -41,8 +43,12 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def offline_runner(args: argparse.Namespace, model_dir: Path) -> Callable[[list[BenchRequest]], float]:
-    def run(requests: list[BenchRequest]) -> float:
+# A run's output tokens per second and per CPU second of the engine's process.
+Speeds = tuple[float, float]
+
+
+def offline_runner(args: argparse.Namespace, model_dir: Path) -> Callable[[list[BenchRequest]], Speeds]:
+    def run(requests: list[BenchRequest]) -> Speeds:
         settings = BenchSettings(
             model_dir=model_dir,
             requests=requests,
@@ -56,34 +62,49 @@ def offline_runner(args: argparse.Namespace, model_dir: Path) -> Callable[[list[
         wrong = [r for out, r in zip(result.outputs, requests, strict=True) if len(out) != r.output_len]
         if wrong:
             raise SystemExit(f"offline: {len(wrong)} requests did not generate their exact length")
-        return sum(len(out) for out in result.outputs) / result.seconds
+        assert result.cpu_seconds is not None
+        tokens = sum(len(out) for out in result.outputs)
+        return tokens / result.seconds, tokens / result.cpu_seconds
 
     return run
 
 
-def served_runner(url: str) -> Callable[[list[BenchRequest]], float]:
-    def run(requests: list[BenchRequest]) -> float:
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def served_runner(url: str, pid: int) -> Callable[[list[BenchRequest]], Speeds]:
+    def run(requests: list[BenchRequest]) -> Speeds:
+        cpu_start = process_cpu_seconds(pid)
         results, seconds = asyncio.run(run_clients(url, "bench", requests, math.inf, 0))
+        cpu_seconds = process_cpu_seconds(pid) - cpu_start
         failed = [r.error for r in results if r.error]
         if failed:
             raise SystemExit(f"served: {len(failed)} requests failed, e.g. {failed[0]}")
-        return sum(r.output_tokens for r in results) / seconds
+        tokens = sum(r.output_tokens for r in results)
+        return tokens / seconds, tokens / cpu_seconds
 
     return run
 
 
-def alternate(name: str, run: Callable[[list[BenchRequest]], float], plain: list[BenchRequest],
+def alternate(name: str, run: Callable[[list[BenchRequest]], Speeds], plain: list[BenchRequest],
               mixed: list[BenchRequest], rounds: int) -> list[float]:  # fmt: skip
     # The first run in a process pays one-time costs (oneDNN primitives for new shapes): untimed.
-    say(f"{name} warm-up (untimed): {run(mixed):.1f} tokens/s")
-    ratios = []
+    say(f"{name} warm-up (untimed): {run(mixed)[0]:.1f} tokens/s")
+    ratios, cpu_ratios = [], []
     for index in range(rounds):
         order = [("plain", plain), ("mixed", mixed)]
         speeds = {label: run(requests) for label, requests in (order if index % 2 == 0 else order[::-1])}
-        ratios.append(speeds["mixed"] / speeds["plain"])
-        say(f"{name} round {index + 1}: no schema {speeds['plain']:.1f} tokens/s, with schemas "
-            f"{speeds['mixed']:.1f} tokens/s: {ratios[-1]:.3f}x")  # fmt: skip
-    say(f"{name}: median {statistics.median(ratios):.3f}x over {rounds} rounds")
+        (plain_speed, plain_cpu), (mixed_speed, mixed_cpu) = speeds["plain"], speeds["mixed"]
+        ratios.append(mixed_speed / plain_speed)
+        cpu_ratios.append(mixed_cpu / plain_cpu)
+        say(f"{name} round {index + 1}: no schema {plain_speed:.1f} tokens/s ({plain_cpu:.1f} per CPU "
+            f"second), with schemas {mixed_speed:.1f} tokens/s ({mixed_cpu:.1f} per CPU second): "
+            f"{ratios[-1]:.3f}x ({cpu_ratios[-1]:.3f}x per CPU second)")  # fmt: skip
+    say(f"{name}: median {statistics.median(ratios):.3f}x over {rounds} rounds "
+        f"({statistics.median(cpu_ratios):.3f}x per CPU second)")  # fmt: skip
     return ratios
 
 
@@ -110,13 +131,20 @@ def main() -> int:
         alternate("offline", offline_runner(args, model_dir), plain, mixed, args.rounds)
     if "served" in modes:
         serve_args = argparse.Namespace(
-            **vars(args), scheduler="continuous", tensor_parallel_size=1, enable_prefix_caching=False
+            **vars(args),
+            scheduler="continuous",
+            tensor_parallel_size=1,
+            enable_prefix_caching=False,
+            quantization="auto",
+            kv_cache_dtype="auto",
+            speculative=None,
         )
         longest = max(len(r.prompt_token_ids) + r.output_len for r in plain)
         server = start_inflight(serve_args, model_dir, args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1)
         try:
             wait_until_ready(f"{server.url}{server.ready_path}", server.process, server.name)
-            alternate("served", served_runner(server.url), plain, mixed, args.rounds)
+            assert server.process is not None
+            alternate("served", served_runner(server.url, server.process.pid), plain, mixed, args.rounds)
         finally:
             server.stop()
     return 0

@@ -51,9 +51,9 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
             SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, guided=_guided(r))
             for r in settings.requests
         ]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate([r.prompt_token_ids for r in settings.requests], params)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         llm.close()
         config = {
             "scheduler": scheduler,
@@ -67,7 +67,8 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
             "model": str(settings.inflight_model or settings.model_dir),
             "rss_mib_after_load": rss_mib,
         }
-        return SystemRun([list(o.outputs[0].token_ids) for o in outputs], seconds, setup, config)
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        return SystemRun(token_ids, seconds, setup, config, cpu_seconds)
 
     return run
 

@@ -54,6 +54,9 @@ class SystemRun:
     setup_seconds: float
     # The system's own knobs as run (batch sizes, block counts), for the JSON report.
     config: dict[str, Any] = field(default_factory=dict)
+    # CPU time of this process's threads in the timed region (None: not measured). On a machine shared
+    # with other jobs, output tokens per CPU second moves far less with their load than tokens/s does.
+    cpu_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,12 @@
 
 Limits: a grammar (`SamplingParams.guided`, masks from `engine/guided.py`), `allowed_token_ids`,
 `logit_bias`, and `min_tokens` (EOS and stop token ids are not drawn before it). `start()` runs before
-the forward pass and begins the grammar masks on a worker thread (which builds the step's whole mask, so
-the engine thread masks the logits in one pass); `apply()` waits for them and limits the logits in place.
-A row is touched only when its request carries a limit: every other row keeps its logits bit for bit, so
-unconstrained requests draw exactly the tokens they drew without this step. A forbidden
-token's logit is -inf, so reported logprobs are those of the constrained distribution.
+the forward pass and begins the grammar masks on a worker thread (llguidance computes them without the
+GIL, packed 32 tokens to an int32 word); `apply()` waits for them and limits the logits in place, the
+grammar rows in one pass over the packed words (a C kernel on CPU). A row is touched only when its
+request carries a limit: every other row keeps its logits bit for bit, so unconstrained requests draw
+exactly the tokens they drew without this step. A forbidden token's logit is -inf, so reported logprobs
+are those of the constrained distribution.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from inflight.engine.errors import ConstraintFailure
-from inflight.engine.guided import GrammarMatchers
+from inflight.engine.guided import GrammarMatchers, apply_token_bitmask
 from inflight.engine.sampler import SamplingRow
 from inflight.engine.sequence import GuidedDecoding
-
-Masks = tuple[torch.Tensor, dict[int, str]]
 
 
 def banned_tokens(row: SamplingRow) -> list[int]:
@@ -33,14 +32,22 @@ def banned_tokens(row: SamplingRow) -> list[int]:
     return [*eos, *(params.stop_token_ids or [])]
 
 
-def is_limited(row: SamplingRow) -> bool:
+def has_token_limits(row: SamplingRow) -> bool:
+    """Whether the row has a limit other than a grammar (`allowed_token_ids`, `logit_bias`, `min_tokens`)."""
     params = row.params
     return bool(
-        params.guided is not None
-        or params.logit_bias
-        or params.allowed_token_ids is not None
-        or row.output_position < params.min_tokens
+        params.logit_bias or params.allowed_token_ids is not None or row.output_position < params.min_tokens
     )
+
+
+@dataclass
+class GrammarMasks:
+    """A step's grammar masks: bitmask row k (int32 words, engine/guided.py) is for step row rows[k]."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+    # Step rows that cannot draw (their grammar failed or allows no token), with why.
+    failed: dict[int, str]
 
 
 @dataclass
@@ -48,21 +55,21 @@ class PendingLimits:
     """One step's limits, its grammar masks possibly still being computed."""
 
     rows: list[SamplingRow]
-    masks: Future[Masks] | None
+    masks: Future[GrammarMasks] | None
 
     def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
         """Limit `logits` [len(rows), vocab] in place (rows without a limit are left as they are) and
         return them, with the rows that cannot draw at all and why (their grammar failed, or no token is
         left)."""
-        limited = [i for i, row in enumerate(self.rows) if is_limited(row)]
-        if not limited:
-            return logits, {}
         failed: dict[int, str] = {}
-        device = logits.device
         if self.masks is not None:
-            forbidden, grammar_failed = self.masks.result()
-            logits.masked_fill_(forbidden.to(device), float("-inf"))
-            failed.update(grammar_failed)
+            masks = self.masks.result()
+            apply_token_bitmask(logits, masks.rows, masks.bitmask)
+            failed.update(masks.failed)
+        limited = [i for i, row in enumerate(self.rows) if has_token_limits(row)]
+        if not limited:
+            return logits, failed
+        device = logits.device
         for i in limited:
             params = self.rows[i].params
             if params.allowed_token_ids is not None:
@@ -77,6 +84,7 @@ class PendingLimits:
             banned = banned_tokens(self.rows[i])
             if banned:
                 logits[i, torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+        # A grammar row alone was checked on its bitmask; these may have lost their last tokens here.
         alive = [i for i in limited if i not in failed]
         if alive:
             index = torch.tensor(alive, dtype=torch.long, device=device)
@@ -105,19 +113,15 @@ class TokenConstraints:
                 # A copy of the output so far: the engine thread appends to token_ids after sampling.
                 output = row.token_ids[row.num_prompt_tokens :]
                 specs.append((row.request_id, row.index, row.params.guided, output))
-        masks = self._pool.submit(self._forbidden, specs, guided, len(rows)) if specs else None
+        masks = self._pool.submit(self._grammar_masks, specs, guided) if specs else None
         return PendingLimits(rows, masks)
 
-    def _forbidden(
-        self, specs: list[tuple[str, int, GuidedDecoding, list[int]]], guided: list[int], num_rows: int
-    ) -> Masks:
-        """On the mask thread: the tokens each row of the step may not draw (bool [num_rows, vocab]; rows
-        without a grammar forbid none), and the rows whose grammar failed. Built here whole, so that the
-        engine thread masks the logits in one pass."""
-        allowed, failed = self.grammars.masks(specs)
-        forbidden = torch.zeros((num_rows, allowed.shape[1]), dtype=torch.bool)
-        forbidden[torch.tensor(guided, dtype=torch.long)] = ~allowed
-        return forbidden, {guided[k]: why for k, why in failed.items()}
+    def _grammar_masks(
+        self, specs: list[tuple[str, int, GuidedDecoding, list[int]]], guided: list[int]
+    ) -> GrammarMasks:
+        """On the mask thread: the packed masks of the step's grammar rows (`guided`), and which fail."""
+        bitmask, failed = self.grammars.masks(specs)
+        return GrammarMasks(guided, bitmask, {guided[k]: why for k, why in failed.items()})
 
     def release(self, request_id: str) -> None:
         self.grammars.release(request_id)

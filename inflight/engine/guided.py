@@ -7,8 +7,9 @@ and says why when it cannot (`GrammarError`, for the server's 400). `GrammarMatc
 per sequence, keyed by (request id, sequence index), and brings it up to date with the sequence's output
 tokens before each mask: its state is a function of the output alone, so preemption (recompute), forks
 (n > 1) and seeded sampling need nothing else. Masks of a step's grammar rows are computed by
-llguidance's thread pool (parallel across requests, without the GIL) while the model runs the forward
-pass (`ModelRunner` starts them first).
+llguidance's thread pool (parallel across requests on the cores torch leaves free, without the GIL)
+while the model runs the forward pass (`ModelRunner` starts them first), packed 32 tokens to an int32
+word; `apply_token_bitmask` puts them on the logits in one pass.
 
 llguidance over xgrammar (both measured on SmolLM2's 49152-token vocabulary, docs/api.md): it builds
 its parser lazily, so a new schema costs about 1 ms instead of xgrammar's ahead-of-time mask tables
@@ -21,6 +22,7 @@ triton or torch at runtime (the engine reads tokenizers without transformers); i
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import torch
 
+from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.errors import ConstraintFailure, GrammarError
 from inflight.engine.sequence import GuidedDecoding
 from inflight.engine.tokenizer import Tokenizer
@@ -46,7 +49,6 @@ JSON_OPTIONS: JsonCompileOptions = {
     "key_separator": ": ",
 }
 MAX_GRAMMAR_SIZE = 500_000  # llguidance's grammar-size limit (symbols after expansion)
-MASK_THREADS = 4
 # Keywords whose value maps names to schemas (not a schema itself).
 NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
@@ -178,8 +180,9 @@ class GrammarMatchers:
     def masks(
         self, rows: list[tuple[str, int, GuidedDecoding, list[int]]]
     ) -> tuple[torch.Tensor, dict[int, str]]:
-        """The allowed tokens (bool [len(rows), vocab]) of rows of (request id, sequence index, spec,
-        output tokens so far), and the rows whose grammar failed with why."""
+        """The allowed tokens of rows of (request id, sequence index, spec, output tokens so far) as int32
+        bitmasks [len(rows), ceil(vocab / 32)] (bit j of word w: token 32 * w + j), and the rows that
+        cannot draw with why (their grammar failed, or allows no token)."""
         words = (self.compiler.vocab_size + 31) // 32
         bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
         failed: dict[int, str] = {}
@@ -199,14 +202,16 @@ class GrammarMatchers:
                     ready.append((state.matcher, i))
             if ready:
                 if self._executor is None:
-                    self._executor = llguidance.LLExecutor(MASK_THREADS)
+                    self._executor = llguidance.LLExecutor(mask_threads())
                 self._executor.unsafe_compute_mask_ptr(ready, bitmask.data_ptr(), words * 4, len(rows))
             for matcher, i in ready:
                 if matcher.is_error():  # the grammar has no way forward from here
                     failed[i] = ConstraintFailure(
                         f"the grammar failed: {matcher.get_error().splitlines()[0]}"
                     )
-        return allowed_tokens(bitmask, self.compiler.vocab_size), failed
+        for i in (bitmask == 0).all(dim=1).nonzero()[:, 0].tolist():
+            failed.setdefault(i, ConstraintFailure("no token may be drawn: its grammar allows none"))
+        return bitmask, failed
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's matchers."""
@@ -217,6 +222,35 @@ class GrammarMatchers:
         """Sequences holding a matcher."""
         with self._lock:
             return sum(len(m) for m in self._matchers.values())
+
+
+def mask_threads() -> int:
+    """llguidance's mask threads: the cores torch's threads leave free, at least one. The masks run while
+    the forward pass does (engine/constraints.py), so more threads than free cores only take turns with
+    the forward's."""
+    return max(1, len(os.sched_getaffinity(0)) - torch.get_num_threads())
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every token of `logits` row rows[i] that bitmask row i does not allow.
+
+    One C pass over the packed words on CPU (a word of 32 allowed tokens is skipped); elsewhere, or
+    without the kernels, the bitmask unpacked to bool (`allowed_tokens`) and a masked fill."""
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    library = cpu_kernels.library_for(logits)
+    if library is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        index = torch.tensor(rows, dtype=torch.int64)
+        bitmask = bitmask.contiguous()
+        library.apply_token_bitmask(
+            logits.data_ptr(), logits.stride(0), index.data_ptr(), bitmask.data_ptr(), len(rows),
+            bitmask.shape[1], vocab, torch.get_num_threads(),
+        )  # fmt: skip
+        return
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    allowed = allowed_tokens(bitmask, vocab).to(logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 # Bit k of a byte, for every byte value: bitmasks are unpacked a byte at a time (10x torch's shifts).

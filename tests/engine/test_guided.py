@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from inflight import LLM, SamplingParams
+from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.errors import GrammarError
-from inflight.engine.guided import allowed_tokens, closed_objects
+from inflight.engine.guided import allowed_tokens, apply_token_bitmask, closed_objects
 from inflight.engine.sequence import GuidedDecoding
 
 SCHEMA = {
@@ -187,3 +188,24 @@ def test_bitmasks_unpack_bit_j_of_word_w_to_token_32w_plus_j() -> None:
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 10), dtype=torch.int32)
     shifts = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     assert torch.equal(allowed_tokens(bitmask, 300), shifts.reshape(3, -1)[:, :300].bool())
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernel", "torch"])
+def test_bitmasks_limit_only_their_rows_to_their_allowed_tokens(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "library_for", lambda *tensors: None)
+    elif cpu_kernels.library_for(torch.zeros(1)) is None:
+        pytest.skip("the C kernels are not available here")
+    vocab = 300  # not a multiple of 32: the last word's high bits are past the vocabulary
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 10), dtype=torch.int32)
+    bitmask[0, 3] = -1  # 32 allowed tokens in one word (skipped by the kernel)
+    bitmask[1, 4] = 0
+    logits = torch.randn(5, vocab)
+    limited = logits.clone()
+    apply_token_bitmask(limited, [3, 0], bitmask)
+    allowed = allowed_tokens(bitmask, vocab)
+    assert torch.equal(limited[3], logits[3].masked_fill(~allowed[0], float("-inf")))
+    assert torch.equal(limited[0], logits[0].masked_fill(~allowed[1], float("-inf")))
+    assert torch.equal(limited[[1, 2, 4]], logits[[1, 2, 4]])  # rows without a grammar: bit for bit

@@ -1532,3 +1532,23 @@ void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out, int n
 #pragma omp parallel for num_threads(threads_for(rows * cols / 16, num_threads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, cols);
 }
+
+/* Constrained decoding's token bitmasks (engine/guided.py): row rows[i] of logits (float32, row_stride
+ * floats apart) gets -inf at every token t < vocab whose bit (t % 32 of word t / 32 of bitmask row i) is
+ * clear; other rows and allowed tokens are left as they are. One pass over the packed words: a word with
+ * every bit set (32 allowed tokens) is skipped without touching the logits. */
+void apply_token_bitmask(float *logits, int64_t row_stride, const int64_t *rows, const int32_t *bitmask,
+                         int64_t n, int64_t words, int64_t vocab, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(n * vocab / 16, num_threads)) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        float *row = logits + rows[i] * row_stride;
+        const uint32_t *mask = (const uint32_t *)(bitmask + i * words);
+        for (int64_t w = 0; w < words && w * 32 < vocab; w++) {
+            const uint32_t allowed = mask[w];
+            if (allowed == UINT32_MAX) continue;
+            const int64_t end = w * 32 + 32 < vocab ? w * 32 + 32 : vocab;
+            for (int64_t t = w * 32; t < end; t++)
+                if (!((allowed >> (t - w * 32)) & 1u)) row[t] = -INFINITY;
+        }
+    }
+}

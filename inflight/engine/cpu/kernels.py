@@ -4,8 +4,9 @@ PyTorch on CPU spends a large share of a decode step outside its matrix multipli
 gathers every sequence's K/V blocks into a contiguous buffer before SDPA reads them again, and each
 elementwise step of a decoder layer (residual add, RMSNorm, rotary, SiLU * up) is several separate
 passes, each with its own dispatch. The kernels here do each of those in one pass: decode attention
-straight from the blocks (attention/cpu_paged.py), one fused call per elementwise step (model/ops.py) and
-the sampler's argmax (sampler.py; torch.argmax over a batch of 49152-entry rows took ~1 ms).
+straight from the blocks (attention/cpu_paged.py), one fused call per elementwise step (model/ops.py),
+the sampler's argmax (sampler.py; torch.argmax over a batch of 49152-entry rows took ~1 ms) and the
+grammar masks on the logits (guided.py).
 
 The library is compiled with the system C compiler (`$CC`, else `cc`) into $INFLIGHT_CACHE_DIR/kernels
 (default ~/.cache/inflight/kernels), keyed by the C sources, the compiler and the CPU, so it is built once
@@ -83,6 +84,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "write_kv": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64], None),
     # x (float32), rows, cols, out (int64), num_threads
     "argmax_rows": ([_ptr, _i64, _i64, _ptr, _int], None),
+    # logits (float32), row_stride, rows (int64), bitmask (int32), n, words, vocab, num_threads
+    "apply_token_bitmask": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int], None),
     # quant_kernels.c: x, rows, k, qweight, scales, mins, format, n, bias, dtype, out, num_threads
     "quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _ptr, _int], _int),
     # qweight, scales, mins, format, k, ids, count, dtype, out
