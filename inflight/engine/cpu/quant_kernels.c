@@ -40,6 +40,9 @@ enum { QBLOCK = 32 };
 /* Output rows interleaved together (and dequantized together: 4 micro-tiles of 4) and activation rows per
  * micro-tile. */
 enum { QGROUP = 16, QTILE_N = 4, QTILE_M = 4 };
+/* Multiply-adds (rows x n x k) per OpenMP thread of quant_linear: a decoder layer's projections at batch
+ * 1 (0.3-1.8 M: 10-40 us on one core) run on one thread, an LM head (28 M for SmolLM2) on several. */
+#define QWORK_PER_THREAD ((int64_t)1 << 22)
 
 static inline float q_bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -328,8 +331,11 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         xf = converted;
     }
     const int64_t groups = (n + QGROUP - 1) / QGROUP, blocks = k / QBLOCK;
-    /* Few groups (a small layer): fewer threads than asked, never more than groups. */
-    const int threads = (int)(groups < num_threads ? groups : num_threads);
+    /* A thread per QWORK_PER_THREAD products (at least one), at most num_threads and never more than
+     * groups: waking a thread for less costs more than it saves (docs/models.md). */
+    const int64_t by_work = rows * n * k / QWORK_PER_THREAD;
+    const int64_t wanted = by_work < 1 ? 1 : by_work < num_threads ? by_work : num_threads;
+    const int threads = (int)(groups < wanted ? groups : wanted);
     int failed = 0;
 #if defined(QUANT_VNNI)
     {
@@ -339,7 +345,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         if (qx == NULL || dx == NULL || sq == NULL) failed = 1;
         else quantize_activations(xf, rows, k, qx, dx, sq);
         const int64_t group_bytes = blocks * QGROUP * qblock_bytes(format), group_scales = blocks * QGROUP;
-#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (!failed)
+#pragma omp parallel for num_threads(threads) schedule(static) if (!failed)
         for (int64_t g = 0; g < groups; g++) {
             if (failed) continue;
             const int64_t valid = n - g * QGROUP < QGROUP ? n - g * QGROUP : QGROUP;
@@ -372,7 +378,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         return failed ? -1 : 0;
     }
 #endif
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+#pragma omp parallel num_threads(threads)
     {
         float *wbuf = malloc((size_t)(QGROUP * k) * sizeof(float));
         if (wbuf == NULL) {
