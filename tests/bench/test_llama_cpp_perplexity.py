@@ -64,7 +64,7 @@ def test_q8_0_requantizes_the_same_weights(q8_0: ModuleType) -> None:
     rng = np.random.default_rng(0)
     weights = rng.standard_normal((8, 64)).astype(np.float32)
     q4_1 = quantize(weights, GGMLQuantizationType.Q4_1)
-    data, qtype = q8_0.q8_0_tensor(q4_1, GGMLQuantizationType.Q4_1)
+    data, qtype = q8_0.converted_tensor(q4_1, GGMLQuantizationType.Q4_1)
     assert qtype == GGMLQuantizationType.Q8_0
     source = dequantize(q4_1, GGMLQuantizationType.Q4_1)
     requantized = dequantize(data, GGMLQuantizationType.Q8_0)
@@ -74,5 +74,5 @@ def test_q8_0_requantizes_the_same_weights(q8_0: ModuleType) -> None:
     error = np.abs(requantized - source).reshape(-1, 32)
     assert np.all(error <= step * (0.5 + 127 * 2**-11))
     norms = rng.standard_normal(64).astype(np.float32)
-    kept, kept_type = q8_0.q8_0_tensor(norms, GGMLQuantizationType.F32)
+    kept, kept_type = q8_0.converted_tensor(norms, GGMLQuantizationType.F32)
     assert kept_type == GGMLQuantizationType.F32 and np.array_equal(kept, norms)

@@ -137,6 +137,24 @@ def test_the_product_equals_the_dequantized_product(
             torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * scale)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interleaving_keeps_the_matrix_and_refuses_row_changes(fmt: str) -> None:
+    """The kernels' layout (groups of 16 rows, 83 rows: a partial group) holds the same matrix, and
+    loading-time row operations are refused once a matrix is in it."""
+    weight = quantize(torch.randn(83, 96, generator=torch.Generator().manual_seed(5)), fmt)
+    before = weight.dequantize()
+    row_major = QuantizedTensor(weight.format, weight.qweight, weight.scales, weight.mins)
+    assert weight.interleave_() is weight and weight.shape == (83, 96)
+    assert weight.qweight.shape[0] == 6  # 83 rows in 6 groups of 16
+    assert torch.equal(weight.dequantize(), before)
+    back = weight.row_major()
+    assert torch.equal(back.qweight, row_major.qweight) and torch.equal(back.scales, row_major.scales)
+    with pytest.raises(ValueError, match="interleaved"):
+        weight[0:16]
+    with pytest.raises(ValueError, match="interleaved"):
+        weight.copy_(row_major)
+
+
 def test_the_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The products above are the C kernels', not the PyTorch fallback's: the fused one for a few rows,
     the dequantizing one for more."""

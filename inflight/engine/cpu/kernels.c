@@ -935,6 +935,10 @@ static void run_decode_item(const void *context, int64_t item, float *scratch) {
                c->block_size, c->window, c->scale, c->dtype, c->kv_dtype, c->out, scratch);
 }
 
+/* Query-key products (rows x longest context x query heads x head_dim) from which paged_decode uses more
+ * than one thread. */
+#define DECODE_WORK_FOR_THREADS ((int64_t)1 << 20)
+
 /* Attention of n query rows, each over its own sequence's keys 0 .. lens[i] - 1: a decode token (lens[i]
  * = its sequence's length), or one row of a prompt (lens[i] = its position + 1: causal).
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart); item i reads and writes row rows[i]
@@ -961,7 +965,10 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size, .window = window,
         .items_per_seq = items_per_seq, .heads_per_item = heads_per_item, .scale = scale, .dtype = dtype,
         .kv_dtype = kv_dtype, .out = out, .item_fn = pick_decode_item(head_dim, dtype, kv_dtype)};
-    return run_items(n * items_per_seq, scratch_floats, num_threads, run_decode_item, &call);
+    /* Threads only for enough work to pay for waking them: one row over a few hundred keys (a decode
+     * step of one sequence) took longer on two threads than on one (docs/models.md). */
+    const int threads = n * max_seq_len * num_heads * head_dim >= DECODE_WORK_FOR_THREADS ? num_threads : 1;
+    return run_items(n * items_per_seq, scratch_floats, threads, run_decode_item, &call);
 }
 
 /* ---- paged prefill attention -------------------------------------------------------------------

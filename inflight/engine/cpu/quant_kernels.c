@@ -1,19 +1,31 @@
 /* Weight-quantized linear layers for CPU inference: y = x W^T (+ bias) with W kept in 32-value blocks
  * (engine/cpu/quantized.py repacks GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K and int8-per-channel weights into
- * these two layouts once, at load):
+ * these two formats once, at load, and interleaves them before the first product or lookup):
  *
  *   QFORMAT_S8: per block 32 signed bytes q and a float scale d:      w = d * q
- *   QFORMAT_U4: per block 16 bytes, byte j holding value j in its low nibble and value j + 16 in its
- *               high nibble (GGUF Q4_0's order), a float scale d and a float offset m:  w = d * q + m
+ *   QFORMAT_U4: per block 32 nibbles q, a float scale d and a float offset m:  w = d * q + m
+ *
+ * The kernels read W interleaved by groups of QGROUP (16) output rows, so that one 64-byte load holds 4
+ * consecutive bytes of each of the group's 16 rows (one int32 lane per row) and the group's 16 scales
+ * are one vector. For group g (rows 16g..16g+15, zero rows past the last) and block b:
+ *   qweight + (g * blocks + b) * 16 * bytes_per_block:
+ *     s8: 8 x [16 rows x 4 bytes]: chunk j lane r holds row r's values 4j..4j+3, each stored + 128
+ *         (as unsigned bytes: value q is byte q ^ 0x80)
+ *     u4: 4 x [16 rows x 4 bytes]: chunk j lane r holds row r's row-major bytes 4j..4j+3, byte i holding
+ *         value i in its low nibble and value i + 16 in its high nibble (GGUF Q4_0's order)
+ *   scales (and mins) + (g * blocks + b) * 16: the 16 rows' float scales (offsets).
  *
  * The weights stay quantized in memory. Two products, chosen at build time by -march=native (kernels.py
  * builds on the machine that runs it):
- * - AVX-512 VNNI: x quantized per row and block of 32 to int8 (llama.cpp's Q8_0 activations), each block
- *   pair one vpdpbusd (64 byte products) scaled in float: the fastest here (docs/models.md), and x's int8
- *   rounding is its only difference from the dequantized float product (relative 1e-3..1e-2 of a dot).
- * - elsewhere: a tile of output rows dequantized into a float buffer and a float32 register-tiled
- *   micro-kernel over it (4 rows of x by 4 rows of W; AVX-512 16 lanes, AVX2 + FMA 8 lanes, plain C):
- *   the dequantized float product up to summation order.
+ * - AVX-512 VNNI: x quantized per row and block of 32 to int8 (llama.cpp's Q8_0 activations); per block
+ *   and group, 8 vpdpbusd (unsigned weight bytes by x's 4 bytes broadcast) give the 16 rows' integer dot
+ *   products at once, then one float multiply-add by the 16 scales times x's scale: the fastest here
+ *   (docs/models.md). x's int8 rounding is its only difference from the dequantized float product
+ *   (relative 1e-3..1e-2 of a dot). s8's + 128 comes back out as 128 * sum(qx), u4's offset as
+ *   m * dx * sum(qx).
+ * - elsewhere: a group's rows dequantized into a float buffer and a float32 register-tiled micro-kernel
+ *   over it (4 rows of x by 4 rows of W; AVX-512 16 lanes, AVX2 + FMA 8 lanes, plain C): the dequantized
+ *   float product up to summation order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,8 +37,12 @@
 enum { QDTYPE_FLOAT32 = 0, QDTYPE_BFLOAT16 = 1 };
 enum { QFORMAT_S8 = 0, QFORMAT_U4 = 1 };
 enum { QBLOCK = 32 };
-/* Output rows dequantized together (4 micro-tiles of 4) and activation rows per micro-tile. */
-enum { QROWS_N = 16, QTILE_N = 4, QTILE_M = 4 };
+/* Output rows interleaved together (and dequantized together: 4 micro-tiles of 4) and activation rows per
+ * micro-tile. */
+enum { QGROUP = 16, QTILE_N = 4, QTILE_M = 4 };
+/* Multiply-adds (rows x n x k) per OpenMP thread of quant_linear: a decoder layer's projections at batch
+ * 1 (0.3-1.8 M: 10-40 us on one core) run on one thread, an LM head (28 M for SmolLM2) on several. */
+#define QWORK_PER_THREAD ((int64_t)1 << 22)
 
 static inline float q_bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -51,45 +67,55 @@ static inline int64_t qblock_bytes(int format) { return format == QFORMAT_S8 ? Q
 #define Q_INLINE inline
 #endif
 
-/* Row n of W (k values) as floats: 16 values per vector with AVX-512, plain loops elsewhere (which gcc
- * vectorizes for AVX2). */
+/* Row n of W (k values, interleaved: see the top of the file) as floats. */
 static void dequantize_row(const uint8_t *qweight, const float *scales, const float *mins, int format,
                            int64_t n, int64_t k, float *out) {
-    const int64_t blocks = k / QBLOCK;
-    const uint8_t *q = qweight + n * blocks * qblock_bytes(format);
-    const float *d = scales + n * blocks;
+    const int64_t blocks = k / QBLOCK, g = n / QGROUP, r = n % QGROUP;
+    const int64_t group_block = QGROUP * qblock_bytes(format);
+    const uint8_t *q = qweight + g * blocks * group_block + r * 4;
+    const float *d = scales + g * blocks * QGROUP + r;
     if (format == QFORMAT_S8) {
         for (int64_t b = 0; b < blocks; b++) {
-            const int8_t *qb = (const int8_t *)(q + b * QBLOCK);
+            const uint8_t *qb = q + b * group_block;
             float *o = out + b * QBLOCK;
+            const float db = d[b * QGROUP];
 #if defined(__AVX512F__)
-            const __m512 dv = _mm512_set1_ps(d[b]);
-            const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qb));
-            const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16)));
+            /* The 8 chunks' 4 bytes of this row: 32 values in order. */
+            const __m256i offsets = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+            const __m256i raw = _mm256_xor_si256(_mm256_i32gather_epi32((const int *)qb, offsets, 1),
+                                                 _mm256_set1_epi8((char)0x80));
+            const __m512 dv = _mm512_set1_ps(db);
+            const __m512i q0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw));
+            const __m512i q1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1));
             _mm512_storeu_ps(o, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q0)));
             _mm512_storeu_ps(o + 16, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q1)));
 #else
-            for (int j = 0; j < QBLOCK; j++) o[j] = d[b] * (float)qb[j];
+            for (int j = 0; j < QBLOCK / 4; j++)
+                for (int t = 0; t < 4; t++) o[4 * j + t] = db * (float)((int)qb[j * 64 + t] - 128);
 #endif
         }
         return;
     }
-    const float *m = mins + n * blocks;
+    const float *m = mins + g * blocks * QGROUP + r;
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *qb = q + b * (QBLOCK / 2);
+        const uint8_t *qb = q + b * group_block;
         float *o = out + b * QBLOCK;
+        const float db = d[b * QGROUP], mb = m[b * QGROUP];
 #if defined(__AVX512F__)
-        const __m128i raw = _mm_loadu_si128((const __m128i *)qb), low4 = _mm_set1_epi8(0x0F);
+        const __m128i raw = _mm_i32gather_epi32((const int *)qb, _mm_setr_epi32(0, 64, 128, 192), 1);
+        const __m128i low4 = _mm_set1_epi8(0x0F);
         const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(raw, low4));
         const __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-        const __m512 dv = _mm512_set1_ps(d[b]), mv = _mm512_set1_ps(m[b]);
+        const __m512 dv = _mm512_set1_ps(db), mv = _mm512_set1_ps(mb);
         _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(lo)), mv));
         _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(hi)), mv));
 #else
-        for (int j = 0; j < QBLOCK / 2; j++) {
-            o[j] = d[b] * (float)(qb[j] & 0x0F) + m[b];
-            o[j + QBLOCK / 2] = d[b] * (float)(qb[j] >> 4) + m[b];
-        }
+        for (int j = 0; j < QBLOCK / 8; j++)
+            for (int t = 0; t < 4; t++) {
+                const uint8_t byte = qb[j * 64 + t];
+                o[4 * j + t] = db * (float)(byte & 0x0F) + mb;
+                o[4 * j + t + QBLOCK / 2] = db * (float)(byte >> 4) + mb;
+            }
 #endif
     }
 }
@@ -168,96 +194,96 @@ static void dot_tile_rows(const float *const x[QTILE_M], int mt, const float *w,
 
 /* ---- AVX-512 VNNI: int8 dot products (the path where the CPU has them) ---------------------------------
  * x is quantized once per call like llama.cpp's Q8_0 activations: per row and block of 32, a float scale
- * dx = max |x| / 127 and int8 values qx = round(x / dx). A block's dot product with a weight block is then
- * one integer sum: vpdpbusd multiplies 64 unsigned by 64 signed bytes (two blocks) into 16 int32 lanes,
- * 8 per block, scaled by dw * dx and accumulated in float. u4 weights are unsigned already (the offset m
- * adds m * dx * sum(qx)); s8 weights go in as |w| with qx negated where w < 0. */
+ * dx = max |x| / 127, int8 values qx = round(x / dx) and their sum sq. A block's dot products with a group
+ * of 16 weight rows are then 8 vpdpbusd: chunk j of the weights (16 rows x 4 unsigned bytes, u4 nibbles
+ * unpacked) by qx's bytes 4j..4j+3 broadcast, summed in the 16 int32 lanes; scaled by the 16 dw times dx
+ * and accumulated in float. s8 weights carry + 128 (the sum starts at -128 sq); u4's offset m adds
+ * m * dx * sq. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QUANT_VNNI 1
 
-/* rows x [rows, k] (float) as int8 qx [rows, k] and, per row and pair of blocks (2p, 2p + 1), 16 lanes
- * for the kernel: dx2 holds block 2p's scale dx in lanes 0-7 and block 2p + 1's in lanes 8-15 (0 past the
- * last block); sx2 likewise holds dx * sum(qx) / 8 (the u4 offset's factor: 8 lanes sum to it). */
-static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t *qx, float *dx2, float *sx2) {
-    const int64_t blocks = k / QBLOCK, pairs = (blocks + 1) / 2;
-    for (int64_t r = 0; r < rows; r++) {
-        float *d2 = dx2 + r * pairs * 16, *s2 = sx2 + r * pairs * 16;
-        if (blocks % 2) {
-            memset(d2 + (pairs - 1) * 16 + 8, 0, 8 * sizeof(float));
-            memset(s2 + (pairs - 1) * 16 + 8, 0, 8 * sizeof(float));
-        }
+/* rows x [rows, k] (float) as int8 qx [rows, k], and per row and block its scale dx and sum sq. */
+static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t *qx, float *dx, int32_t *sq) {
+    const int64_t blocks = k / QBLOCK;
+    for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *xb = x + r * k + b * QBLOCK;
             const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
             _mm_storeu_si128((__m128i *)(qx + r * k + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(qx + r * k + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
-            const float sum = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)) * 0.125f;
-            _mm256_storeu_ps(d2 + b * 8, _mm256_set1_ps(d));
-            _mm256_storeu_ps(s2 + b * 8, _mm256_set1_ps(sum));
+            dx[r * blocks + b] = amax / 127.0f;
+            sq[r * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         }
-    }
 }
 
-/* Two weight blocks (b, b + 1; only b when `one`) as 64 bytes in value order: u4 nibbles unpacked. */
-static Q_INLINE __m512i weight_pair(const uint8_t *q, int format, int64_t b, int one) {
-    if (format == QFORMAT_S8) {
-        return one ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)))
-                   : _mm512_loadu_si512((const void *)(q + b * QBLOCK));
-    }
-    const __m256i packed = one ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)))
-                               : _mm256_loadu_si256((const __m256i *)(q + b * 16));
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(packed, low4);                         /* [A.lo, B.lo] */
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);   /* [A.hi, B.hi] */
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* [A.lo B.lo A.hi B.hi] */
-    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));         /* [A.lo A.hi B.lo B.hi] */
+/* The 4 bytes of qx at `p` in every int32 lane. */
+static Q_INLINE __m512i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
 }
 
-/* out[i] = dot(x row i, W row n) for `mt` (1..4) quantized rows of x (dx2 / sx2 rows: see above). */
-static Q_INLINE void vnni_row(const int8_t *const qx[QTILE_M], const float *const dx2[QTILE_M],
-                              const float *const sx2[QTILE_M], int mt, const uint8_t *q, const float *dw,
-                              const float *mw, int format, int64_t blocks, float out[QTILE_M]) {
+/* out[i] (16 lanes: the group's rows) = dot(x row i, W's group) for `mt` (1..4) quantized rows of x. */
+static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
+                                const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const float *dw,
+                                const float *mw, int format, int64_t blocks, __m512 out[QTILE_M]) {
+    const int64_t group_block = QGROUP * qblock_bytes(format);
     __m512 acc[QTILE_M];
 #pragma GCC unroll 4
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b += 2) {
-        const int one = b + 1 == blocks;
-        const __m512i w = weight_pair(q, format, b, one);
-        const __m512i wu = format == QFORMAT_S8 ? _mm512_abs_epi8(w) : w;
-        const __mmask64 negative = format == QFORMAT_S8 ? _mm512_movepi8_mask(w) : 0;
-        const __mmask64 valid = one ? 0xFFFFFFFFull : ~0ull;
-        const __m512 dwv = _mm512_insertf32x8(_mm512_set1_ps(dw[b]), _mm256_set1_ps(one ? 0.0f : dw[b + 1]), 1);
-        const __m512 mwv = format == QFORMAT_U4
-            ? _mm512_insertf32x8(_mm512_set1_ps(mw[b]), _mm256_set1_ps(one ? 0.0f : mw[b + 1]), 1)
-            : _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *qb = q + b * group_block;
+        __m512i w[8];
+        if (format == QFORMAT_S8) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(qb + 64 * j));
+        } else {
+            const __m512i low4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(qb + 64 * j));
+                w[j] = _mm512_and_si512(raw, low4);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            }
+        }
+        const __m512 dwv = _mm512_loadu_ps(dw + b * QGROUP);
 #pragma GCC unroll 4
         for (int i = 0; i < mt; i++) {
-            __m512i a = _mm512_maskz_loadu_epi8(valid, qx[i] + b * QBLOCK);
-            if (format == QFORMAT_S8) a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, a);
-            const __m512 scale = _mm512_mul_ps(dwv, _mm512_loadu_ps(dx2[i] + b * 8));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
-            if (format == QFORMAT_U4) acc[i] = _mm512_fmadd_ps(mwv, _mm512_loadu_ps(sx2[i] + b * 8), acc[i]);
+            const int8_t *xb = qx[i] + b * QBLOCK;
+            const int32_t sum = sq[i][b];
+            /* Two chains of 4 dependent vpdpbusd instead of one of 8. */
+            __m512i s0 = format == QFORMAT_S8 ? _mm512_set1_epi32(-128 * sum) : _mm512_setzero_si512();
+            __m512i s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4(xb + 4 * j));
+                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4(xb + 4 * j + 4));
+            }
+            const float d = dx[i][b];
+            const __m512i dot = _mm512_add_epi32(s0, s1);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, _mm512_set1_ps(d)), acc[i]);
+            if (format == QFORMAT_U4)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b * QGROUP), _mm512_set1_ps(d * (float)sum), acc[i]);
         }
     }
 #pragma GCC unroll 4
-    for (int i = 0; i < mt; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < mt; i++) out[i] = acc[i];
 }
 
-/* vnni_row with `mt` a constant in each copy, and the layout's branches resolved once per row. */
-static void vnni_rows(const int8_t *const qx[QTILE_M], const float *const dx2[QTILE_M],
-                      const float *const sx2[QTILE_M], int mt, const uint8_t *q, const float *dw,
-                      const float *mw, int format, int64_t blocks, float out[QTILE_M]) {
+/* vnni_group with `mt` and `format` constants in each copy. */
+static void vnni_groups(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
+                        const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const float *dw,
+                        const float *mw, int format, int64_t blocks, __m512 out[QTILE_M]) {
 #define VNNI_CASES(FORMAT)                                                                   \
     switch (mt) {                                                                            \
-    case 1: vnni_row(qx, dx2, sx2, 1, q, dw, mw, FORMAT, blocks, out); break;                \
-    case 2: vnni_row(qx, dx2, sx2, 2, q, dw, mw, FORMAT, blocks, out); break;                \
-    case 3: vnni_row(qx, dx2, sx2, 3, q, dw, mw, FORMAT, blocks, out); break;                \
-    default: vnni_row(qx, dx2, sx2, 4, q, dw, mw, FORMAT, blocks, out); break;               \
+    case 1: vnni_group(qx, dx, sq, 1, q, dw, mw, FORMAT, blocks, out); break;                \
+    case 2: vnni_group(qx, dx, sq, 2, q, dw, mw, FORMAT, blocks, out); break;                \
+    case 3: vnni_group(qx, dx, sq, 3, q, dw, mw, FORMAT, blocks, out); break;                \
+    default: vnni_group(qx, dx, sq, 4, q, dw, mw, FORMAT, blocks, out); break;               \
     }
     if (format == QFORMAT_S8) {
         VNNI_CASES(QFORMAT_S8)
@@ -277,8 +303,21 @@ int quant_linear_int8_activations(void) {
 #endif
 }
 
-/* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format` (see the top of the file).
- * x, bias and out in `dtype` (bias may be NULL); k a multiple of 32. Returns 0, or -1 when out of memory. */
+/* out[row, col] = value (+ bias[col]) in `dtype`. */
+static Q_INLINE void store_output(void *out, const void *bias, int dtype, int64_t n, int64_t row, int64_t col,
+                                  float value) {
+    if (dtype == QDTYPE_BFLOAT16) {
+        if (bias != NULL) value += q_bf16_to_float(((const uint16_t *)bias)[col]);
+        ((uint16_t *)out)[row * n + col] = q_float_to_bf16(value);
+    } else {
+        if (bias != NULL) value += ((const float *)bias)[col];
+        ((float *)out)[row * n + col] = value;
+    }
+}
+
+/* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format`, interleaved (see the top of the
+ * file). x, bias and out in `dtype` (bias may be NULL); k a multiple of 32. Returns 0, or -1 when out of
+ * memory. */
 int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const float *scales,
                  const float *mins, int format, int64_t n, const void *bias, int dtype, void *out,
                  int num_threads) {
@@ -291,61 +330,57 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         for (int64_t i = 0; i < rows * k; i++) converted[i] = q_bf16_to_float(xb[i]);
         xf = converted;
     }
-    const int64_t groups = (n + QROWS_N - 1) / QROWS_N;
+    const int64_t groups = (n + QGROUP - 1) / QGROUP, blocks = k / QBLOCK;
+    /* A thread per QWORK_PER_THREAD products (at least one), at most num_threads and never more than
+     * groups: waking a thread for less costs more than it saves (docs/models.md). */
+    const int64_t by_work = rows * n * k / QWORK_PER_THREAD;
+    const int64_t wanted = by_work < 1 ? 1 : by_work < num_threads ? by_work : num_threads;
+    const int threads = (int)(groups < wanted ? groups : wanted);
     int failed = 0;
 #if defined(QUANT_VNNI)
     {
-        const int64_t blocks = k / QBLOCK, pair_lanes = (blocks + 1) / 2 * 16;
         int8_t *qx = malloc((size_t)(rows * k));
-        float *dx = malloc((size_t)(rows * pair_lanes) * sizeof(float));
-        float *sx = malloc((size_t)(rows * pair_lanes) * sizeof(float));
-        if (qx == NULL || dx == NULL || sx == NULL) failed = 1;
-        else quantize_activations(xf, rows, k, qx, dx, sx);
-        const int64_t row_bytes = blocks * qblock_bytes(format);
-        const int threads = (int)(groups < num_threads ? groups : num_threads);
-#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (!failed)
+        float *dx = malloc((size_t)(rows * blocks) * sizeof(float));
+        int32_t *sq = malloc((size_t)(rows * blocks) * sizeof(int32_t));
+        if (qx == NULL || dx == NULL || sq == NULL) failed = 1;
+        else quantize_activations(xf, rows, k, qx, dx, sq);
+        const int64_t group_bytes = blocks * QGROUP * qblock_bytes(format), group_scales = blocks * QGROUP;
+#pragma omp parallel for num_threads(threads) schedule(static) if (!failed)
         for (int64_t g = 0; g < groups; g++) {
             if (failed) continue;
-            const int64_t n_end = (g + 1) * QROWS_N < n ? (g + 1) * QROWS_N : n;
+            const int64_t valid = n - g * QGROUP < QGROUP ? n - g * QGROUP : QGROUP;
             for (int64_t m0 = 0; m0 < rows; m0 += QTILE_M) {
                 const int mt = rows - m0 < QTILE_M ? (int)(rows - m0) : QTILE_M;
                 const int8_t *qrows[QTILE_M];
-                const float *drows[QTILE_M], *srows[QTILE_M];
+                const float *drows[QTILE_M];
+                const int32_t *srows[QTILE_M];
                 for (int i = 0; i < QTILE_M; i++) {
                     const int64_t r = i < mt ? m0 + i : m0;
                     qrows[i] = qx + r * k;
-                    drows[i] = dx + r * pair_lanes;
-                    srows[i] = sx + r * pair_lanes;
+                    drows[i] = dx + r * blocks;
+                    srows[i] = sq + r * blocks;
                 }
-                for (int64_t col = g * QROWS_N; col < n_end; col++) {
-                    float values[QTILE_M];
-                    vnni_rows(qrows, drows, srows, mt, qweight + col * row_bytes, scales + col * blocks,
-                              mins == NULL ? NULL : mins + col * blocks, format, blocks, values);
-                    for (int i = 0; i < mt; i++) {
-                        float value = values[i];
-                        if (dtype == QDTYPE_BFLOAT16) {
-                            if (bias != NULL) value += q_bf16_to_float(((const uint16_t *)bias)[col]);
-                            ((uint16_t *)out)[(m0 + i) * n + col] = q_float_to_bf16(value);
-                        } else {
-                            if (bias != NULL) value += ((const float *)bias)[col];
-                            ((float *)out)[(m0 + i) * n + col] = value;
-                        }
-                    }
+                __m512 values[QTILE_M];
+                vnni_groups(qrows, drows, srows, mt, qweight + g * group_bytes, scales + g * group_scales,
+                            mins == NULL ? NULL : mins + g * group_scales, format, blocks, values);
+                for (int i = 0; i < mt; i++) {
+                    float lanes[QGROUP];
+                    _mm512_storeu_ps(lanes, values[i]);
+                    for (int64_t j = 0; j < valid; j++)
+                        store_output(out, bias, dtype, n, m0 + i, g * QGROUP + j, lanes[j]);
                 }
             }
         }
         free(qx);
         free(dx);
-        free(sx);
+        free(sq);
         free(converted);
         return failed ? -1 : 0;
     }
 #endif
-    /* Few groups (a small layer) or little work: fewer threads than asked, never more than groups. */
-    const int threads = (int)(groups < num_threads ? groups : num_threads);
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+#pragma omp parallel num_threads(threads)
     {
-        float *wbuf = malloc((size_t)(QROWS_N * k) * sizeof(float));
+        float *wbuf = malloc((size_t)(QGROUP * k) * sizeof(float));
         if (wbuf == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -353,9 +388,9 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             if (wbuf == NULL) continue;
-            const int64_t n0 = g * QROWS_N;
-            const int64_t valid_n = n - n0 < QROWS_N ? n - n0 : QROWS_N;
-            for (int64_t j = 0; j < QROWS_N; j++) {
+            const int64_t n0 = g * QGROUP;
+            const int64_t valid_n = n - n0 < QGROUP ? n - n0 : QGROUP;
+            for (int64_t j = 0; j < QGROUP; j++) {
                 if (j < valid_n)
                     dequantize_row(qweight, scales, mins, format, n0 + j, k, wbuf + j * k);
                 else
@@ -369,17 +404,8 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
                     float tile[QTILE_M][QTILE_N];
                     dot_tile_rows(xrows, mt, wbuf + t * k, k, tile);
                     for (int i = 0; i < mt; i++)
-                        for (int j = 0; j < QTILE_N && t + j < valid_n; j++) {
-                            const int64_t col = n0 + t + j;
-                            float value = tile[i][j];
-                            if (dtype == QDTYPE_BFLOAT16) {
-                                if (bias != NULL) value += q_bf16_to_float(((const uint16_t *)bias)[col]);
-                                ((uint16_t *)out)[(m0 + i) * n + col] = q_float_to_bf16(value);
-                            } else {
-                                if (bias != NULL) value += ((const float *)bias)[col];
-                                ((float *)out)[(m0 + i) * n + col] = value;
-                            }
-                        }
+                        for (int j = 0; j < QTILE_N && t + j < valid_n; j++)
+                            store_output(out, bias, dtype, n, m0 + i, n0 + t + j, tile[i][j]);
                 }
             }
         }
@@ -389,7 +415,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
     return failed ? -1 : 0;
 }
 
-/* out [count, k] = rows ids[0..count) of W [_, k] dequantized (an embedding lookup), in `dtype`.
+/* out [count, k] = rows ids[0..count) of W [_, k] (interleaved) dequantized (an embedding lookup), in `dtype`.
  * Returns 0, or -1 when out of memory. */
 int quant_rows(const uint8_t *qweight, const float *scales, const float *mins, int format, int64_t k,
                 const int64_t *ids, int64_t count, int dtype, void *out) {

@@ -4,7 +4,10 @@ Two kernel layouts hold every supported format (see quant_kernels.c): `s8` (sign
 scale per block: GGUF Q8_0, and int8 per output channel with the channel's scale in every block) and `u4`
 (nibbles, a float32 scale and a float32 offset per block: GGUF Q4_0, Q4_1 and Q4_K, whose 8 sub-blocks
 of 32 each have their own scale and minimum). GGUF blocks are repacked into them once at load
-(engine/gguf/repack.py).
+(engine/gguf/repack.py), row by row; before its first product or lookup by the kernels a matrix is
+interleaved in place by groups of 16 rows (`interleave_`, the layout quant_kernels.c reads: one vector
+load holds 4 bytes of each of 16 rows, so a block of 16 rows is 8 int8 dot-product instructions and one
+multiply-add by its 16 scales).
 
 `QuantizedLinear` and `QuantizedEmbedding` replace nn.Linear / nn.Embedding; their `weight` is a
 `QuantizedTensor` the loader fills row by row like a float parameter. Without the C kernels (no compiler)
@@ -26,16 +29,25 @@ BLOCK = 32
 KernelFormat = Literal["s8", "u4"]
 FORMAT_CODES: dict[KernelFormat, int] = {"s8": 0, "u4": 1}
 BLOCK_BYTES: dict[KernelFormat, int] = {"s8": BLOCK, "u4": BLOCK // 2}
+# Output rows the kernels' layout interleaves (QGROUP in quant_kernels.c).
+GROUP = 16
+# s8 values are stored + 128 when interleaved (unsigned bytes: value q is byte q ^ 0x80).
+S8_OFFSET = 0x80
 
 
 @dataclass
 class QuantizedTensor:
-    """A [rows, cols] matrix in one kernel layout (cols a multiple of 32): per row, cols / 32 blocks."""
+    """A [rows, cols] matrix in one kernel format (cols a multiple of 32): per row, cols / 32 blocks.
+
+    Row-major as loaded; interleaved for the kernels by `interleave_` (then `interleaved_rows` is the
+    row count, qweight [groups, blocks, 16 * BLOCK_BYTES[format]] and scales / mins [groups, blocks, 16]
+    for groups = rows / 16 rounded up; see quant_kernels.c)."""
 
     format: KernelFormat
     qweight: torch.Tensor  # uint8 [rows, cols / 32 * BLOCK_BYTES[format]]
     scales: torch.Tensor  # float32 [rows, cols / 32]
     mins: torch.Tensor | None  # float32 [rows, cols / 32] for u4, None for s8
+    interleaved_rows: int | None = None
 
     @classmethod
     def empty(cls, format: KernelFormat, rows: int, cols: int) -> QuantizedTensor:
@@ -51,6 +63,8 @@ class QuantizedTensor:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.interleaved_rows is not None:
+            return self.interleaved_rows, self.scales.shape[1] * BLOCK
         return self.scales.shape[0], self.scales.shape[1] * BLOCK
 
     @property
@@ -61,6 +75,7 @@ class QuantizedTensor:
     def __getitem__(self, key: slice | torch.Tensor | tuple[slice, ...]) -> QuantizedTensor:
         """Rows `key` (a slice: a view, like a tensor's; an index tensor: a copy), or (rows, all columns):
         blocks run along the columns, so a part of them is refused."""
+        self._check_row_major("taking rows")
         rows = key[0] if isinstance(key, tuple) else key
         if isinstance(key, tuple) and len(key) > 1:
             cols = self.shape[1]
@@ -72,6 +87,8 @@ class QuantizedTensor:
 
     def copy_(self, source: QuantizedTensor) -> QuantizedTensor:
         """Fill these rows from quantized rows of the same layout and shape."""
+        self._check_row_major("copying rows in")
+        source = source.row_major()
         if source.format != self.format or source.shape != self.shape:
             raise ValueError(
                 f"cannot copy a {source.format} {source.shape} matrix into {self.format} {self.shape}"
@@ -83,6 +100,7 @@ class QuantizedTensor:
         return self
 
     def zero_(self) -> QuantizedTensor:
+        self._check_row_major("zeroing rows")
         self.qweight.zero_()
         self.scales.zero_()
         if self.mins is not None:
@@ -90,6 +108,7 @@ class QuantizedTensor:
         return self
 
     def permute_rows(self, order: torch.Tensor) -> QuantizedTensor:
+        self._check_row_major("permuting rows")
         return QuantizedTensor(
             self.format,
             self.qweight[order],
@@ -97,8 +116,61 @@ class QuantizedTensor:
             None if self.mins is None else self.mins[order],
         )
 
+    def _check_row_major(self, what: str) -> None:
+        if self.interleaved_rows is not None:
+            raise ValueError(f"{what} of a quantized matrix the kernels have interleaved (load it first)")
+
+    def interleave_(self) -> QuantizedTensor:
+        """Put the data into the kernels' interleaved layout, in place (once; the same bytes, permuted,
+        plus zero rows up to a multiple of 16). Row operations (loading) are refused afterwards."""
+        if self.interleaved_rows is not None:
+            return self
+        rows, cols = self.shape
+        blocks, block_bytes = cols // BLOCK, BLOCK_BYTES[self.format]
+        groups = -(-rows // GROUP)
+        pad = groups * GROUP - rows
+
+        def grouped(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(pad, t.shape[1])]).reshape(groups, GROUP, *t.shape[1:])
+
+        q = grouped(self.qweight)
+        if self.format == "s8":
+            q = q ^ S8_OFFSET
+        # [groups, 16 rows, blocks, chunks of 4 bytes, 4] -> [groups, blocks, chunks, 16 rows, 4]
+        q = q.reshape(groups, GROUP, blocks, block_bytes // 4, 4).permute(0, 2, 3, 1, 4)
+        self.qweight = q.reshape(groups, blocks, GROUP * block_bytes).contiguous()
+        self.scales = grouped(self.scales).transpose(1, 2).contiguous()
+        if self.mins is not None:
+            self.mins = grouped(self.mins).transpose(1, 2).contiguous()
+        self.interleaved_rows = rows
+        return self
+
+    def row_major(self) -> QuantizedTensor:
+        """This matrix in the row-major layout (itself when it is; else a copy)."""
+        rows = self.interleaved_rows
+        if rows is None:
+            return self
+        groups, blocks, _ = self.qweight.shape
+        block_bytes = BLOCK_BYTES[self.format]
+        q = self.qweight.reshape(groups, blocks, block_bytes // 4, GROUP, 4).permute(0, 3, 1, 2, 4)
+        q = q.reshape(groups * GROUP, blocks * block_bytes)[:rows]
+        if self.format == "s8":
+            q = q ^ S8_OFFSET
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(1, 2).reshape(groups * GROUP, blocks)[:rows].contiguous()
+
+        return QuantizedTensor(
+            self.format,
+            q.contiguous(),
+            rows_of(self.scales),
+            None if self.mins is None else rows_of(self.mins),
+        )
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix: the definition of what the kernel multiplies by."""
+        if self.interleaved_rows is not None:
+            return self.row_major().dequantize(dtype)
         rows, cols = self.shape
         blocks = self.qweight.reshape(rows, cols // BLOCK, BLOCK_BYTES[self.format])
         if self.format == "s8":
@@ -153,6 +225,7 @@ def quantized_linear(
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     x2 = x2.contiguous()
+    weight.interleave_()
     out = x.new_empty((x2.shape[0], rows_out))
     status = library.quant_linear(
         x2.data_ptr(),
@@ -182,8 +255,9 @@ def lookup_rows(weight: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) 
     """Rows `ids` (int64, 1-D) of W dequantized into `dtype` (an embedding lookup)."""
     library = cpu_kernels.library() if dtype in cpu_kernels.DTYPE_CODES else None
     if library is None:
-        return weight[ids].dequantize(dtype)
+        return weight.row_major()[ids].dequantize(dtype)
     ids = ids.contiguous()
+    weight.interleave_()
     out = torch.empty(ids.numel(), weight.shape[1], dtype=dtype)
     status = library.quant_rows(
         weight.qweight.data_ptr(),
