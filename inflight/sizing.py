@@ -34,7 +34,7 @@ from inflight.engine.dtypes import DTYPE_BYTES, DTYPE_CHOICES, kv_cache_dtype_na
 from inflight.engine.kv_budget import kv_token_bytes
 from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
 from inflight.engine.model.shard_layout import degree_error, valid_degrees
-from inflight.engine.quantization import NEEDS_FP8_GPU, QUANTIZATION_CHOICES, QUANTIZED_WEIGHT_BYTES
+from inflight.engine.quantization import NEEDS_FP8_GPU, QUANTIZED_WEIGHT_BYTES, check_known
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -370,10 +370,7 @@ def weight_bytes_per_gpu(
 ) -> int:
     """Sharded weights split evenly (vocab-parallel embeddings too); norms are held in full by every shard.
     A quantized format stores the linear layers in its bytes per weight, the rest stays in `dtype`."""
-    if quantization not in QUANTIZATION_CHOICES:
-        raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
-        )
+    check_known(quantization)
     replicated = shape.replicated_parameter_count()
     linear_bytes = QUANTIZED_WEIGHT_BYTES[quantization] or DTYPE_BYTES[dtype]
     linear = shape.linear_parameter_count()

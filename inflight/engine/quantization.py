@@ -52,13 +52,18 @@ LOAD_TIME_FORMATS: tuple[str, ...] = ("int8", "q8_0", "q4_0", "q4_1")
 GGUF_ONLY_FORMATS: frozenset[str] = frozenset({"q4_k"})
 
 
-def check_quantization(quantization: str, on_cuda: bool, tensor_parallel_size: int, gguf: bool) -> None:
-    """Raise ValueError naming the fix when the engine cannot serve `quantization` on this device and
-    parallelism from this checkpoint (`gguf`: a GGUF file)."""
+def check_known(quantization: str) -> None:
+    """Raise ValueError listing the choices when `quantization` is not one of them."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
         )
+
+
+def check_quantization(quantization: str, on_cuda: bool, tensor_parallel_size: int, gguf: bool) -> None:
+    """Raise ValueError naming the fix when the engine cannot serve `quantization` on this device and
+    parallelism from this checkpoint (`gguf`: a GGUF file)."""
+    check_known(quantization)
     if quantization in GGUF_ONLY_FORMATS and not gguf:
         raise ValueError(
             f"--quantization {quantization} keeps a GGUF file's own {quantization.upper()} tensors; this "

@@ -229,3 +229,5 @@ def test_int8_at_load_quantizes_a_float_folder(tiny_llama_dir: Path) -> None:
 def test_quantization_at_load_is_refused_where_it_cannot_run(tiny_llama_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="tensor-parallel-size 1"):
         load_model(tiny_llama_dir, quantization="int8", world_size=2)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(tiny_llama_dir, quantization="q4_k")  # Q4_K is read from a GGUF file, never made
