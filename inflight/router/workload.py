@@ -66,6 +66,9 @@ WORDS = [
 ]
 
 
+FIRST_WORDS = 60  # words in a conversation's first message
+
+
 @dataclass
 class WorkloadResult:
     ttfts: list[float] = field(default_factory=list)
@@ -78,6 +81,12 @@ class WorkloadResult:
 
 def sentence(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def opening(seed: int, index: int, words: int) -> tuple[dict[str, str], random.Random]:
+    """Conversation `index`'s first user message, and the generator its later turns continue from."""
+    rng = random.Random(f"{seed}-{index}")
+    return {"role": "user", "content": f"Conversation {seed}-{index}. " + sentence(rng, words)}, rng
 
 
 async def chat_turn(
@@ -109,7 +118,7 @@ async def run_conversations(
     conversations: int,
     turns: int,
     seed: int,
-    first_words: int = 60,
+    first_words: int = FIRST_WORDS,
     turn_words: int = 20,
     max_tokens: int = 8,
 ) -> WorkloadResult:
@@ -117,10 +126,8 @@ async def run_conversations(
     result = WorkloadResult()
 
     async def conversation(client: httpx.AsyncClient, index: int) -> None:
-        rng = random.Random(f"{seed}-{index}")
-        messages = [
-            {"role": "user", "content": f"Conversation {seed}-{index}. " + sentence(rng, first_words)}
-        ]
+        first, rng = opening(seed, index, first_words)
+        messages = [first]
         for turn in range(turns):
             answer, ttft = await chat_turn(client, url, model, messages, max_tokens)
             result.ttfts.append(ttft)
