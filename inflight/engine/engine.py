@@ -31,7 +31,7 @@ from inflight.engine.draft import DraftProposer, check_same_vocabulary
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.guided import GrammarCompiler, GrammarMatchers
 from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes, kv_cache_dtype
-from inflight.engine.loader import load_model
+from inflight.engine.loader import load_model, read_config
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.output_processor import OutputProcessor, RequestOutput
@@ -58,7 +58,8 @@ class LLMEngine:
         share_model_of: LLMEngine | None = None,
     ) -> None:
         """`share_model_of`: reuse that engine's loaded weights and tokenizer (same model_dir, device, dtype,
-        quantization) instead of loading them again; this engine still has its own scheduler and KV cache."""
+        quantization), and its draft model when both name the same one, instead of loading them again; this
+        engine still has its own scheduler and KV caches."""
         self.config = config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.device = torch.device(
@@ -109,8 +110,12 @@ class LLMEngine:
         self.model_config: ModelConfig = self.model.config
         self.eos_token_ids = frozenset(self.tokenizer.all_eos_ids) | frozenset(self.model_config.eos_token_id)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        draft_model = self._load_draft_model()
-        self.num_kv_blocks = self._plan_num_blocks(draft_model)
+        self.draft_model: LlamaForCausalLM | None = (
+            donor.draft_model
+            if shares and donor is not None and donor.config.draft_model == config.draft_model
+            else self._load_draft_model()
+        )
+        self.num_kv_blocks = self._plan_num_blocks(self.draft_model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -130,7 +135,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            proposer=self._proposer(draft_model),
+            proposer=self._proposer(self.draft_model),
         )
         kv_caches = allocate_kv_caches(
             self.model_config,
@@ -178,21 +183,20 @@ class LLMEngine:
 
     def _load_draft_model(self) -> LlamaForCausalLM | None:
         """The draft model of speculative='draft' (None otherwise), refused unless its vocabulary is the
-        target's."""
+        target's: checked from its config and tokenizer, before any of its weights are read."""
         config = self.config
         if config.speculative != "draft":
             return None
         assert config.draft_model is not None
-        draft_tokenizer = Tokenizer.from_path(config.draft_model)
-        draft = load_model(config.draft_model, self.dtype, self.device, quantization=config.quantization)
         check_same_vocabulary(
             str(self.model_dir),
             self.tokenizer,
             self.model_config.vocab_size,
             config.draft_model,
-            draft_tokenizer,
-            draft.config.vocab_size,
+            Tokenizer.from_path(config.draft_model),
+            read_config(config.draft_model).vocab_size,
         )
+        draft = load_model(config.draft_model, self.dtype, self.device, quantization=config.quantization)
         if can_prepack(self.device, self.dtype):
             prepare_linears(draft, config.max_num_seqs)
         return draft

@@ -42,12 +42,14 @@ def draft_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return truncated_model(tiny_llama_dir, 3, tmp_path_factory.mktemp("draft"))
 
 
-def engine(model_dir: Path, draft: Path | None, **overrides: Any) -> LLMEngine:
+def engine(
+    model_dir: Path, draft: Path | None, donor: LLMEngine | None = None, **overrides: Any
+) -> LLMEngine:
     settings: dict[str, Any] = {"block_size": BLOCK_SIZE, "dtype": "float32", "device": "cpu", **overrides}
     if draft is not None:
         settings.setdefault("speculative_max_running", 64)
         settings.update(speculative="draft", draft_model=str(draft))
-    return LLMEngine(model_dir, EngineConfig(**settings))
+    return LLMEngine(model_dir, EngineConfig(**settings), share_model_of=donor)
 
 
 def draft_of(eng: LLMEngine) -> DraftProposer:
@@ -213,6 +215,19 @@ def test_seeded_sampling_is_reproducible(tiny_llama_dir: Path, draft_dir: Path) 
     assert first == alone
 
 
+def test_an_engine_sharing_a_donors_model_shares_its_draft_too(tiny_llama_dir: Path, draft_dir: Path) -> None:
+    donor = engine(tiny_llama_dir, draft_dir, max_num_seqs=4)
+    sharer = engine(tiny_llama_dir, draft_dir, donor, max_num_seqs=4)
+    assert sharer.model is donor.model and sharer.draft_model is donor.draft_model is not None
+    assert draft_of(sharer).kv is not draft_of(donor).kv  # its own draft KV pool
+    prompts = prompts_of(4)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
+    expected = hf_greedy(tiny_llama_dir, prompts, [12] * len(prompts))
+    assert [o.outputs[0].token_ids for o in checked_generate(sharer, prompts, params)] == expected
+    other = engine(tiny_llama_dir, tiny_llama_dir, donor, max_num_seqs=4)
+    assert other.model is donor.model and other.draft_model is not donor.draft_model
+
+
 # ---- refused at start
 
 
@@ -223,6 +238,8 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir: Path, tmp_pa
     token = next(t for t, i in vocab.items() if i == 100)
     vocab[token + "-renamed"] = vocab.pop(token)
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for weights in other.glob("*.safetensors"):
+        weights.unlink()  # refused from its tokenizer and config, before any weights are read
     with pytest.raises(ValueError, match="different tokenizer vocabulary") as error:
         engine(tiny_llama_dir, other)
     assert str(other) in str(error.value) and str(tiny_llama_dir) in str(error.value)
