@@ -207,10 +207,16 @@ DEQUANTIZE_CHUNK_ROWS = 8192
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedTensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T (+ bias) for a quantized W: the C kernel for up to KERNEL_MAX_ROWS rows of x, else W
-    dequantized chunk by chunk and the float product; without the kernels, the dequantized PyTorch product."""
+    dequantized chunk by chunk and the float product; without the kernels, the dequantized PyTorch product.
+
+    `out_dtype` (default x's): float32 for bfloat16 x gives the kernel's float sums unrounded (the LM
+    head's logits); the other paths compute in x's dtype and convert."""
     library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
     rows_out, cols = weight.shape
     x2 = x.reshape(-1, cols)
@@ -223,10 +229,12 @@ def quantized_linear(
             )
             for start in range(0, rows_out, DEQUANTIZE_CHUNK_ROWS)
         ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return out if out_dtype is None else out.to(out_dtype)
     x2 = x2.contiguous()
     weight.interleave_()
-    out = x.new_empty((x2.shape[0], rows_out))
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty((x2.shape[0], rows_out), dtype=out_dtype)
     status = library.quant_linear(
         x2.data_ptr(),
         x2.shape[0],
@@ -239,6 +247,7 @@ def quantized_linear(
         None if bias is None else bias.data_ptr(),
         cpu_kernels.DTYPE_CODES[x.dtype],
         out.data_ptr(),
+        cpu_kernels.DTYPE_CODES[out_dtype],
         torch.get_num_threads(),
     )
     if status != 0:
