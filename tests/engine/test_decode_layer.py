@@ -2,7 +2,7 @@
 per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden states,
 residual stream and KV cache bytes, bit for bit, for both kernel formats (s8, u4), 1..8 rows, float32 and
 bfloat16 activations, bfloat16/float32 and float8 KV caches, with and without biases, with a sliding
-window; for the native build and each portable one this CPU runs. And the quantized LM head's float32
+window, on 1 and 2 threads; for the native build and each portable one this CPU runs. And the quantized LM head's float32
 logits are the kernel's sums, not bfloat16 values widened.
 """
 
@@ -123,7 +123,10 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
     fp8_kv: bool,
     bias: bool,
     window: int | None,
+    torch_threads: int,
 ) -> None:
+    """On 1 thread and on 2 (the products then shared with decode_layer.c's helper thread where the
+    build multiplies int8)."""
     spy = _Spy(any_library)
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
     model = _model(quantization, dtype, bias, window)
