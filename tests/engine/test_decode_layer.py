@@ -2,8 +2,8 @@
 per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden states,
 residual stream and KV cache bytes, bit for bit, for both kernel formats (s8, u4), 1..8 rows, float32 and
 bfloat16 activations, bfloat16/float32 and float8 KV caches, with and without biases, with a sliding
-window, on 1 and 2 threads; for the native build and each portable one this CPU runs. And the quantized LM head's float32
-logits are the kernel's sums, not bfloat16 values widened.
+window, on 1 and 2 threads; for the native build and each portable one this CPU runs. And the quantized
+LM head's float32 logits are the kernel's sums, not bfloat16 values widened.
 """
 
 from __future__ import annotations
