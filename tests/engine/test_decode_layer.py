@@ -176,8 +176,13 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     for layer in model.layers:
         layer.self_attn.backend = CPU_KERNEL_BACKEND
     assert model.layers[0].fused() is model.layers[0].fused() is not None  # built once
+    held = model.layers[0].mlp.down_proj
     model.layers[0].mlp.down_proj = float_model.layers[0].mlp.down_proj
-    assert model.layers[0].fused() is None  # the weights changed: not the cached pointers
+    assert model.layers[0].fused() is None  # a module replaced: not the cached pointers
+    model.layers[0].mlp.down_proj = held
+    assert model.layers[0].fused() is not None
+    model.layers[0].input_layernorm.to(torch.float64)  # its weight moved (and no kernel dtype)
+    assert model.layers[0].fused() is None
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])

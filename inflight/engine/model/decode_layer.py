@@ -94,26 +94,39 @@ def _matrix(linear: QuantizedLinear) -> _QMatrix:
     )
 
 
+def _weight(norm: nn.Module) -> torch.Tensor:
+    """An RMSNorm's weight."""
+    weight = norm.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
 class FusedLayer:
-    """A decoder layer's weights as decode_layer.c reads them: the pointers, and the tensors they point
-    into (held, so the pointers stay valid while `holds` says they are the layer's)."""
+    """A decoder layer's weights as decode_layer.c reads them: the pointers, and the modules and tensors
+    they come from (held, so the pointers stay valid; `current` says whether they are still the layer's)."""
 
     def __init__(
         self,
-        norms: tuple[nn.Parameter, nn.Parameter],
+        norms: tuple[nn.Module, nn.Module],
         eps: float,
         projections: tuple[QuantizedLinear, QuantizedLinear, QuantizedLinear, QuantizedLinear],
         attention: tuple[int, int, int, float],
     ) -> None:
-        """`projections`: qkv, o, gate_up, down; `attention`: num_heads, num_kv_heads, head_dim, scale."""
-        self._parts = (*norms, *(p.weight for p in projections), *(p.bias for p in projections))
+        """`norms`: the two RMSNorms; `projections`: qkv, o, gate_up, down; `attention`: num_heads,
+        num_kv_heads, head_dim, scale."""
         qkv, o, gate_up, down = projections
         num_heads, num_kv_heads, head_dim, scale = attention
-        self.dtype = norms[0].dtype
+        weights = [p.weight for p in projections]
+        tensors = [_weight(n) for n in norms] + [p.bias for p in projections if p.bias is not None]
+        tensors += [t for w in weights for t in (w.qweight, w.scales, w.mins) if t is not None]
+        self.modules = (*norms, *projections)
+        self._weights = tuple(zip(projections, weights, strict=True))
+        self._pointers = tuple((t, t.data_ptr()) for t in tensors)
+        self.dtype = _weight(norms[0]).dtype
         self.kv_shape = (num_kv_heads, head_dim)
         self.weights = _LayerWeights(
-            norms[0].data_ptr(),
-            norms[1].data_ptr(),
+            _weight(norms[0]).data_ptr(),
+            _weight(norms[1]).data_ptr(),
             _matrix(qkv),
             _matrix(o),
             _matrix(gate_up),
@@ -129,21 +142,18 @@ class FusedLayer:
 
     @staticmethod
     def of(
-        norms: tuple[nn.Parameter, nn.Parameter],
+        norms: tuple[nn.Module, nn.Module],
         eps: float,
         projections: tuple[nn.Module, nn.Module, nn.Module, nn.Module],
         attention: tuple[int, int, int, float],
-        cached: FusedLayer | None,
     ) -> FusedLayer | None:
-        """`cached` where it still holds these weights, a new FusedLayer where every projection is a
-        QuantizedLinear and the norms and biases share one kernel dtype, else None."""
-        if cached is not None and cached.holds(norms, projections):
-            return cached
+        """A FusedLayer where every projection is a QuantizedLinear and the norms' weights and the biases
+        share one kernel dtype, else None."""
         quantized = [p for p in projections if isinstance(p, QuantizedLinear)]
         if len(quantized) != len(projections):
             return None
-        dtype = norms[0].dtype
-        floats = [*norms, *(p.bias for p in quantized if p.bias is not None)]
+        floats = [_weight(n) for n in norms] + [p.bias for p in quantized if p.bias is not None]
+        dtype = floats[0].dtype
         if dtype not in cpu_kernels.DTYPE_CODES:
             return None
         if any(t.dtype != dtype or not t.is_contiguous() for t in floats):
@@ -151,9 +161,14 @@ class FusedLayer:
         qkv, o, gate_up, down = quantized
         return FusedLayer(norms, eps, (qkv, o, gate_up, down), attention)
 
-    def holds(self, norms: tuple[nn.Parameter, nn.Parameter], projections: tuple[nn.Module, ...]) -> bool:
-        current = (*norms, *(p.weight for p in projections), *(p.bias for p in projections))
-        return all(a is b for a, b in zip(current, self._parts, strict=True))
+    def current(self, modules: tuple[nn.Module, ...]) -> bool:
+        """Whether the layer's modules are still `modules` (norms, then qkv, o, gate_up, down), with the
+        same weights where they were (a replaced weight or a tensor moved by `.to()` is not)."""
+        return (
+            all(a is b for a, b in zip(modules, self.modules, strict=True))
+            and all(p.weight is w for p, w in self._weights)
+            and all(t.data_ptr() == ptr for t, ptr in self._pointers)
+        )
 
 
 class DecodeStep:

@@ -174,17 +174,16 @@ class DecoderLayer(nn.Module):
 
     def fused(self) -> FusedLayer | None:
         """This layer as one C call of a decode step (model/decode_layer.py), where its projections are
-        kept quantized, on one rank, with the C attention kernels; else None."""
+        kept quantized, on one rank, with the C attention kernels; else None. Built once, kept while
+        the layer's modules and weights are the same."""
         attn, mlp = self.self_attn, self.mlp
         if attn.tp_size > 1 or attn.backend is not CPU_KERNEL_BACKEND:
             return None
-        self._fused = FusedLayer.of(
-            (self.input_layernorm.weight, self.post_attention_layernorm.weight),
-            self.input_layernorm.eps,
-            (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
-            (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale),
-            self._fused,
-        )
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        modules = (*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if self._fused is None or not self._fused.current(modules):
+            attention = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+            self._fused = FusedLayer.of(norms, self.input_layernorm.eps, modules[2:], attention)
         return self._fused
 
     def forward(
