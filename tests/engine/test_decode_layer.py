@@ -125,8 +125,7 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
     window: int | None,
     torch_threads: int,
 ) -> None:
-    """On 1 thread and on 2 (the products then shared with decode_layer.c's helper thread where the
-    build multiplies int8)."""
+    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work)."""
     spy = _Spy(any_library)
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
     model = _model(quantization, dtype, bias, window)

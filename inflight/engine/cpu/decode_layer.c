@@ -16,17 +16,9 @@
  * values saturated to +-448 and rounded to nearest even, as kv_store.to_cache does with torch (c10's
  * fp8e4m3fn_from_fp32_value, below).
  */
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define HELPER_PAUSE() _mm_pause()
-#else
-#define HELPER_PAUSE() ((void)0)
-#endif
 
 #include "kernels.h"
 
@@ -119,120 +111,10 @@ static void write_kv_fp8(const void *k, const void *v, int64_t row_stride, int64
     }
 }
 
-/* ---- the helper thread ----------------------------------------------------------------------------
- * A batch-1 layer's products take 10-40 us each: waking an OpenMP thread for one cost more than it saved
- * on a shared machine, and its barrier waits for a thread that another process preempted. Here one
- * persistent helper thread shares a product's output groups with the calling thread instead: a job is
- * published as one 64-bit word (generation << 32 | next chunk), and either thread claims the next chunk
- * with a compare-and-swap on it. The caller claims chunks too and then waits only for the chunks the
- * helper did claim, so a helper that is asleep or preempted before claiming costs nothing: the caller
- * does the work. The helper spins on the word for HELPER_SPINS pauses (a step's products follow each
- * other within that), then sleeps on a condition variable until the next job. The output of a group
- * does not depend on the thread that computes it. */
-enum { HELPER_SPINS = 1 << 14, HELPER_CHUNKS = 16 };
-
-static struct {
-    pthread_mutex_t mutex;     /* guards `sleeping` transitions with `wake` */
-    pthread_cond_t wake;
-    pthread_mutex_t caller;    /* one calling thread at a time; others run their products alone */
-    pthread_once_t once;
-    int started;               /* the helper thread exists */
-    _Atomic uint64_t word;     /* generation << 32 | next chunk */
-    _Atomic int64_t done;      /* chunks of the current job finished */
-    _Atomic int sleeping;
-    /* The current job: written before its word is published, checked by the claim's compare-and-swap. */
-    _Atomic(group_fn) fn;
-    _Atomic(const void *) context;
-    _Atomic int64_t groups, chunk, chunks;
-} helper = {.mutex = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
-            .caller = PTHREAD_MUTEX_INITIALIZER, .once = PTHREAD_ONCE_INIT};
-
-/* Claim and run chunks of job `generation` until none is left; returns how many this thread ran. */
-static int64_t helper_work(uint32_t generation) {
-    int64_t ran = 0;
-    uint64_t word = atomic_load(&helper.word);
-    for (;;) {
-        if ((uint32_t)(word >> 32) != generation) return ran;
-        const int64_t next = (int64_t)(uint32_t)word, chunks = atomic_load_explicit(&helper.chunks, memory_order_relaxed);
-        if (next >= chunks) return ran;
-        const group_fn fn = atomic_load_explicit(&helper.fn, memory_order_relaxed);
-        const void *context = atomic_load_explicit(&helper.context, memory_order_relaxed);
-        const int64_t groups = atomic_load_explicit(&helper.groups, memory_order_relaxed);
-        const int64_t chunk = atomic_load_explicit(&helper.chunk, memory_order_relaxed);
-        /* Success: the word was unchanged since it was read, so the fields above were this job's. */
-        if (!atomic_compare_exchange_weak(&helper.word, &word, word + 1)) continue;
-        const int64_t g1 = (next + 1) * chunk < groups ? (next + 1) * chunk : groups;
-        fn(context, next * chunk, g1);
-        atomic_fetch_add(&helper.done, 1);
-        ran++;
-        word = atomic_load(&helper.word);
-    }
-}
-
-static void *helper_main(void *unused) {
-    (void)unused;
-    uint32_t seen = (uint32_t)(atomic_load(&helper.word) >> 32);
-    for (;;) {
-        int spins = 0;
-        while ((uint32_t)(atomic_load(&helper.word) >> 32) == seen) {
-            if (++spins < HELPER_SPINS) {
-                HELPER_PAUSE();
-                continue;
-            }
-            pthread_mutex_lock(&helper.mutex);
-            atomic_store(&helper.sleeping, 1);
-            while ((uint32_t)(atomic_load(&helper.word) >> 32) == seen) pthread_cond_wait(&helper.wake, &helper.mutex);
-            atomic_store(&helper.sleeping, 0);
-            pthread_mutex_unlock(&helper.mutex);
-        }
-        seen = (uint32_t)(atomic_load(&helper.word) >> 32);
-        helper_work(seen);
-    }
-    return NULL;
-}
-
-static void helper_start(void) {
-    pthread_t thread;
-    pthread_attr_t attr;
-    if (pthread_attr_init(&attr) != 0) return;
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    helper.started = pthread_create(&thread, &attr, helper_main, NULL) == 0;
-    pthread_attr_destroy(&attr);
-}
-
-/* group_spreader over the calling thread and the helper (the caller holds helper.caller). */
-static void helper_spread(int64_t groups, group_fn fn, const void *context) {
-    const int64_t chunk = (groups + HELPER_CHUNKS - 1) / HELPER_CHUNKS, chunks = (groups + chunk - 1) / chunk;
-    atomic_store_explicit(&helper.fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&helper.context, context, memory_order_relaxed);
-    atomic_store_explicit(&helper.groups, groups, memory_order_relaxed);
-    atomic_store_explicit(&helper.chunk, chunk, memory_order_relaxed);
-    atomic_store_explicit(&helper.chunks, chunks, memory_order_relaxed);
-    atomic_store(&helper.done, 0);
-    const uint32_t generation = (uint32_t)(atomic_load(&helper.word) >> 32) + 1;
-    atomic_store(&helper.word, (uint64_t)generation << 32);
-    if (atomic_load(&helper.sleeping)) {
-        pthread_mutex_lock(&helper.mutex);
-        pthread_cond_signal(&helper.wake);
-        pthread_mutex_unlock(&helper.mutex);
-    }
-    helper_work(generation);
-    while (atomic_load(&helper.done) < chunks) HELPER_PAUSE();
-}
-
-/* Whether this call's products share their groups with the helper: int8 products (the others are
- * float and OpenMP's), at least 2 threads, and no other thread using the helper now. Takes
- * helper.caller when it answers 1. */
-static int helper_acquire(int num_threads) {
-    if (num_threads < 2 || !quant_linear_int8_activations()) return 0;
-    pthread_once(&helper.once, helper_start);
-    return helper.started && pthread_mutex_trylock(&helper.caller) == 0;
-}
-
 static int product(const struct qmatrix *w, const void *x, int64_t rows, int64_t k, int dtype, void *out,
-                   int num_threads, int shared) {
-    return quant_linear_spread(x, rows, k, w->qweight, w->scales, w->mins, (int)w->format, w->rows, w->bias,
-                               dtype, out, dtype, num_threads, shared ? helper_spread : NULL);
+                   int num_threads) {
+    return quant_linear(x, rows, k, w->qweight, w->scales, w->mins, (int)w->format, w->rows, w->bias, dtype, out,
+                        dtype, num_threads);
 }
 
 /* One decoder layer for s->rows decode rows (see the top of the file). `hidden` [rows, hidden]: the
@@ -253,7 +135,6 @@ int decode_layer(const struct decode_layer_weights *w, const struct decode_step 
     char *normed = buffer, *qkv = normed + rows * h * elem, *attention = qkv + rows * qkv_width * elem;
     char *gate_up = attention + rows * q_size * elem, *act = gate_up + rows * 2 * w->intermediate * elem;
     int failed = 0;
-    const int shared = helper_acquire(threads);
 
     if (first) {
         memcpy(residual, hidden, (size_t)(rows * h * elem));
@@ -261,7 +142,7 @@ int decode_layer(const struct decode_layer_weights *w, const struct decode_step 
     } else {
         rms_norm(hidden, residual, w->input_norm, normed, rows, h, w->eps, dtype, threads);
     }
-    failed |= product(&w->qkv, normed, rows, h, dtype, qkv, threads, shared);
+    failed |= product(&w->qkv, normed, rows, h, dtype, qkv, threads);
     rotary(qkv, qkv_width, s->cos, s->sin, rows, w->num_heads + w->num_kv_heads, d, dtype, threads);
     const char *k = qkv + q_size * elem, *v = k + kv_size * elem;
     if (s->kv_dtype == LAYER_FP8_E4M3)
@@ -272,12 +153,11 @@ int decode_layer(const struct decode_layer_weights *w, const struct decode_step 
                            s->query_rows, s->seqs, rows, w->num_heads, w->num_kv_heads, d, s->block_size,
                            s->window, w->scale, dtype, (int)s->kv_dtype, attention, s->max_seq_len, threads);
     /* The o_proj output goes into `hidden` (the layer's input is in `residual` by now). */
-    failed |= product(&w->o, attention, rows, q_size, dtype, hidden, threads, shared);
+    failed |= product(&w->o, attention, rows, q_size, dtype, hidden, threads);
     rms_norm(hidden, residual, w->post_norm, normed, rows, h, w->eps, dtype, threads);
-    failed |= product(&w->gate_up, normed, rows, h, dtype, gate_up, threads, shared);
+    failed |= product(&w->gate_up, normed, rows, h, dtype, gate_up, threads);
     silu_and_mul(gate_up, act, rows, w->intermediate, dtype, threads);
-    failed |= product(&w->down, act, rows, w->intermediate, dtype, hidden, threads, shared);
-    if (shared) pthread_mutex_unlock(&helper.caller);
+    failed |= product(&w->down, act, rows, w->intermediate, dtype, hidden, threads);
     free(buffer);
     return failed ? -1 : 0;
 }

@@ -18,13 +18,6 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
             int64_t head_dim, int dtype, int num_threads);
 void write_kv(const void *k, const void *v, int64_t row_stride, void *k_cache, void *v_cache, const int64_t *slots,
               int64_t rows, int64_t row_bytes);
-/* Runs fn(context, g0, g1) over ranges covering output groups 0 .. groups - 1, each group once. */
-typedef void (*group_fn)(const void *context, int64_t g0, int64_t g1);
-typedef void (*group_spreader)(int64_t groups, group_fn fn, const void *context);
-int quant_linear_spread(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const float *scales,
-                        const float *mins, int format, int64_t n, const void *bias, int dtype, void *out,
-                        int out_dtype, int num_threads, group_spreader spread);
-int quant_linear_int8_activations(void);
 int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const float *scales,
                  const float *mins, int format, int64_t n, const void *bias, int dtype, void *out, int out_dtype,
                  int num_threads);

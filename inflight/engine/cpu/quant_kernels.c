@@ -316,68 +316,12 @@ static Q_INLINE void store_output(void *out, const void *bias, int dtype, int ou
         ((float *)out)[row * n + col] = value;
 }
 
-#if defined(QUANT_VNNI)
-/* A VNNI product's operands: x quantized (quantize_activations), W, bias and out. */
-struct vnni_call {
-    const int8_t *qx;
-    const float *dx;
-    const int32_t *sq;
-    int64_t rows, k, n;
-    const uint8_t *qweight;
-    const float *scales, *mins;
-    int format;
-    const void *bias;
-    int dtype, out_dtype;
-    void *out;
-};
-
-/* Output groups g0 .. g1 - 1 (16 rows of W each) of a VNNI product, for every row of x. */
-static void vnni_call_groups(const void *context, int64_t g0, int64_t g1) {
-    const struct vnni_call *c = (const struct vnni_call *)context;
-    const int64_t rows = c->rows, k = c->k, n = c->n, blocks = k / QBLOCK;
-    const int64_t group_bytes = blocks * QGROUP * qblock_bytes(c->format), group_scales = blocks * QGROUP;
-    for (int64_t g = g0; g < g1; g++) {
-        const int64_t valid = n - g * QGROUP < QGROUP ? n - g * QGROUP : QGROUP;
-        for (int64_t m0 = 0; m0 < rows; m0 += QTILE_M) {
-            const int mt = rows - m0 < QTILE_M ? (int)(rows - m0) : QTILE_M;
-            const int8_t *qrows[QTILE_M];
-            const float *drows[QTILE_M];
-            const int32_t *srows[QTILE_M];
-            for (int i = 0; i < QTILE_M; i++) {
-                const int64_t r = i < mt ? m0 + i : m0;
-                qrows[i] = c->qx + r * k;
-                drows[i] = c->dx + r * blocks;
-                srows[i] = c->sq + r * blocks;
-            }
-            __m512 values[QTILE_M];
-            vnni_groups(qrows, drows, srows, mt, c->qweight + g * group_bytes, c->scales + g * group_scales,
-                        c->mins == NULL ? NULL : c->mins + g * group_scales, c->format, blocks, values);
-            for (int i = 0; i < mt; i++) {
-                float lanes[QGROUP];
-                _mm512_storeu_ps(lanes, values[i]);
-                for (int64_t j = 0; j < valid; j++)
-                    store_output(c->out, c->bias, c->dtype, c->out_dtype, n, m0 + i, g * QGROUP + j, lanes[j]);
-            }
-        }
-    }
-}
-#endif
-
+/* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format`, interleaved (see the top of the
+ * file). x and bias in `dtype` (bias may be NULL), out in `out_dtype` (float32 logits from bfloat16
+ * activations: no bfloat16 rounding of the sums); k a multiple of 32. Returns 0, or -1 when out of memory. */
 int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const float *scales,
                  const float *mins, int format, int64_t n, const void *bias, int dtype, void *out, int out_dtype,
                  int num_threads) {
-    return quant_linear_spread(x, rows, k, qweight, scales, mins, format, n, bias, dtype, out, out_dtype,
-                               num_threads, NULL);
-}
-
-/* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format`, interleaved (see the top of the
- * file). x and bias in `dtype` (bias may be NULL), out in `out_dtype` (float32 logits from bfloat16
- * activations: no bfloat16 rounding of the sums); k a multiple of 32. Returns 0, or -1 when out of memory.
- * quant_linear runs the output groups on OpenMP threads; quant_linear_spread with `spread` (not NULL) has
- * it run them where it can multiply int8 (AVX-512 VNNI), e.g. on decode_layer.c's helper thread. */
-int quant_linear_spread(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const float *scales,
-                        const float *mins, int format, int64_t n, const void *bias, int dtype, void *out,
-                        int out_dtype, int num_threads, group_spreader spread) {
     const float *xf = (const float *)x;
     float *converted = NULL;
     if (dtype == QDTYPE_BFLOAT16) {
@@ -401,14 +345,32 @@ int quant_linear_spread(const void *x, int64_t rows, int64_t k, const uint8_t *q
         int32_t *sq = malloc((size_t)(rows * blocks) * sizeof(int32_t));
         if (qx == NULL || dx == NULL || sq == NULL) failed = 1;
         else quantize_activations(xf, rows, k, qx, dx, sq);
-        const struct vnni_call call = {.qx = qx, .dx = dx, .sq = sq, .rows = rows, .k = k, .n = n, .qweight = qweight,
-                                       .scales = scales, .mins = mins, .format = format, .bias = bias,
-                                       .dtype = dtype, .out_dtype = out_dtype, .out = out};
-        if (!failed && spread != NULL) {
-            spread(groups, vnni_call_groups, &call);
-        } else if (!failed) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t g = 0; g < groups; g++) vnni_call_groups(&call, g, g + 1);
+        const int64_t group_bytes = blocks * QGROUP * qblock_bytes(format), group_scales = blocks * QGROUP;
+#pragma omp parallel for num_threads(threads) schedule(static) if (!failed)
+        for (int64_t g = 0; g < groups; g++) {
+            if (failed) continue;
+            const int64_t valid = n - g * QGROUP < QGROUP ? n - g * QGROUP : QGROUP;
+            for (int64_t m0 = 0; m0 < rows; m0 += QTILE_M) {
+                const int mt = rows - m0 < QTILE_M ? (int)(rows - m0) : QTILE_M;
+                const int8_t *qrows[QTILE_M];
+                const float *drows[QTILE_M];
+                const int32_t *srows[QTILE_M];
+                for (int i = 0; i < QTILE_M; i++) {
+                    const int64_t r = i < mt ? m0 + i : m0;
+                    qrows[i] = qx + r * k;
+                    drows[i] = dx + r * blocks;
+                    srows[i] = sq + r * blocks;
+                }
+                __m512 values[QTILE_M];
+                vnni_groups(qrows, drows, srows, mt, qweight + g * group_bytes, scales + g * group_scales,
+                            mins == NULL ? NULL : mins + g * group_scales, format, blocks, values);
+                for (int i = 0; i < mt; i++) {
+                    float lanes[QGROUP];
+                    _mm512_storeu_ps(lanes, values[i]);
+                    for (int64_t j = 0; j < valid; j++)
+                        store_output(out, bias, dtype, out_dtype, n, m0 + i, g * QGROUP + j, lanes[j]);
+                }
+            }
         }
         free(qx);
         free(dx);
@@ -417,7 +379,6 @@ int quant_linear_spread(const void *x, int64_t rows, int64_t k, const uint8_t *q
         return failed ? -1 : 0;
     }
 #endif
-    (void)spread;
 #pragma omp parallel num_threads(threads)
     {
         float *wbuf = malloc((size_t)(QGROUP * k) * sizeof(float));
