@@ -36,8 +36,10 @@ from inflight.cache import cache_dir
 logger = logging.getLogger("inflight.engine")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-# Compiled into the same library: the weight-quantized linear layers (cpu/quantized.py).
+# Compiled into the same library: the weight-quantized linear layers (cpu/quantized.py), and a decode
+# step's whole decoder layer over them (model/decode_layer.py), which calls the kernels of both files.
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")
+DECODE_LAYER_SOURCE = Path(__file__).with_name("decode_layer.c")
 DISABLE_ENV = "INFLIGHT_CPU_KERNELS"
 COMPILE_FLAGS = (
     "-O3",
@@ -86,12 +88,14 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "argmax_rows": ([_ptr, _i64, _i64, _ptr, _int], None),
     # logits (float32), row_stride, rows (int64), bitmask (int32), n, words, vocab, num_threads
     "apply_token_bitmask": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int], None),
-    # quant_kernels.c: x, rows, k, qweight, scales, mins, format, n, bias, dtype, out, num_threads
-    "quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _ptr, _int], _int),
+    # quant_kernels.c: x, rows, k, qweight, scales, mins, format, n, bias, dtype, out, out_dtype, num_threads
+    "quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _ptr, _int, _int], _int),
     # qweight, scales, mins, format, k, ids, count, dtype, out
     "quant_rows": ([_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _int, _ptr], _int),
     # 1 where quant_linear quantizes x to int8 (AVX-512 VNNI), 0 where it multiplies in float
     "quant_linear_int8_activations": ([], _int),
+    # decode_layer.c: weights (struct), step (struct), hidden, residual, first, k_cache, v_cache
+    "decode_layer": ([_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr], _int),
 }
 
 
@@ -112,8 +116,8 @@ def _cpu_signature() -> str:
 def build_library(
     compiler: str | None = None, out_dir: Path | None = None, flags: tuple[str, ...] = COMPILE_FLAGS
 ) -> Path:
-    """Compile kernels.c and quant_kernels.c into one library (once per source, compiler, flags and CPU)
-    and return its path.
+    """Compile kernels.c, quant_kernels.c and decode_layer.c into one library (once per source, compiler,
+    flags and CPU) and return its path.
 
     `flags` other than the default are for tests (e.g. without -march=native: the portable C path)."""
     compiler = compiler or os.environ.get("CC") or "cc"
@@ -140,7 +144,8 @@ def build_library(
     # Build into a temporary name and rename: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
-        command = [compiler_path, *flags, str(SOURCE), str(QUANT_SOURCE), "-o", str(partial), "-lm"]
+        compiled = (SOURCE, QUANT_SOURCE, DECODE_LAYER_SOURCE)
+        command = [compiler_path, *flags, *map(str, compiled), "-o", str(partial), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise KernelBuildError(

@@ -30,6 +30,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -303,23 +305,22 @@ int quant_linear_int8_activations(void) {
 #endif
 }
 
-/* out[row, col] = value (+ bias[col]) in `dtype`. */
-static Q_INLINE void store_output(void *out, const void *bias, int dtype, int64_t n, int64_t row, int64_t col,
-                                  float value) {
-    if (dtype == QDTYPE_BFLOAT16) {
-        if (bias != NULL) value += q_bf16_to_float(((const uint16_t *)bias)[col]);
+/* out[row, col] = value (+ bias[col], in `dtype`) in `out_dtype`. */
+static Q_INLINE void store_output(void *out, const void *bias, int dtype, int out_dtype, int64_t n, int64_t row,
+                                  int64_t col, float value) {
+    if (bias != NULL)
+        value += dtype == QDTYPE_BFLOAT16 ? q_bf16_to_float(((const uint16_t *)bias)[col]) : ((const float *)bias)[col];
+    if (out_dtype == QDTYPE_BFLOAT16)
         ((uint16_t *)out)[row * n + col] = q_float_to_bf16(value);
-    } else {
-        if (bias != NULL) value += ((const float *)bias)[col];
+    else
         ((float *)out)[row * n + col] = value;
-    }
 }
 
 /* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format`, interleaved (see the top of the
- * file). x, bias and out in `dtype` (bias may be NULL); k a multiple of 32. Returns 0, or -1 when out of
- * memory. */
+ * file). x and bias in `dtype` (bias may be NULL), out in `out_dtype` (float32 logits from bfloat16
+ * activations: no bfloat16 rounding of the sums); k a multiple of 32. Returns 0, or -1 when out of memory. */
 int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const float *scales,
-                 const float *mins, int format, int64_t n, const void *bias, int dtype, void *out,
+                 const float *mins, int format, int64_t n, const void *bias, int dtype, void *out, int out_dtype,
                  int num_threads) {
     const float *xf = (const float *)x;
     float *converted = NULL;
@@ -367,7 +368,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
                     float lanes[QGROUP];
                     _mm512_storeu_ps(lanes, values[i]);
                     for (int64_t j = 0; j < valid; j++)
-                        store_output(out, bias, dtype, n, m0 + i, g * QGROUP + j, lanes[j]);
+                        store_output(out, bias, dtype, out_dtype, n, m0 + i, g * QGROUP + j, lanes[j]);
                 }
             }
         }
@@ -405,7 +406,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
                     dot_tile_rows(xrows, mt, wbuf + t * k, k, tile);
                     for (int i = 0; i < mt; i++)
                         for (int j = 0; j < QTILE_N && t + j < valid_n; j++)
-                            store_output(out, bias, dtype, n, m0 + i, n0 + t + j, tile[i][j]);
+                            store_output(out, bias, dtype, out_dtype, n, m0 + i, n0 + t + j, tile[i][j]);
                 }
             }
         }

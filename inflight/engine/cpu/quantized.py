@@ -225,11 +225,17 @@ def one_token_rows(enabled: bool = True) -> Iterator[None]:
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedTensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T (+ bias) for a quantized W: the C kernel for up to KERNEL_MAX_ROWS rows of x (for any count
     of one-token rows where the kernel rounds x to int8), else W dequantized chunk by chunk and the float
-    product; without the kernels, the dequantized PyTorch product."""
+    product; without the kernels, the dequantized PyTorch product.
+
+    `out_dtype` (default x's): float32 for bfloat16 x gives the kernel's float sums unrounded (the LM
+    head's logits); the other paths compute in x's dtype and convert."""
     library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
     rows_out, cols = weight.shape
     x2 = x.reshape(-1, cols)
@@ -245,10 +251,12 @@ def quantized_linear(
             )
             for start in range(0, rows_out, DEQUANTIZE_CHUNK_ROWS)
         ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return out if out_dtype is None else out.to(out_dtype)
     x2 = x2.contiguous()
     weight.interleave_()
-    out = x.new_empty((x2.shape[0], rows_out))
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty((x2.shape[0], rows_out), dtype=out_dtype)
     status = library.quant_linear(
         x2.data_ptr(),
         x2.shape[0],
@@ -261,6 +269,7 @@ def quantized_linear(
         None if bias is None else bias.data_ptr(),
         cpu_kernels.DTYPE_CODES[x.dtype],
         out.data_ptr(),
+        cpu_kernels.DTYPE_CODES[out_dtype],
         torch.get_num_threads(),
     )
     if status != 0:

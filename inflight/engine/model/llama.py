@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.engine.attention.backend import AttentionBackend
+from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, AttentionBackend
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu.quantized import QuantizedTensor, quantized_linear
 from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.decode_layer import DecodeStep, FusedLayer
 from inflight.engine.model.shard_layout import ShardLayout
 
 
@@ -168,6 +170,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, backend, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layout)
+        self._fused: FusedLayer | None = None
+
+    def fused(self) -> FusedLayer | None:
+        """This layer as one C call of a decode step (model/decode_layer.py), where its projections are
+        kept quantized, on one rank, with the C attention kernels; else None. Built once, kept while
+        the layer's modules and weights are the same."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.tp_size > 1 or attn.backend is not CPU_KERNEL_BACKEND:
+            return None
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        modules = (*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if self._fused is None or not self._fused.current(modules):
+            attention = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+            self._fused = FusedLayer.of(norms, self.input_layernorm.eps, modules[2:], attention)
+        return self._fused
 
     def forward(
         self,
@@ -252,8 +269,13 @@ class LlamaForCausalLM(nn.Module):
         rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
         residual: torch.Tensor | None = None
         last = len(self.layers) - 1
+        step = DecodeStep.start(hidden, attn_metadata, rope, kv_caches[0][0]) if kv_caches else None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer_keep = keep if i == last else None
+            fused = cast(DecoderLayer, layer).fused() if step is not None and layer_keep is None else None
+            if fused is not None and step is not None and step.takes(fused, k_cache, v_cache):
+                hidden, residual = step.run(fused, hidden, residual, k_cache, v_cache)
+                continue
             hidden, residual = layer.forward(
                 rope, hidden, residual, k_cache, v_cache, attn_metadata, layer_keep
             )
@@ -275,11 +297,13 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, vocab] in float32 for the rows of `hidden` that need sampling.
 
         With tensor parallelism every rank must call it with the same rows (the slices are gathered)."""
-        if self.lm_head is not None:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if isinstance(head, QuantizedTensor):
+            # float32 straight from the kernel's sums: no bfloat16 rounding of the logits.
+            logits: torch.Tensor = quantized_linear(hidden, head, out_dtype=torch.float32)
+        elif self.lm_head is not None:
             # Through the module: on CPU the engine may have swapped in a prepacked projection.
-            logits: torch.Tensor = self.lm_head(hidden)
-        elif isinstance(self.embed_tokens.weight, QuantizedTensor):
-            logits = quantized_linear(hidden, self.embed_tokens.weight)
+            logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.embed_tokens.weight)
         if self.layout.size > 1:

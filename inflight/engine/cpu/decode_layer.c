@@ -1,0 +1,163 @@
+/* One decoder layer of a decode step in one call, for weights kept quantized (engine/model/decode_layer.py).
+ *
+ * At batch 1 a layer's work is ~0.2 ms of products and a few tens of microseconds of elementwise steps,
+ * while the per-op path (model/llama.py) made ten Python calls a layer, each with its tensor checks,
+ * allocations and a ctypes call: several milliseconds a step over 30 layers. decode_layer chains the same
+ * kernels (kernels.h: kernels.c's and quant_kernels.c's exported functions, nothing duplicated) in C:
+ *
+ *   residual += hidden; normed = RMSNorm(residual)         (first layer: residual = hidden)
+ *   qkv = normed Wqkv^T (+ b); rotary on q and k; k, v -> the KV cache at the rows' slots
+ *   attended = (paged decode attention of q) Wo^T (+ b)
+ *   residual += attended; normed = RMSNorm(residual)
+ *   hidden = (silu(gate) * up of normed Wgate_up^T) Wdown^T
+ *
+ * with the arguments the per-op path gives each kernel, so the outputs are bit-identical to it
+ * (tests/engine/test_decode_layer.py). The one step written here is the float8 KV cache store: keys and
+ * values saturated to +-448 and rounded to nearest even, as kv_store.to_cache does with torch (c10's
+ * fp8e4m3fn_from_fp32_value, below).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+enum { LAYER_FLOAT32 = 0, LAYER_BFLOAT16 = 1, LAYER_FP8_E4M3 = 2 };
+
+/* A weight matrix in quant_kernels.c's interleaved layout, with its bias (NULL: none). */
+struct qmatrix {
+    const uint8_t *qweight;
+    const float *scales;
+    const float *mins; /* NULL for the s8 format */
+    const void *bias;
+    int64_t rows;      /* output features */
+    int64_t format;
+};
+
+/* A layer's weights and shapes: fixed after loading (decode_layer.py builds it once per layer). */
+struct decode_layer_weights {
+    const void *input_norm, *post_norm;
+    struct qmatrix qkv, o, gate_up, down;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+};
+
+/* The step's rows and where they attend: the same for every layer (decode_layer.py builds it once a step). */
+struct decode_step {
+    const float *cos, *sin;        /* [rows, head_dim / 2] float32 */
+    const int64_t *slots;          /* [rows]: each row's KV cache slot */
+    const int32_t *block_tables;   /* [seqs, table_stride] */
+    const int32_t *lens;           /* paged_decode's rows / seqs / lens */
+    const int64_t *query_rows, *seqs;
+    int64_t rows, table_stride, block_size, window, max_seq_len;
+    int64_t dtype, kv_dtype, num_threads;
+};
+
+static inline uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float -> float8 e4m3fn: torch's conversion (c10 fp8e4m3fn_from_fp32_value), after saturating to +-448
+ * (kv_store.to_cache's clamp; NaN stays NaN). */
+static uint8_t to_fp8(float f) {
+    if (f > 448.0f) f = 448.0f;
+    else if (f < -448.0f) f = -448.0f;
+    const uint32_t fp8_max = UINT32_C(1087) << 20, denorm_mask = UINT32_C(141) << 23;
+    uint32_t f_bits = bits_of(f);
+    const uint32_t sign = f_bits & UINT32_C(0x80000000);
+    f_bits ^= sign;
+    uint8_t result;
+    if (f_bits >= fp8_max) {
+        result = f_bits > UINT32_C(0x7F800000) ? 0x7f : 0x7e;
+    } else if (f_bits < (UINT32_C(121) << 23)) {
+        f_bits = bits_of(float_of(f_bits) + float_of(denorm_mask));
+        result = (uint8_t)(f_bits - denorm_mask);
+    } else {
+        const uint32_t mant_odd = (f_bits >> 20) & 1;
+        f_bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFF;
+        f_bits += mant_odd;
+        result = (uint8_t)(f_bits >> 20);
+        if (result == 0x7f) result = 0x7e;
+    }
+    return (uint8_t)(result | (sign >> 24));
+}
+
+/* Row t of k and of v (`count` values each, rows `row_stride` elements apart, in `dtype`) stored as float8
+ * at slot slots[t] of k_cache and v_cache. */
+static void write_kv_fp8(const void *k, const void *v, int64_t row_stride, int64_t dtype, uint8_t *k_cache,
+                         uint8_t *v_cache, const int64_t *slots, int64_t rows, int64_t count) {
+    for (int64_t t = 0; t < rows; t++) {
+        uint8_t *kd = k_cache + slots[t] * count, *vd = v_cache + slots[t] * count;
+        for (int64_t i = 0; i < count; i++) {
+            float kf, vf;
+            if (dtype == LAYER_BFLOAT16) {
+                kf = float_of((uint32_t)((const uint16_t *)k)[t * row_stride + i] << 16);
+                vf = float_of((uint32_t)((const uint16_t *)v)[t * row_stride + i] << 16);
+            } else {
+                kf = ((const float *)k)[t * row_stride + i];
+                vf = ((const float *)v)[t * row_stride + i];
+            }
+            kd[i] = to_fp8(kf);
+            vd[i] = to_fp8(vf);
+        }
+    }
+}
+
+static int product(const struct qmatrix *w, const void *x, int64_t rows, int64_t k, int dtype, void *out,
+                   int num_threads) {
+    return quant_linear(x, rows, k, w->qweight, w->scales, w->mins, (int)w->format, w->rows, w->bias, dtype, out,
+                        dtype, num_threads);
+}
+
+/* One decoder layer for s->rows decode rows (see the top of the file). `hidden` [rows, hidden]: the
+ * previous layer's MLP output (the embeddings for the first layer), replaced by this layer's;
+ * `residual` [rows, hidden]: the residual stream, updated in place (`first`: it is set from `hidden`).
+ * Returns 0, or -1 when a buffer could not be allocated (the outputs are then incomplete). */
+int decode_layer(const struct decode_layer_weights *w, const struct decode_step *s, void *hidden, void *residual,
+                 int first, void *k_cache, void *v_cache) {
+    const int64_t rows = s->rows, h = w->hidden, d = w->head_dim;
+    const int dtype = (int)s->dtype, threads = (int)s->num_threads;
+    const int64_t elem = dtype == LAYER_BFLOAT16 ? 2 : 4;
+    const int64_t q_size = w->num_heads * d, kv_size = w->num_kv_heads * d, qkv_width = w->qkv.rows;
+    /* One buffer for the step's intermediates: normed [rows, h], qkv [rows, qkv_width], attention
+     * output [rows, q_size], gate_up [rows, 2 * intermediate], silu * up [rows, intermediate]. */
+    const int64_t total = rows * (h + qkv_width + q_size + 3 * w->intermediate);
+    char *buffer = malloc((size_t)(total * elem));
+    if (buffer == NULL) return -1;
+    char *normed = buffer, *qkv = normed + rows * h * elem, *attention = qkv + rows * qkv_width * elem;
+    char *gate_up = attention + rows * q_size * elem, *act = gate_up + rows * 2 * w->intermediate * elem;
+    int failed = 0;
+
+    if (first) {
+        memcpy(residual, hidden, (size_t)(rows * h * elem));
+        rms_norm(residual, NULL, w->input_norm, normed, rows, h, w->eps, dtype, threads);
+    } else {
+        rms_norm(hidden, residual, w->input_norm, normed, rows, h, w->eps, dtype, threads);
+    }
+    failed |= product(&w->qkv, normed, rows, h, dtype, qkv, threads);
+    rotary(qkv, qkv_width, s->cos, s->sin, rows, w->num_heads + w->num_kv_heads, d, dtype, threads);
+    const char *k = qkv + q_size * elem, *v = k + kv_size * elem;
+    if (s->kv_dtype == LAYER_FP8_E4M3)
+        write_kv_fp8(k, v, qkv_width, dtype, k_cache, v_cache, s->slots, rows, kv_size);
+    else
+        write_kv(k, v, qkv_width * elem, k_cache, v_cache, s->slots, rows, kv_size * elem);
+    failed |= paged_decode(qkv, qkv_width, k_cache, v_cache, s->block_tables, s->table_stride, s->lens,
+                           s->query_rows, s->seqs, rows, w->num_heads, w->num_kv_heads, d, s->block_size,
+                           s->window, w->scale, dtype, (int)s->kv_dtype, attention, s->max_seq_len, threads);
+    /* The o_proj output goes into `hidden` (the layer's input is in `residual` by now). */
+    failed |= product(&w->o, attention, rows, q_size, dtype, hidden, threads);
+    rms_norm(hidden, residual, w->post_norm, normed, rows, h, w->eps, dtype, threads);
+    failed |= product(&w->gate_up, normed, rows, h, dtype, gate_up, threads);
+    silu_and_mul(gate_up, act, rows, w->intermediate, dtype, threads);
+    failed |= product(&w->down, act, rows, w->intermediate, dtype, hidden, threads);
+    free(buffer);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,274 @@
+"""A decode step's decoder layers, one C call each, where the projections are kept quantized (CPU).
+
+At batch 1 the per-op path (model/llama.py: RMSNorm, the qkv product, rotary, the KV write, attention,
+o_proj, RMSNorm, gate_up, SiLU * up, down) made about ten Python calls a layer, each with its checks,
+allocations and ctypes call: more time than the layer's quantized products. `decode_layer` in
+engine/cpu/decode_layer.c runs the same kernels with the same arguments in one call, so its outputs are
+bit-identical to the per-op path (tests/engine/test_decode_layer.py).
+
+It runs a step of only decode rows (AttentionMetadata.is_decode_only), at most KERNEL_MAX_ROWS of them
+(above, the per-op path's products switch to the dequantized float GEMM), float32 or bfloat16
+activations, a KV cache of that dtype or float8, on one rank, with every projection of the layer a
+`QuantizedLinear` and the C kernels available; anything else takes the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu.quantized import FORMAT_CODES, KERNEL_MAX_ROWS, QuantizedLinear
+
+_ptr = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+class _QMatrix(ctypes.Structure):
+    """struct qmatrix (decode_layer.c)."""
+
+    _fields_ = [
+        ("qweight", _ptr),
+        ("scales", _ptr),
+        ("mins", _ptr),
+        ("bias", _ptr),
+        ("rows", _i64),
+        ("format", _i64),
+    ]
+
+
+class _LayerWeights(ctypes.Structure):
+    """struct decode_layer_weights (decode_layer.c)."""
+
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", _QMatrix),
+        ("o", _QMatrix),
+        ("gate_up", _QMatrix),
+        ("down", _QMatrix),
+        ("hidden", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class _Step(ctypes.Structure):
+    """struct decode_step (decode_layer.c)."""
+
+    _fields_ = [
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("slots", _ptr),
+        ("block_tables", _ptr),
+        ("lens", _ptr),
+        ("query_rows", _ptr),
+        ("seqs", _ptr),
+        ("rows", _i64),
+        ("table_stride", _i64),
+        ("block_size", _i64),
+        ("window", _i64),
+        ("max_seq_len", _i64),
+        ("dtype", _i64),
+        ("kv_dtype", _i64),
+        ("num_threads", _i64),
+    ]
+
+
+def _matrix(linear: QuantizedLinear) -> _QMatrix:
+    weight = linear.weight.interleave_()
+    return _QMatrix(
+        weight.qweight.data_ptr(),
+        weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        None if linear.bias is None else linear.bias.data_ptr(),
+        weight.shape[0],
+        FORMAT_CODES[weight.format],
+    )
+
+
+def _weight(norm: nn.Module) -> torch.Tensor:
+    """An RMSNorm's weight."""
+    weight = norm.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+class FusedLayer:
+    """A decoder layer's weights as decode_layer.c reads them: the pointers, and the modules and tensors
+    they come from (held, so the pointers stay valid; `current` says whether they are still the layer's)."""
+
+    def __init__(
+        self,
+        norms: tuple[nn.Module, nn.Module],
+        eps: float,
+        projections: tuple[QuantizedLinear, QuantizedLinear, QuantizedLinear, QuantizedLinear],
+        attention: tuple[int, int, int, float],
+    ) -> None:
+        """`norms`: the two RMSNorms; `projections`: qkv, o, gate_up, down; `attention`: num_heads,
+        num_kv_heads, head_dim, scale."""
+        qkv, o, gate_up, down = projections
+        num_heads, num_kv_heads, head_dim, scale = attention
+        weights = [p.weight for p in projections]
+        tensors = [_weight(n) for n in norms] + [p.bias for p in projections if p.bias is not None]
+        tensors += [t for w in weights for t in (w.qweight, w.scales, w.mins) if t is not None]
+        self.modules = (*norms, *projections)
+        self._weights = tuple(zip(projections, weights, strict=True))
+        self._pointers = tuple((t, t.data_ptr()) for t in tensors)
+        self.dtype = _weight(norms[0]).dtype
+        self.kv_shape = (num_kv_heads, head_dim)
+        self.weights = _LayerWeights(
+            _weight(norms[0]).data_ptr(),
+            _weight(norms[1]).data_ptr(),
+            _matrix(qkv),
+            _matrix(o),
+            _matrix(gate_up),
+            _matrix(down),
+            o.out_features,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            down.in_features,
+            eps,
+            scale,
+        )
+
+    @staticmethod
+    def of(
+        norms: tuple[nn.Module, nn.Module],
+        eps: float,
+        projections: tuple[nn.Module, nn.Module, nn.Module, nn.Module],
+        attention: tuple[int, int, int, float],
+    ) -> FusedLayer | None:
+        """A FusedLayer where every projection is a QuantizedLinear and the norms' weights and the biases
+        share one kernel dtype, else None."""
+        quantized = [p for p in projections if isinstance(p, QuantizedLinear)]
+        if len(quantized) != len(projections):
+            return None
+        floats = [_weight(n) for n in norms] + [p.bias for p in quantized if p.bias is not None]
+        dtype = floats[0].dtype
+        if dtype not in cpu_kernels.DTYPE_CODES:
+            return None
+        if any(t.dtype != dtype or not t.is_contiguous() for t in floats):
+            return None
+        qkv, o, gate_up, down = quantized
+        return FusedLayer(norms, eps, (qkv, o, gate_up, down), attention)
+
+    def current(self, modules: tuple[nn.Module, ...]) -> bool:
+        """Whether the layer's modules are still `modules` (norms, then qkv, o, gate_up, down), with the
+        same weights where they were (a replaced weight or a tensor moved by `.to()` is not)."""
+        return (
+            all(a is b for a, b in zip(modules, self.modules, strict=True))
+            and all(p.weight is w for p, w in self._weights)
+            and all(t.data_ptr() == ptr for t, ptr in self._pointers)
+        )
+
+
+class DecodeStep:
+    """A decode-only step's rows as decode_layer.c reads them: made once a step, run once per layer."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+    ) -> None:
+        cos, sin = rope
+        query_rows, seqs, lens = meta.decode_rows
+        slots = meta.slot_mapping.contiguous()
+        block_tables = meta.block_tables.to(torch.int32).contiguous()
+        # Held: the step struct points into them.
+        self._tensors = (cos, sin, slots, block_tables, lens, query_rows, seqs)
+        self._library = library
+        self.dtype = hidden.dtype
+        self.kv_dtype = k_cache.dtype
+        self.args = _Step(
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            lens.data_ptr(),
+            query_rows.data_ptr(),
+            seqs.data_ptr(),
+            hidden.shape[0],
+            block_tables.stride(0),
+            k_cache.shape[1],
+            meta.sliding_window or 0,
+            meta.max_seq_len,
+            cpu_kernels.DTYPE_CODES[hidden.dtype],
+            cpu_kernels.KV_DTYPE_CODES[k_cache.dtype],
+            torch.get_num_threads(),
+        )
+
+    @staticmethod
+    def start(
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+    ) -> DecodeStep | None:
+        """The step, where decode_layer.c can run it (see the top of the file), else None. `rope`: the
+        step's cos and sin from ops.rotary_tables; `k_cache`: a layer's (every layer's is alike)."""
+        if not meta.is_decode_only or hidden.shape[0] > KERNEL_MAX_ROWS or hidden.dim() != 2:
+            return None
+        library = cpu_kernels.library_for(hidden)
+        cos, sin = rope
+        tables_usable = (
+            cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        )
+        kv_usable = (
+            k_cache.is_cpu
+            and k_cache.dtype in (hidden.dtype, torch.float8_e4m3fn)
+            and meta.slot_mapping.dtype == torch.int64
+        )
+        if library is None or not (tables_usable and kv_usable and hidden.is_contiguous()):
+            return None
+        return DecodeStep(library, hidden, meta, rope, k_cache)
+
+    def takes(self, layer: FusedLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """True where `run` can run this layer with these caches ([blocks, block_size, kv heads, head
+        dim], contiguous, the step's KV dtype)."""
+        return (
+            layer.dtype == self.dtype
+            and k_cache.dtype == v_cache.dtype == self.kv_dtype
+            and k_cache.shape == v_cache.shape
+            and k_cache.shape[1] == self.args.block_size
+            and k_cache.shape[2:] == layer.kv_shape
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
+
+    def run(
+        self,
+        layer: FusedLayer,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's MLP output, the residual stream before it), as DecoderLayer.forward returns them:
+        `hidden` and `residual` (made for the first layer, residual None) are updated in place."""
+        first = residual is None
+        if residual is None:
+            residual = torch.empty_like(hidden)
+        status = self._library.decode_layer(
+            ctypes.addressof(layer.weights),
+            ctypes.addressof(self.args),
+            hidden.data_ptr(),
+            residual.data_ptr(),
+            int(first),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("decode_layer: could not allocate its buffers")
+        return hidden, residual

@@ -1,0 +1,198 @@
+"""A decode step's layers in one C call each (model/decode_layer.py, cpu/decode_layer.c) against the
+per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden states,
+residual stream and KV cache bytes, bit for bit, for both kernel formats (s8, u4), 1..8 rows, float32 and
+bfloat16 activations, bfloat16/float32 and float8 KV caches, with and without biases, with a sliding
+window, on 1 and 2 threads; for the native build and each portable one this CPU runs. And the quantized
+LM head's float32 logits are the kernel's sums, not bfloat16 values widened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture)
+
+from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
+from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu.quantized import KERNEL_MAX_ROWS, QuantizedLinear, quantized_linear
+from inflight.engine.gguf.repack import quantize
+from inflight.engine.model import decode_layer
+from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.llama import LlamaForCausalLM
+from inflight.engine.runner import allocate_kv_caches
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 48
+
+
+def _model(quantization: str, dtype: torch.dtype, bias: bool, window: int | None) -> LlamaForCausalLM:
+    """Two layers with random weights, every projection kept quantized in `quantization`."""
+    config = ModelConfig(
+        architecture="MistralForCausalLM" if window else "LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        attention_bias=bias,
+        o_proj_bias=bias,
+        sliding_window=window,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, CPU_KERNEL_BACKEND, torch.device("cpu"))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.5 + (1.0 if parameter.dim() == 1 else 0.0))
+    model.to(dtype)
+    for layer in model.layers:
+        for owner, name in (
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):
+            linear = getattr(owner, name)
+            weight = quantize(linear.weight.detach().float(), quantization)
+            quantized = QuantizedLinear(linear.in_features, linear.out_features, weight.format, linear.bias)
+            quantized.weight = weight
+            setattr(owner, name, quantized)
+    return model
+
+
+def _decode_step(rows: int, rng: random.Random) -> tuple[AttentionMetadata, torch.Tensor]:
+    """`rows` sequences with one new token each after 0..30 earlier ones, in shuffled blocks; and their
+    positions."""
+    free = list(range(1, NUM_BLOCKS))
+    rng.shuffle(free)
+    seq_lens = [rng.randint(1, 31) for _ in range(rows)]
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    width = max(len(t) for t in tables)
+    slots = [
+        t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+        for t, n in zip(tables, seq_lens, strict=True)
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_lens_list=[1] * rows,
+        seq_lens_list=seq_lens,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
+    return meta, torch.tensor([n - 1 for n in seq_lens])
+
+
+class _Spy:
+    """The kernels, recording which functions are looked up (called)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        self.calls.append(name)
+        return getattr(self.library, name)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])  # the s8 and u4 kernel formats
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_kv", [False, True])
+@pytest.mark.parametrize(("bias", "window"), [(False, None), (True, None), (False, 6)])
+def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    quantization: str,
+    dtype: torch.dtype,
+    fp8_kv: bool,
+    bias: bool,
+    window: int | None,
+    torch_threads: int,
+) -> None:
+    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work)."""
+    spy = _Spy(any_library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    model = _model(quantization, dtype, bias, window)
+    kv_dtype = torch.float8_e4m3fn if fp8_kv else dtype
+    rng = random.Random(1)
+    for rows in range(1, KERNEL_MAX_ROWS + 1):
+        meta, positions = _decode_step(rows, rng)
+        ids = torch.tensor([rng.randrange(64) for _ in range(rows)])
+        caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype, "cpu")
+        for k, v in caches:  # earlier tokens' keys and values
+            k.copy_(torch.randn(k.shape).clamp(-4, 4).to(kv_dtype))
+            v.copy_(torch.randn(v.shape).clamp(-4, 4).to(kv_dtype))
+        per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode():
+            spy.calls.clear()
+            fused = model(ids, positions, caches, meta)
+            assert spy.calls.count("decode_layer") == 2
+            with monkeypatch.context() as patch:
+                patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
+                spy.calls.clear()
+                per_op = model(ids, positions, per_op_caches, meta)
+                assert "decode_layer" not in spy.calls
+        assert fused.dtype == dtype and torch.equal(fused, per_op), f"{rows} rows"
+        for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
+            assert torch.equal(_bits(k), _bits(k_ref)) and torch.equal(_bits(v), _bits(v_ref)), f"{rows} rows"
+
+
+def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None:
+    """A prefill row, more than KERNEL_MAX_ROWS rows, float weights or the torch attention backend: no
+    one-call step or layer."""
+    model = _model("q4_1", torch.float32, False, None)
+    rng = random.Random(2)
+    k_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")[0][0]
+    start = decode_layer.DecodeStep.start
+    for rows in (2, KERNEL_MAX_ROWS + 1):
+        meta, _ = _decode_step(rows, rng)
+        rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
+        prefill = replace(meta, query_lens_list=[2] + [1] * (rows - 1), max_query_len=2)
+        assert start(torch.zeros(rows, 64), prefill, rope, k_cache) is None
+        decode = start(torch.zeros(rows, 64), meta, rope, k_cache)
+        assert (decode is not None) == (rows <= KERNEL_MAX_ROWS)
+    float_model = LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu"))
+    assert float_model.layers[0].fused() is None
+    for layer in model.layers:
+        layer.self_attn.backend = TORCH_BACKEND
+    assert model.layers[0].fused() is None
+    for layer in model.layers:
+        layer.self_attn.backend = CPU_KERNEL_BACKEND
+    assert model.layers[0].fused() is model.layers[0].fused() is not None  # built once
+    held = model.layers[0].mlp.down_proj
+    model.layers[0].mlp.down_proj = float_model.layers[0].mlp.down_proj
+    assert model.layers[0].fused() is None  # a module replaced: not the cached pointers
+    model.layers[0].mlp.down_proj = held
+    assert model.layers[0].fused() is not None
+    model.layers[0].input_layernorm.to(torch.float64)  # its weight moved (and no kernel dtype)
+    assert model.layers[0].fused() is None
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])
+def test_the_quantized_lm_head_gives_the_kernels_float32_sums(quantization: str) -> None:
+    """bfloat16 hidden states, float32 logits: the same sums the bfloat16 output rounds, unrounded."""
+    model = _model(quantization, torch.bfloat16, False, None)
+    head = quantize(torch.randn(64, 64, generator=torch.Generator().manual_seed(3)), quantization)
+    model.lm_head = QuantizedLinear(64, 64, head.format, None)
+    model.lm_head.weight = head
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits.to(torch.bfloat16), quantized_linear(hidden, head))
+    assert not torch.equal(logits, logits.to(torch.bfloat16).float())  # not bfloat16 values widened
