@@ -78,8 +78,11 @@ def main() -> None:
     run = CONTINUOUS.run(settings)
     tokens = sum(map(len, run.outputs))
     prompt = sum(len(r.prompt_token_ids) for r in settings.requests)
-    print(f"{args.dtype}, {args.num_requests} requests ({prompt} prompt tokens, {tokens} out), chunk "
-          f"{args.max_num_batched_tokens}: {run.seconds:.2f} s, {tokens / run.seconds:.1f} tok/s")  # fmt: skip
+    chunk = args.max_num_batched_tokens
+    print(
+        f"{args.dtype}, {args.num_requests} requests ({prompt} prompt tokens, {tokens} out), chunk {chunk}:"
+    )
+    print(f"  {run.seconds:.2f} s, {tokens / run.seconds:.1f} tok/s")
     for name, seconds in sorted(TIMES.items(), key=lambda kv: -kv[1]):
         print(f"  {name:32s} {seconds:7.2f} s  {100 * seconds / run.seconds:5.1f} %  {CALLS[name]} calls")
     rest = run.seconds - sum(TIMES.values())

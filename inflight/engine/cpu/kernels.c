@@ -1149,18 +1149,70 @@ static void prefill_weigh_c(const float *weights, int64_t m, int64_t stride, con
     }
 }
 
-/* Keys [kb, kb + count) of the item (counted from its first key, klo) into the block's tiles: each V row
- * into place (bfloat16 value pairs: into its half of the pair), each K row into its column of the
- * transposed tile (bfloat16 key pairs as they lie); past the last key the K tile is zero up to a whole
- * KEY_PAD, and an odd last key's pair partner too (its weight is zero, and 0 * garbage may be NaN). */
+/* Where key `key` of a sequence and KV head `kv_head` lies in the cache, in elements. */
+static inline int64_t key_offset(const int32_t *table, int64_t key, int64_t block_size, int64_t num_kv_heads,
+                                 int64_t kv_head, int64_t head_dim) {
+    const int64_t slot = (int64_t)table[key / block_size] * block_size + key % block_size;
+    return (slot * num_kv_heads + kv_head) * head_dim;
+}
+
+#if defined(__AVX512F__)
+/* r[i] becomes column i of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15]. */
+static ALWAYS_INLINE void transpose16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + i + 4], 0x88);
+            t[8 * h + i + 4] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
+
+/* Keys [kb, kb + count) of the item (counted from its first key, klo) into the block's tiles: each K row
+ * into its column of the transposed tile (bfloat16 key pairs as they lie; float32 keys and key pairs 16
+ * keys at a time through a register transpose), each V row into place (bfloat16 value pairs: two keys'
+ * rows interleaved); past the last key the K tile is zero up to a whole KEY_PAD, and an odd last key's
+ * pair partner too (its weight is zero, and 0 * garbage may be NaN). */
 static void prefill_load_keys(const void *k_cache, const void *v_cache, const int32_t *table, int64_t klo, int64_t kb,
                               int64_t count, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
                               int64_t block_size, int kv_dtype, int pairs, int value_pairs, const struct prefill_tiles *t) {
     uint32_t *kt2 = (uint32_t *)t->kt, *v2 = (uint32_t *)t->v;
-    for (int64_t j = 0; j < count; j++) {
-        const int64_t key = klo + kb + j;
-        const int64_t slot = (int64_t)table[key / block_size] * block_size + key % block_size;
-        const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
+    const int64_t first = klo + kb;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    /* 32-bit columns of a key row, 16 at a time, when the cache holds them as they go into the tile. */
+    const int64_t columns = pairs ? pairs : head_dim;
+    if (columns % 16 == 0 && (pairs || kv_dtype == DTYPE_FLOAT32))
+        for (; j + 16 <= count; j += 16) {
+            const float *rows[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t offset = key_offset(table, first + j + i, block_size, num_kv_heads, kv_head, head_dim);
+                rows[i] = pairs ? (const float *)((const uint16_t *)k_cache + offset) : (const float *)k_cache + offset;
+            }
+            for (int64_t c = 0; c < columns; c += 16) {
+                __m512 r[16];
+                for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i] + c);
+                transpose16x16(r);
+                for (int i = 0; i < 16; i++) _mm512_storeu_ps(t->kt + (c + i) * PREFILL_KEYS + j, r[i]);
+            }
+        }
+#endif
+    for (; j < count; j++) {
+        const int64_t offset = key_offset(table, first + j, block_size, num_kv_heads, kv_head, head_dim);
         if (pairs) {
             const uint32_t *k = (const uint32_t *)((const uint16_t *)k_cache + offset);
             for (int64_t p = 0; p < pairs; p++) kt2[p * PREFILL_KEYS + j] = k[p];
@@ -1168,19 +1220,33 @@ static void prefill_load_keys(const void *k_cache, const void *v_cache, const in
             const float *k = row_as_float(k_cache, offset, head_dim, kv_dtype, t->row);
             for (int64_t d = 0; d < head_dim; d++) t->kt[d * PREFILL_KEYS + j] = k[d];
         }
-        if (value_pairs) {
-            const uint16_t *v = (const uint16_t *)v_cache + offset;
-            uint16_t *dst = (uint16_t *)(v2 + (j / 2) * head_dim) + (j & 1);
-            for (int64_t d = 0; d < head_dim; d++) dst[2 * d] = v[d];
-        } else {
-            load_as_float(v_cache, offset, head_dim, kv_dtype, t->v + j * head_dim);
+    }
+#if defined(__AVX512BF16__)
+    if (value_pairs) {
+        /* Key 2jp's dimensions in the low halves, key 2jp + 1's in the high halves (zero past the last). */
+        for (int64_t jp = 0; 2 * jp < count; jp++) {
+            const uint16_t *v0 = (const uint16_t *)v_cache +
+                                 key_offset(table, first + 2 * jp, block_size, num_kv_heads, kv_head, head_dim);
+            const uint16_t *v1 = 2 * jp + 1 < count ? (const uint16_t *)v_cache + key_offset(table, first + 2 * jp + 1,
+                                                                                              block_size, num_kv_heads,
+                                                                                              kv_head, head_dim)
+                                                    : NULL;
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + d)));
+                const __m512i hi = v1 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + d))), 16)
+                                      : _mm512_setzero_si512();
+                _mm512_storeu_si512(v2 + jp * head_dim + d, _mm512_or_si512(lo, hi));
+            }
         }
     }
+#endif
+    if (!value_pairs)
+        for (j = 0; j < count; j++)
+            load_as_float(v_cache, key_offset(table, first + j, block_size, num_kv_heads, kv_head, head_dim), head_dim,
+                          kv_dtype, t->v + j * head_dim);
     /* 0.0f and a zero bfloat16 pair are the same 32 bits. */
     const int64_t kt_rows = pairs ? pairs : head_dim, padded = (count + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
     for (int64_t r = 0; r < kt_rows; r++) memset(t->kt + r * PREFILL_KEYS + count, 0, sizeof(float) * (size_t)(padded - count));
-    if (value_pairs && count % 2)
-        for (int64_t d = 0; d < head_dim; d++) ((uint16_t *)(v2 + (count / 2) * head_dim))[2 * d + 1] = 0;
 }
 
 /* Rows [r0, r1) of a prompt, one KV head. Row r sits at position ctx + r and attends keys
