@@ -19,6 +19,7 @@ import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.constraints import TokenConstraints
+from inflight.engine.cpu.quantized import one_token_rows
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.rejection import ACCEPT_STREAM, rejection_sample
@@ -95,14 +96,17 @@ def run_model(
         max_query_len=max(inputs.query_lens),
         max_seq_len=max(inputs.seq_lens),
     )
-    if inputs.last_rows_of is not None:
-        hidden = model(input_ids, positions, kv_caches, meta, last_rows_of=inputs.last_rows_of)
-    else:
-        hidden = model(input_ids, positions, kv_caches, meta)
-        if not inputs.logit_rows:
-            return None
-        hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.long, device=device)]
-    return model.compute_logits(hidden)
+    # A decode-only step's rows are each a sequence's one new token: weights kept quantized multiply them
+    # as they would at batch 1, however many share the step (cpu/quantized.py).
+    with one_token_rows(meta.is_decode_only):
+        if inputs.last_rows_of is not None:
+            hidden = model(input_ids, positions, kv_caches, meta, last_rows_of=inputs.last_rows_of)
+        else:
+            hidden = model(input_ids, positions, kv_caches, meta)
+            if not inputs.logit_rows:
+                return None
+            hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.long, device=device)]
+        return model.compute_logits(hidden)
 
 
 def accept_proposals(scheduled: list[ScheduledSequence], result: RunnerOutput) -> None:

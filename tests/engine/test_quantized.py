@@ -19,6 +19,7 @@ from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from inflight.engine import runner
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu import quantized
@@ -175,6 +176,29 @@ def test_the_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == ["quant_linear", "quant_rows"]
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_rows_take_the_kernel_at_any_count_each_row_as_if_alone(
+    fmt: str, dtype: torch.dtype
+) -> None:
+    """A decode-only step's rows (`one_token_rows`): where the kernel rounds x to int8, 40 rows go through
+    it and each row's output is bit for bit its output alone (a token's logits do not depend on its batch);
+    the same 40 rows as prompt rows take the dequantized float product, which rounds x differently."""
+    library = cpu_kernels.library()
+    assert library is not None
+    gen = torch.Generator().manual_seed(11)
+    weight = quantize(torch.randn(83, 160, generator=gen), fmt)
+    x = torch.randn(40, 160, generator=gen).to(dtype)
+    with quantized.one_token_rows():
+        together = quantized_linear(x, weight)
+        alone = torch.cat([quantized_linear(x[i : i + 1], weight) for i in range(40)])
+    as_prompt = quantized_linear(x, weight)
+    if not library.quant_linear_int8_activations():
+        pytest.skip("this CPU's kernel multiplies float x: it keeps the 8-row switch for every row")
+    assert torch.equal(together, alone)
+    assert not torch.equal(as_prompt, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_quantized_embedding_looks_up_dequantized_rows(
     any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
@@ -215,6 +239,46 @@ def test_a_q8_0_gguf_stays_quantized_and_generates_the_dequantized_tokens(
             engine.close()
 
     assert run("auto", "float32") == run("none", "float32")
+
+
+def test_decode_steps_of_many_sequences_multiply_by_the_kernel_not_by_dequantized_weights(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """12 sequences decoding together: their decode-only steps (12 rows, above KERNEL_MAX_ROWS) run the
+    quantized kernel where it rounds x to int8, and only the prompt step dequantizes weights."""
+    library = cpu_kernels.library()
+    assert library is not None
+    if not library.quant_linear_int8_activations():
+        pytest.skip("this CPU's kernel multiplies float x: every step above 8 rows dequantizes")
+    gguf = write_gguf(tiny_llama_dir, tmp_path / "q8.gguf", GGMLQuantizationType.Q8_0, tokenizer=True)
+    dequantized_in: list[bool] = []
+    in_step: list[bool] = []
+    dequantize_rows = quantized.dequantize_rows
+    original_run_model = runner.run_model
+
+    def counting_dequantize(*args: object, **kwargs: object) -> torch.Tensor:
+        dequantized_in[-1] = True
+        return dequantize_rows(*args, **kwargs)  # type: ignore[arg-type]
+
+    def watched_run_model(*args: object, **kwargs: object) -> torch.Tensor | None:
+        inputs = args[2]
+        assert isinstance(inputs, runner.StepInputs)
+        in_step.append(max(inputs.query_lens, default=0) == 1)
+        dequantized_in.append(False)
+        return original_run_model(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quantized, "dequantize_rows", counting_dequantize)
+    monkeypatch.setattr(runner, "run_model", watched_run_model)
+    engine = LLMEngine(gguf, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64))
+    try:
+        prompts = [[5 + i, 77, 300, 12, 901, 4, 64] for i in range(12)]
+        engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    finally:
+        engine.close()
+    decode_steps = [dq for decode, dq in zip(in_step, dequantized_in, strict=True) if decode]
+    prompt_steps = [dq for decode, dq in zip(in_step, dequantized_in, strict=True) if not decode]
+    assert len(decode_steps) >= 5 and not any(decode_steps)
+    assert prompt_steps and all(prompt_steps)
 
 
 def test_int8_at_load_quantizes_a_float_folder(tiny_llama_dir: Path) -> None:

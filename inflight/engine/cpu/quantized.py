@@ -16,6 +16,9 @@ they dequantize the weight for each call and run the PyTorch product: same value
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
@@ -197,24 +200,43 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     )
 
 
-# Rows of x up to which the fused kernel runs; above, each weight is dequantized (by the C kernel, into
-# the activations' dtype) and multiplied by oneDNN/MKL: the dequantization is shared by the rows, and the
-# float GEMM (bfloat16 dot products where native) beats the kernel's float32 FMAs there (docs/models.md).
+# Rows of x up to which the fused kernel runs in a step with prompt rows; above, each weight is
+# dequantized (by the C kernel, into the activations' dtype) and multiplied by oneDNN/MKL, so prompt rows
+# are multiplied by the float weights, not rounded to int8 (docs/models.md). Rows that are each one
+# sequence's single new token (`one_token_rows`) take the kernel at any count where it rounds x to int8:
+# a token's logits then do not depend on how many others share its step, and the kernel is 2-5x faster
+# than dequantizing every weight for every step.
 KERNEL_MAX_ROWS = 8
+_ONE_TOKEN_ROWS: ContextVar[bool] = ContextVar("one_token_rows", default=False)
 # Output rows dequantized at a time above KERNEL_MAX_ROWS: bounds the float copy of a large matrix (an
 # LM head of 49152 x 576) to a few MiB.
 DEQUANTIZE_CHUNK_ROWS = 8192
 
 
+@contextmanager
+def one_token_rows(enabled: bool = True) -> Iterator[None]:
+    """Within it, `quantized_linear` treats its rows as tokens a decode step at batch 1 would also put
+    through the kernel (a decode-only step's layers, the LM head's rows to sample): any count takes it."""
+    token = _ONE_TOKEN_ROWS.set(enabled)
+    try:
+        yield
+    finally:
+        _ONE_TOKEN_ROWS.reset(token)
+
+
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x W^T (+ bias) for a quantized W: the C kernel for up to KERNEL_MAX_ROWS rows of x, else W
-    dequantized chunk by chunk and the float product; without the kernels, the dequantized PyTorch product."""
+    """x W^T (+ bias) for a quantized W: the C kernel for up to KERNEL_MAX_ROWS rows of x (for any count
+    of one-token rows where the kernel rounds x to int8), else W dequantized chunk by chunk and the float
+    product; without the kernels, the dequantized PyTorch product."""
     library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
     rows_out, cols = weight.shape
     x2 = x.reshape(-1, cols)
-    if library is None or x2.shape[0] > KERNEL_MAX_ROWS:
+    if library is None or (
+        x2.shape[0] > KERNEL_MAX_ROWS
+        and not (_ONE_TOKEN_ROWS.get() and library.quant_linear_int8_activations())
+    ):
         parts = [
             F.linear(
                 x,
