@@ -5,8 +5,9 @@ over it: on CPU that is two trips through memory for every key and value, and th
 of decode attention's time. Here decode rows go through `paged_decode` (one work item per row, or per
 (row, KV head) when there are few rows: scores, exact softmax and weighted sum straight from the blocks),
 the rows of prompts through `paged_prefill` (one work item per 32 rows of a prompt and KV head: the keys
-those rows attend converted once into float tiles that every query head of the group shares; faster than
-SDPA at every prompt length measured, 256 to 2048 tokens and chunks after a 3,584-token prefix). New keys
+those rows attend converted, 256 at a time, into tiles that every query head of the group shares, with an
+online softmax across the blocks of keys; faster than SDPA at every prompt length measured, 256 to 2048
+tokens and chunks after a 3,584-token prefix). New keys
 and values are stored with one C call per layer (a row copy per token) instead of two index_copy_
 dispatches. Where the kernels are unavailable (see cpu/kernels.py) or cannot take the inputs, this is the
 torch path.

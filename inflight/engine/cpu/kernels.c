@@ -976,36 +976,44 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
 /* ---- paged prefill attention -------------------------------------------------------------------
  * The new rows of prompts (prefill, chunked prefill): each attends causally to its sequence's keys up to
  * its own position. A work item is PREFILL_ROWS consecutive rows of one prompt and one KV head. The item
- * converts the keys its rows attend into float tiles once, K transposed ([head_dim][keys]) and V as rows,
- * and every query head of the KV head's group, for every row of the item, scores and weighs against those
- * tiles: the scores are rank-1 updates over 16 keys at a time (no horizontal sums), the weighted sums
- * rank-1 updates over 16 dimensions. Query vectors are ordered row by row, each row's group heads together.
+ * goes over the keys its rows attend PREFILL_KEYS at a time (flash-attention style): each block of keys is
+ * converted once into tiles, K transposed ([head_dim][keys]) and V as rows, and every query head of the KV
+ * head's group, for every row of the item, scores and weighs against those tiles: the scores are rank-1
+ * updates over 16 keys at a time (no horizontal sums), the weighted sums rank-1 updates over 16 dimensions,
+ * added to each vector's running sum. The softmax is online: each vector keeps its largest score so far
+ * and the sum of its weights, and a block with a larger score rescales both and the running sum first;
+ * an item whose keys fit in one block computes exactly the two-pass softmax. Query vectors are ordered row
+ * by row, each row's group heads together.
  * 32 rows: the keys of a long prompt are converted once per 32 rows instead of once per 16 (1.2-1.5x the
- * 16-row items' speed on a 2048-token step of SmolLM2 prompts; 64 rows measured the same as 32). Where the
- * CPU has AVX512-BF16, bfloat16 scores take its dot product on keys and queries kept in bfloat16
- * (prefill_scores8_bf16: 1.25-1.3x the float tiles' attention). */
-enum { PREFILL_ROWS = 32, KEY_PAD = 16 };
+ * 16-row items' speed on a 2048-token step of SmolLM2 prompts; 64 rows measured the same as 32). Blocks of
+ * keys keep an item's tiles and scores in L2 however long the prompt (they took 3 MB per item at 4096
+ * keys). Where the CPU has AVX512-BF16, bfloat16 scores take its dot product on keys and queries kept in
+ * bfloat16 (prefill_scores8_bf16: 1.25-1.3x the float tiles' attention), and so do the weighted sums, on
+ * the weights rounded to bfloat16 as torch's CPU attention rounds them (prefill_weigh4_bf16). */
+enum { PREFILL_ROWS = 32, PREFILL_KEYS = 256, KEY_PAD = 16 };
 
 /* A prompt as the kernel reads it: [table row, first query row, query_len, seq_len] (int64 each). */
 enum { PROMPT_FIELDS = 4 };
 
-/* An item's float tiles, carved from its thread's scratch. */
+/* An item's tiles, carved from its thread's scratch. */
 struct prefill_tiles {
-    float *kt;      /* [head_dim][stride]: keys klo .. klo + n - 1, zero past n */
-    float *v;       /* [n][head_dim] */
+    float *kt;      /* [head_dim][PREFILL_KEYS]: the block's keys, zero past the last */
+    float *v;       /* [PREFILL_KEYS][head_dim]; bfloat16 weighted sums: [PREFILL_KEYS / 2][head_dim] pairs */
     float *queries; /* [vectors][head_dim], scaled; bfloat16 dot products: [vectors][head_dim / 2] pairs */
-    float *scores;  /* [vectors][stride]: scores, then softmax weights (zero outside each row's keys) */
-    float *inv;     /* [vectors]: 1 / sum of each vector's weights */
-    int64_t stride; /* n rounded up to KEY_PAD */
+    float *scores;  /* [vectors][PREFILL_KEYS]: scores, then weights (zero outside each row's keys) */
+    float *acc;     /* [vectors][head_dim]: running weighted sums */
+    float *peak;    /* [vectors]: largest score so far (-inf before the first) */
+    float *sum;     /* [vectors]: sum of the weights so far */
+    float *row;     /* [head_dim]: a key row converted to float */
 };
 
 /* Query vectors of an item, rounded up to whole blocks of the score micro-kernel (padding vectors are
  * zero). */
 static inline int64_t padded_vectors(int64_t rows, int64_t group) { return (rows * group + 7) / 8 * 8; }
 
-static size_t prefill_scratch_floats(int64_t max_keys, int64_t group, int64_t head_dim) {
-    const int64_t stride = (max_keys + KEY_PAD - 1) / KEY_PAD * KEY_PAD, vectors = padded_vectors(PREFILL_ROWS, group);
-    return (size_t)(2 * head_dim * stride + vectors * (head_dim + stride + 1));
+static size_t prefill_scratch_floats(int64_t group, int64_t head_dim) {
+    const int64_t vectors = padded_vectors(PREFILL_ROWS, group);
+    return (size_t)(2 * head_dim * PREFILL_KEYS + vectors * (2 * head_dim + PREFILL_KEYS + 2) + head_dim);
 }
 
 #if defined(__AVX512F__)
@@ -1033,14 +1041,14 @@ static ALWAYS_INLINE void prefill_scores8(const float *queries, const float *kt,
     }
 }
 
-/* out[i] = sum over keys [from, to) of weights[i][j] * v row j for 4 vectors, 64 dimensions at a time
+/* out[i] += sum over keys [from, to) of weights[i][j] * v row j for 4 vectors, 64 dimensions at a time
  * (head_dim a multiple of 64): 4 x 64 running sums in registers, four V loads per 16 multiply-adds. */
 static ALWAYS_INLINE void prefill_weigh4(const float *weights, int64_t stride, const float *v, int64_t from,
                                          int64_t to, int64_t head_dim, float *out) {
     for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
         __m512 a[4][4];
         for (int i = 0; i < 4; i++)
-            for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_ps();
+            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(out + i * head_dim + d0 + 16 * c);
         for (int64_t j = from; j < to; j++) {
             __m512 x[4];
             for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(v + j * head_dim + d0 + 16 * c);
@@ -1082,6 +1090,38 @@ static ALWAYS_INLINE void prefill_scores8_bf16(const uint32_t *queries, const ui
         }
     }
 }
+
+/* prefill_weigh4 for bfloat16 weights and values, with the AVX512-BF16 dot product over pairs of keys:
+ * weights row i holds bfloat16 weights, key pair jp in the 32 bits at weights[i * stride + jp]; the value
+ * tile holds dimension d of keys 2jp and 2jp + 1 in the 32 bits at v2[jp * head_dim + d]. Key pairs
+ * [from, to), added to out; products exact, sums in float32. */
+static ALWAYS_INLINE void prefill_weigh4_bf16(const uint32_t *weights, int64_t stride, const uint32_t *v2,
+                                              int64_t from, int64_t to, int64_t head_dim, float *out) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        __m512 a[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(out + i * head_dim + d0 + 16 * c);
+        for (int64_t jp = from; jp < to; jp++) {
+            __m512bh x[4];
+            for (int c = 0; c < 4; c++) x[c] = (__m512bh)_mm512_loadu_si512(v2 + jp * head_dim + d0 + 16 * c);
+            for (int i = 0; i < 4; i++) {
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)weights[i * stride + jp]);
+                for (int c = 0; c < 4; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], p, x[c]);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + i * head_dim + d0 + 16 * c, a[i][c]);
+    }
+}
+
+/* A row of n floats (n a multiple of 16) rounded to bfloat16 in place: the bfloat16 row takes the first
+ * half of the floats' bytes (each 16 floats are read before their 32 bytes are written). */
+static ALWAYS_INLINE void to_bf16_in_place(float *row, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m256i h = float_to_bf16x16(_mm512_loadu_ps(row + j));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)row + j), h);
+    }
+}
 #endif
 
 /* The same in plain C, any head_dim. */
@@ -1103,13 +1143,112 @@ static void prefill_weigh_c(const float *weights, int64_t m, int64_t stride, con
                             int64_t head_dim, float *out) {
     for (int64_t i = 0; i < m; i++) {
         float *o = out + i * head_dim;
-        for (int64_t d = 0; d < head_dim; d++) o[d] = 0.0f;
         for (int64_t j = from; j < to; j++) {
             const float p = weights[i * stride + j];
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[j * head_dim + d];
         }
     }
+}
+
+/* Where key `key` of a sequence and KV head `kv_head` lies in the cache, in elements. */
+static inline int64_t key_offset(const int32_t *table, int64_t key, int64_t block_size, int64_t num_kv_heads,
+                                 int64_t kv_head, int64_t head_dim) {
+    const int64_t slot = (int64_t)table[key / block_size] * block_size + key % block_size;
+    return (slot * num_kv_heads + kv_head) * head_dim;
+}
+
+#if defined(__AVX512F__)
+/* r[i] becomes column i of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15]. */
+static ALWAYS_INLINE void transpose16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + i + 4], 0x88);
+            t[8 * h + i + 4] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
+
+/* Keys [kb, kb + count) of the item (counted from its first key, klo) into the block's tiles: each K row
+ * into its column of the transposed tile (bfloat16 key pairs as they lie; float32 keys and key pairs 16
+ * keys at a time through a register transpose), each V row into place (bfloat16 value pairs: two keys'
+ * rows interleaved); past the last key the K tile is zero up to a whole KEY_PAD, and an odd last key's
+ * pair partner too (its weight is zero, and 0 * garbage may be NaN). */
+static void prefill_load_keys(const void *k_cache, const void *v_cache, const int32_t *table, int64_t klo, int64_t kb,
+                              int64_t count, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, int kv_dtype, int pairs, int value_pairs, const struct prefill_tiles *t) {
+    uint32_t *kt2 = (uint32_t *)t->kt, *v2 = (uint32_t *)t->v;
+    const int64_t first = klo + kb;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    /* 32-bit columns of a key row, 16 at a time, when the cache holds them as they go into the tile. */
+    const int64_t columns = pairs ? pairs : head_dim;
+    if (columns % 16 == 0 && (pairs || kv_dtype == DTYPE_FLOAT32))
+        for (; j + 16 <= count; j += 16) {
+            const float *rows[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t offset = key_offset(table, first + j + i, block_size, num_kv_heads, kv_head, head_dim);
+                rows[i] = pairs ? (const float *)((const uint16_t *)k_cache + offset) : (const float *)k_cache + offset;
+            }
+            for (int64_t c = 0; c < columns; c += 16) {
+                __m512 r[16];
+                for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i] + c);
+                transpose16x16(r);
+                for (int i = 0; i < 16; i++) _mm512_storeu_ps(t->kt + (c + i) * PREFILL_KEYS + j, r[i]);
+            }
+        }
+#endif
+    for (; j < count; j++) {
+        const int64_t offset = key_offset(table, first + j, block_size, num_kv_heads, kv_head, head_dim);
+        if (pairs) {
+            const uint32_t *k = (const uint32_t *)((const uint16_t *)k_cache + offset);
+            for (int64_t p = 0; p < pairs; p++) kt2[p * PREFILL_KEYS + j] = k[p];
+        } else {
+            const float *k = row_as_float(k_cache, offset, head_dim, kv_dtype, t->row);
+            for (int64_t d = 0; d < head_dim; d++) t->kt[d * PREFILL_KEYS + j] = k[d];
+        }
+    }
+#if defined(__AVX512BF16__)
+    if (value_pairs) {
+        /* Key 2jp's dimensions in the low halves, key 2jp + 1's in the high halves (zero past the last). */
+        for (int64_t jp = 0; 2 * jp < count; jp++) {
+            const uint16_t *v0 = (const uint16_t *)v_cache +
+                                 key_offset(table, first + 2 * jp, block_size, num_kv_heads, kv_head, head_dim);
+            const uint16_t *v1 = 2 * jp + 1 < count ? (const uint16_t *)v_cache + key_offset(table, first + 2 * jp + 1,
+                                                                                              block_size, num_kv_heads,
+                                                                                              kv_head, head_dim)
+                                                    : NULL;
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + d)));
+                const __m512i hi = v1 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + d))), 16)
+                                      : _mm512_setzero_si512();
+                _mm512_storeu_si512(v2 + jp * head_dim + d, _mm512_or_si512(lo, hi));
+            }
+        }
+    }
+#endif
+    if (!value_pairs)
+        for (j = 0; j < count; j++)
+            load_as_float(v_cache, key_offset(table, first + j, block_size, num_kv_heads, kv_head, head_dim), head_dim,
+                          kv_dtype, t->v + j * head_dim);
+    /* 0.0f and a zero bfloat16 pair are the same 32 bits. */
+    const int64_t kt_rows = pairs ? pairs : head_dim, padded = (count + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
+    for (int64_t r = 0; r < kt_rows; r++) memset(t->kt + r * PREFILL_KEYS + count, 0, sizeof(float) * (size_t)(padded - count));
 }
 
 /* Rows [r0, r1) of a prompt, one KV head. Row r sits at position ctx + r and attends keys
@@ -1123,37 +1262,23 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
     const int64_t klo = window_start(ctx + r0 + 1, window);
     const int64_t n = ctx + r1 - klo;
     struct prefill_tiles t;
-    t.stride = (n + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
     t.kt = scratch;
-    t.v = t.kt + head_dim * t.stride;
-    t.queries = t.v + head_dim * t.stride;
+    t.v = t.kt + head_dim * PREFILL_KEYS;
+    t.queries = t.v + head_dim * PREFILL_KEYS;
     t.scores = t.queries + padded * head_dim;
-    t.inv = t.scores + padded * t.stride;
-    /* bfloat16 scores by dot product (prefill_scores8_bf16): keys and queries stay bfloat16, in pairs. */
+    t.acc = t.scores + padded * PREFILL_KEYS;
+    t.peak = t.acc + padded * head_dim;
+    t.sum = t.peak + padded;
+    t.row = t.sum + padded;
+    /* bfloat16 scores by dot product (prefill_scores8_bf16): keys and queries stay bfloat16, in pairs; and
+     * weighted sums by dot product over pairs of keys (prefill_weigh4_bf16). */
 #if defined(__AVX512BF16__)
     const int pairs = dtype == DTYPE_BFLOAT16 && kv_dtype == DTYPE_BFLOAT16 && head_dim % 32 == 0 ? (int)(head_dim / 2) : 0;
 #else
     const int pairs = 0;
 #endif
-    uint32_t *kt2 = (uint32_t *)t.kt, *q2 = (uint32_t *)t.queries;
-    /* The keys and values, converted once: each V row into place, each K row into its column of the
-     * transposed tile (bfloat16 through the query buffer, free until the queries are loaded). */
-    for (int64_t j = 0; j < n; j++) {
-        const int64_t key = klo + j;
-        const int64_t slot = (int64_t)table[key / block_size] * block_size + key % block_size;
-        const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
-        if (pairs) {
-            const uint32_t *k = (const uint32_t *)((const uint16_t *)k_cache + offset);
-            for (int64_t p = 0; p < pairs; p++) kt2[p * t.stride + j] = k[p];
-        } else {
-            const float *k = row_as_float(k_cache, offset, head_dim, kv_dtype, t.queries);
-            for (int64_t d = 0; d < head_dim; d++) t.kt[d * t.stride + j] = k[d];
-        }
-        load_as_float(v_cache, offset, head_dim, kv_dtype, t.v + j * head_dim);
-    }
-    /* Past the last key the tile is zero (0.0f and a zero bfloat16 pair are the same 32 bits). */
-    const int64_t kt_rows = pairs ? pairs : head_dim;
-    for (int64_t r = 0; r < kt_rows; r++) memset(t.kt + r * t.stride + n, 0, sizeof(float) * (size_t)(t.stride - n));
+    const int value_pairs = pairs && head_dim % 64 == 0;
+    uint32_t *q2 = (uint32_t *)t.queries;
     /* The queries: bfloat16 pairs as they lie, or scaled floats; the padding vectors zero. */
     const size_t query_bytes = (pairs ? sizeof(uint16_t) : sizeof(float)) * (size_t)head_dim;
     for (int64_t i = 0; i < padded; i++) {
@@ -1171,62 +1296,104 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
             for (int64_t d = 0; d < head_dim; d++) xf[d] *= scale;
         }
     }
-    /* Scores, 8 vectors at a time, over the keys the block's last row attends. */
-    for (int64_t i0 = 0; i0 < vectors; i0 += 8) {
-        const int64_t last = i0 + 8 < vectors ? i0 + 7 : vectors - 1;
-        const int64_t keys = (ctx + r0 + last / group + 1 - klo + 15) / 16 * 16;
-#if defined(__AVX512BF16__)
-        if (pairs) {
-            prefill_scores8_bf16(q2 + i0 * pairs, kt2, t.stride, keys, pairs, scale, t.scores + i0 * t.stride);
-            continue;
-        }
-#endif
-#if defined(__AVX512F__)
-        if (head_dim % 16 == 0) {
-            prefill_scores8(t.queries + i0 * head_dim, t.kt, t.stride, keys, head_dim, t.scores + i0 * t.stride);
-            continue;
-        }
-#endif
-        prefill_scores_c(t.queries + i0 * head_dim, 8, t.kt, t.stride, keys, head_dim, t.scores + i0 * t.stride);
-    }
-    /* Exact softmax of each vector over its row's keys; weights outside them are zero. */
+    memset(t.acc, 0, sizeof(float) * (size_t)(padded * head_dim));
     for (int64_t i = 0; i < vectors; i++) {
-        const int64_t r = r0 + i / group, end = ctx + r + 1 - klo;
-        const int64_t begin = window_start(ctx + r + 1, window) - klo;
-        float *s = t.scores + i * t.stride;
-        float peak = -INFINITY;
-#pragma omp simd reduction(max : peak)
-        for (int64_t j = begin; j < end; j++) peak = s[j] > peak ? s[j] : peak;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < begin; j++) s[j] = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = begin; j < end; j++) {
-            s[j] = exp_approx(s[j] - peak);
-            sum += s[j];
-        }
-        for (int64_t j = end; j < t.stride; j++) s[j] = 0.0f;
-        t.inv[i] = 1.0f / sum;
+        t.peak[i] = -INFINITY;
+        t.sum[i] = 0.0f;
     }
-    /* Weighted sums, 4 vectors at a time over the keys any of them attends; then out. */
-    float *acc = t.queries; /* the queries are no longer needed: [vectors][head_dim] */
-    for (int64_t i0 = 0; i0 < vectors; i0 += 4) {
-        const int64_t last = i0 + 4 < vectors ? i0 + 3 : vectors - 1;
-        const int64_t r_first = r0 + i0 / group, r_last = r0 + last / group;
-        const int64_t from = window_start(ctx + r_first + 1, window) - klo;
-        const int64_t to = ctx + r_last + 1 - klo;
-#if defined(__AVX512F__)
-        if (head_dim % 64 == 0) {
-            prefill_weigh4(t.scores + i0 * t.stride, t.stride, t.v, from, to, head_dim, acc + i0 * head_dim);
-            continue;
-        }
+    for (int64_t kb = 0; kb < n; kb += PREFILL_KEYS) {
+        const int64_t count = n - kb < PREFILL_KEYS ? n - kb : PREFILL_KEYS;
+        const int64_t count_padded = (count + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
+        prefill_load_keys(k_cache, v_cache, table, klo, kb, count, kv_head, num_kv_heads, head_dim, block_size, kv_dtype,
+                          pairs, value_pairs, &t);
+        /* Scores, 8 vectors at a time, over the block's keys that the 8's last row attends. */
+        for (int64_t i0 = 0; i0 < vectors; i0 += 8) {
+            const int64_t last = i0 + 8 < vectors ? i0 + 7 : vectors - 1;
+            const int64_t end = ctx + r0 + last / group + 1 - klo;
+            if (end <= kb) continue;
+            const int64_t keys = ((end < kb + count ? end : kb + count) - kb + 15) / 16 * 16;
+            float *scores = t.scores + i0 * PREFILL_KEYS;
+#if defined(__AVX512BF16__)
+            if (pairs) {
+                prefill_scores8_bf16(q2 + i0 * pairs, (const uint32_t *)t.kt, PREFILL_KEYS, keys, pairs, scale, scores);
+                continue;
+            }
 #endif
-        prefill_weigh_c(t.scores + i0 * t.stride, last - i0 + 1, t.stride, t.v, from, to, head_dim, acc + i0 * head_dim);
+#if defined(__AVX512F__)
+            if (head_dim % 16 == 0) {
+                prefill_scores8(t.queries + i0 * head_dim, t.kt, PREFILL_KEYS, keys, head_dim, scores);
+                continue;
+            }
+#endif
+            prefill_scores_c(t.queries + i0 * head_dim, 8, t.kt, PREFILL_KEYS, keys, head_dim, scores);
+        }
+        /* Online softmax: each vector's weights over the block's keys of its row, against its largest score
+         * so far (a larger one rescales what came before); weights outside the row's keys are zero. */
+        for (int64_t i = 0; i < vectors; i++) {
+            const int64_t r = r0 + i / group, end = ctx + r + 1 - klo;
+            const int64_t begin = window_start(ctx + r + 1, window) - klo;
+            const int64_t lo = (begin > kb ? begin : kb) - kb, hi = (end < kb + count ? end : kb + count) - kb;
+            float *s = t.scores + i * PREFILL_KEYS;
+            if (lo >= hi) {
+                memset(s, 0, sizeof(float) * (size_t)count_padded);
+                continue;
+            }
+            float peak = -INFINITY;
+#pragma omp simd reduction(max : peak)
+            for (int64_t j = lo; j < hi; j++) peak = s[j] > peak ? s[j] : peak;
+            if (peak > t.peak[i]) {
+                if (t.peak[i] > -INFINITY) {
+                    const float factor = exp_approx(t.peak[i] - peak);
+                    t.sum[i] *= factor;
+                    for (int64_t d = 0; d < head_dim; d++) t.acc[i * head_dim + d] *= factor;
+                }
+                t.peak[i] = peak;
+            }
+            peak = t.peak[i];
+            float sum = 0.0f;
+            for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = lo; j < hi; j++) {
+                s[j] = exp_approx(s[j] - peak);
+                sum += s[j];
+            }
+            for (int64_t j = hi; j < count_padded; j++) s[j] = 0.0f;
+            t.sum[i] += sum;
+#if defined(__AVX512BF16__)
+            if (value_pairs) to_bf16_in_place(s, count_padded);
+#endif
+        }
+        /* Weighted sums, 4 vectors at a time over the block's keys any of them attends. */
+        for (int64_t i0 = 0; i0 < vectors; i0 += 4) {
+            const int64_t last = i0 + 4 < vectors ? i0 + 3 : vectors - 1;
+            const int64_t r_first = r0 + i0 / group, r_last = r0 + last / group;
+            const int64_t begin = window_start(ctx + r_first + 1, window) - klo, end = ctx + r_last + 1 - klo;
+            const int64_t from = (begin > kb ? begin : kb) - kb, to = (end < kb + count ? end : kb + count) - kb;
+            if (to <= from) continue;
+            const float *weights = t.scores + i0 * PREFILL_KEYS;
+            float *acc = t.acc + i0 * head_dim;
+#if defined(__AVX512BF16__)
+            if (value_pairs) {
+                prefill_weigh4_bf16((const uint32_t *)weights, PREFILL_KEYS, (const uint32_t *)t.v, from / 2, (to + 1) / 2,
+                                    head_dim, acc);
+                continue;
+            }
+#endif
+#if defined(__AVX512F__)
+            if (head_dim % 64 == 0) {
+                prefill_weigh4(weights, PREFILL_KEYS, t.v, from, to, head_dim, acc);
+                continue;
+            }
+#endif
+            prefill_weigh_c(weights, last - i0 + 1, PREFILL_KEYS, t.v, from, to, head_dim, acc);
+        }
     }
     for (int64_t r = r0; r < r1; r++)
         for (int64_t h = 0; h < group; h++) {
             const int64_t i = (r - r0) * group + h;
-            float *a = acc + i * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) a[d] *= t.inv[i];
+            float *a = t.acc + i * head_dim;
+            const float inv = 1.0f / t.sum[i];
+            for (int64_t d = 0; d < head_dim; d++) a[d] *= inv;
             store_row(out, ((first_row + r) * num_heads + kv_head * group + h) * head_dim, a, head_dim, dtype);
         }
 }
@@ -1261,13 +1428,15 @@ static void run_prefill_item(const void *context, int64_t item, float *scratch) 
  *   prompts     [n, PROMPT_FIELDS]: block table row, first row in q / out, query_len, seq_len
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart)
  *   window      keys older than `window` positions are skipped (0 = no sliding window)
- *   max_seq_len the longest seq_len (sizes the per-thread scratch)
+ *   max_seq_len unused: the scratch holds a block of keys however long the prompts (the argument is
+ *               there for the argument list paged_decode shares)
  *   dtype       q's and out's; kv_dtype the caches' (dtype's, or DTYPE_FP8_E4M3)
  * Returns 0, or 1 when scratch memory could not be allocated (out is then incomplete). */
 int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                   int64_t table_stride, const int64_t *prompts, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype, void *out,
                   int64_t max_seq_len, int num_threads) {
+    (void)max_seq_len;
     /* Item k of prompt i is tile k / num_kv_heads, KV head k % num_kv_heads; item_starts: prefix sums. */
     int64_t *item_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
     if (item_starts == NULL) return 1;
@@ -1276,13 +1445,12 @@ int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, cons
         const int64_t tiles = (prompts[i * PROMPT_FIELDS + 2] + PREFILL_ROWS - 1) / PREFILL_ROWS;
         item_starts[i + 1] = item_starts[i] + tiles * num_kv_heads;
     }
-    const int64_t max_keys = window > 0 && window + PREFILL_ROWS < max_seq_len ? window + PREFILL_ROWS : max_seq_len;
     const struct prefill_call call = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .prompts = prompts,
         .item_starts = item_starts, .items = item_starts[n], .q_row_stride = q_row_stride,
         .table_stride = table_stride, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .block_size = block_size, .window = window, .scale = scale, .dtype = dtype, .kv_dtype = kv_dtype, .out = out};
-    const int failed = run_items(item_starts[n], prefill_scratch_floats(max_keys, num_heads / num_kv_heads, head_dim),
+    const int failed = run_items(item_starts[n], prefill_scratch_floats(num_heads / num_kv_heads, head_dim),
                                  num_threads, run_prefill_item, &call);
     free(item_starts);
     return failed;

@@ -97,6 +97,31 @@ def test_long_prompts_and_a_chunk_after_a_long_prefix(dtype: torch.dtype) -> Non
     assert_close(out, dense_reference(case), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_keys_in_blocks_with_larger_scores_late(dtype: torch.dtype, torch_threads: int) -> None:
+    # The prefill kernel goes over keys 256 at a time with an online softmax: keys from position 500 on
+    # score four times larger, so each row's largest score so far grows in a later block and everything
+    # weighed before must be rescaled. A whole 700-token prompt (odd), a 261-row chunk after 739 tokens.
+    case = make_case([700, 1000], [700, 261], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=8)
+    block_size = case.k_cache.shape[1]
+    for seq, seq_len in enumerate(case.meta.seq_lens_list):
+        for pos in range(500, seq_len):
+            block = int(case.meta.block_tables[seq, pos // block_size])
+            case.k_cache[block, pos % block_size] *= 4
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_longer_than_a_block_of_keys(dtype: torch.dtype) -> None:
+    # A 300-key window spans two of the prefill kernel's 256-key blocks, starting inside the first.
+    case = make_case(
+        [900, 700], [900, 101], num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype, sliding_window=300
+    )
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), dtype)
+
+
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [9, 1, 30], [70, 1, 40]])
 def test_sliding_window_masks_old_keys(query_lens: list[int]) -> None:
     case = make_case([90, 45, 40], query_lens, num_heads=4, num_kv_heads=2, sliding_window=20, seed=2)
@@ -270,6 +295,7 @@ def test_the_portable_c_path_matches_the_references(
         ([1, 16, 17, 32, 8, 9, 141], [1, 16, 5, 32, 1, 9, 70], None),
         ([90, 45, 40, 3], [1] * 4, 20),
         ([90, 45, 40, 3], [40, 1, 40, 3], 20),
+        ([600, 700, 5], [600, 37, 1], None),  # several blocks of keys
     ):
         shapes = ((8, 2, 32), (8, 1, 24), (6, 6, 40), (9, 3, 64), (10, 2, 48))
         for num_heads, num_kv_heads, head_dim in shapes:

@@ -1,0 +1,93 @@
+"""Where a long-prompt run goes: the `long-prompts` bench workload through inflight's continuous engine
+(after its warm-up), with per-call timers on the linear layers (oneDNN GEMMs), paged attention and the
+K/V writes; the rest of the timed run is the elementwise steps, sampling and Python.
+
+    GOMP_SPINCOUNT=3000 PYTHONPATH=. .venv/bin/python benchmarks/long_prompt_profile.py \
+        [--dtype bfloat16] [--num-requests 16] [--threads 2] [--max-num-batched-tokens 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from inflight.bench.checkpoint import bench_checkpoint
+from inflight.bench.inflight_engine import CONTINUOUS
+from inflight.bench.system import BenchSettings
+from inflight.bench.workload import load_workload
+from inflight.engine.attention import backend
+from inflight.engine.cpu import linear
+
+TIMES: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        TIMES[name] += time.perf_counter() - start
+        CALLS[name] += 1
+        return out
+
+    return wrapper
+
+
+def prompt_rows(meta: Any) -> str:
+    """'prefill' when the call has prompt rows, else 'decode'."""
+    return "prefill" if meta.prompts.shape[0] else "decode"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernel = backend.CPU_KERNEL_BACKEND
+    attention = kernel.paged_attention
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
+        return timed(f"attention ({prompt_rows(meta)} steps)", attention)(q, k, v, meta, scale)
+
+    backend.CPU_KERNEL_BACKEND = backend.AttentionBackend(
+        kernel.name, timed("K/V writes", kernel.write_kv_cache), attend
+    )
+    linear.PrepackedLinear.forward = timed("linear (oneDNN)", linear.PrepackedLinear.forward)  # type: ignore[method-assign]
+    torch.nn.Linear.forward = timed("linear (torch)", torch.nn.Linear.forward)  # type: ignore[method-assign]
+    model = bench_checkpoint("builtin:smollm2")
+    settings = BenchSettings(
+        model_dir=model,
+        requests=load_workload(model, args.num_requests, workload="long-prompts"),
+        max_slots=64,
+        dtype=args.dtype,
+        vllm_python=None,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        threads=args.threads,
+    )
+    run = CONTINUOUS.run(settings)
+    TIMES.clear()
+    CALLS.clear()
+    run = CONTINUOUS.run(settings)
+    tokens = sum(map(len, run.outputs))
+    prompt = sum(len(r.prompt_token_ids) for r in settings.requests)
+    chunk = args.max_num_batched_tokens
+    print(
+        f"{args.dtype}, {args.num_requests} requests ({prompt} prompt tokens, {tokens} out), chunk {chunk}:"
+    )
+    print(f"  {run.seconds:.2f} s, {tokens / run.seconds:.1f} tok/s")
+    for name, seconds in sorted(TIMES.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:32s} {seconds:7.2f} s  {100 * seconds / run.seconds:5.1f} %  {CALLS[name]} calls")
+    rest = run.seconds - sum(TIMES.values())
+    print(f"  {'rest':32s} {rest:7.2f} s  {100 * rest / run.seconds:5.1f} %")
+
+
+if __name__ == "__main__":
+    main()
