@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import random
-import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -33,13 +31,8 @@ from inflight.engine.cpu import kernels as cpu_kernels
 
 
 def build(source: Path, out_dir: Path) -> ctypes.CDLL:
-    """kernels.c from `source`, compiled with the engine's flags into its own folder."""
-    folder = out_dir / source.stem
-    folder.mkdir(parents=True)
-    shutil.copy(source, folder / "kernels.c")
-    command = ["cc", *cpu_kernels.COMPILE_FLAGS, str(folder / "kernels.c"), "-o", str(folder / "k.so"), "-lm"]
-    subprocess.run(command, check=True)
-    return cpu_kernels.load_library(folder / "k.so")
+    """The engine's library with kernels.c from `source`, built with the engine's flags into `out_dir`."""
+    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, kernels_source=source))
 
 
 def main() -> None:

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import random
-import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -33,15 +31,8 @@ CASES = ((512, 512), (1024, 1024), (2048, 2048), (2048, 4096), (1024, 4096), (40
 
 
 def build(source: Path, out_dir: Path) -> ctypes.CDLL:
-    """kernels.c from `source` (with the working tree's quant_kernels.c), compiled with the engine's
-    flags into its own folder."""
-    folder = out_dir / f"build{len(list(out_dir.iterdir()))}"
-    folder.mkdir(parents=True)
-    shutil.copy(source, folder / "kernels.c")
-    sources = [str(folder / "kernels.c"), str(cpu_kernels.QUANT_SOURCE)]
-    command = ["cc", *cpu_kernels.COMPILE_FLAGS, *sources, "-o", str(folder / "k.so"), "-lm"]
-    subprocess.run(command, check=True)
-    return cpu_kernels.load_library(folder / "k.so")
+    """The engine's library with kernels.c from `source`, built with the engine's flags into `out_dir`."""
+    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, kernels_source=source))
 
 
 def main() -> None:

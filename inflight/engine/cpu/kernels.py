@@ -114,12 +114,16 @@ def _cpu_signature() -> str:
 
 
 def build_library(
-    compiler: str | None = None, out_dir: Path | None = None, flags: tuple[str, ...] = COMPILE_FLAGS
+    compiler: str | None = None,
+    out_dir: Path | None = None,
+    flags: tuple[str, ...] = COMPILE_FLAGS,
+    kernels_source: Path = SOURCE,
 ) -> Path:
     """Compile kernels.c, quant_kernels.c and decode_layer.c into one library (once per source, compiler,
     flags and CPU) and return its path.
 
-    `flags` other than the default are for tests (e.g. without -march=native: the portable C path)."""
+    `flags` other than the default are for tests (e.g. without -march=native: the portable C path);
+    `kernels_source`, another kernels.c in place of this one, for benchmarks comparing an older one."""
     compiler = compiler or os.environ.get("CC") or "cc"
     compiler_path = shutil.which(compiler)
     if compiler_path is None:
@@ -127,7 +131,7 @@ def build_library(
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=False).stdout
     # Every C file beside the source (headers included) and the compiler's path: a change to any of them
     # is a different library, never a stale one from the cache.
-    sources = sorted(SOURCE.parent.glob("*.[ch]"))
+    sources = [kernels_source, *sorted(path for path in SOURCE.parent.glob("*.[ch]") if path != SOURCE)]
     inputs = [
         *(path.read_bytes() for path in sources),
         compiler_path,
@@ -144,8 +148,17 @@ def build_library(
     # Build into a temporary name and rename: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
-        compiled = (SOURCE, QUANT_SOURCE, DECODE_LAYER_SOURCE)
-        command = [compiler_path, *flags, *map(str, compiled), "-o", str(partial), "-lm"]
+        compiled = (kernels_source, QUANT_SOURCE, DECODE_LAYER_SOURCE)
+        # -I: kernels.h for a kernels.c outside this folder.
+        command = [
+            compiler_path,
+            *flags,
+            f"-I{SOURCE.parent}",
+            *map(str, compiled),
+            "-o",
+            str(partial),
+            "-lm",
+        ]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise KernelBuildError(

@@ -204,6 +204,18 @@ def test_build_is_cached_per_source_and_names_a_missing_compiler(tmp_path: Path)
         cpu_kernels.build_library(compiler="no-such-cc", out_dir=tmp_path)
 
 
+def test_another_kernels_c_builds_its_own_library_with_the_engines_other_sources(tmp_path: Path) -> None:
+    """A kernels.c outside the package (the attention benchmarks' --compare) still finds kernels.h and
+    builds into a library of its own, not the cached one of the package's kernels.c."""
+    other = tmp_path / "elsewhere" / "kernels.c"
+    other.parent.mkdir()
+    other.write_text(cpu_kernels.SOURCE.read_text() + "\n/* an older version */\n")
+    ours = cpu_kernels.build_library(out_dir=tmp_path / "out")
+    theirs = cpu_kernels.build_library(out_dir=tmp_path / "out", kernels_source=other)
+    assert theirs != ours
+    assert cpu_kernels.load_library(theirs).quant_linear_int8_activations() in (0, 1)
+
+
 def test_compile_errors_are_reported_with_the_compiler_output(tmp_path: Path) -> None:
     fake = tmp_path / "cc"
     fake.write_text(
