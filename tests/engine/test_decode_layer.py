@@ -19,6 +19,7 @@ from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture
 from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu import quantized
 from inflight.engine.cpu.quantized import KERNEL_MAX_ROWS, QuantizedLinear, quantized_linear
 from inflight.engine.gguf.repack import quantize
 from inflight.engine.model import decode_layer
@@ -125,13 +126,16 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
     window: int | None,
     torch_threads: int,
 ) -> None:
-    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work)."""
+    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work); 1..KERNEL_MAX_ROWS rows,
+    and 12 as run_model gives a decode step (`one_token_rows`: one call where the kernel rounds x to int8,
+    the per-op path both times elsewhere)."""
     spy = _Spy(any_library)
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
     model = _model(quantization, dtype, bias, window)
     kv_dtype = torch.float8_e4m3fn if fp8_kv else dtype
     rng = random.Random(1)
-    for rows in range(1, KERNEL_MAX_ROWS + 1):
+    for rows in (*range(1, KERNEL_MAX_ROWS + 1), 12):
+        one_call = rows <= KERNEL_MAX_ROWS or bool(any_library.quant_linear_int8_activations())
         meta, positions = _decode_step(rows, rng)
         ids = torch.tensor([rng.randrange(64) for _ in range(rows)])
         caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype, "cpu")
@@ -139,10 +143,10 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
             k.copy_(torch.randn(k.shape).clamp(-4, 4).to(kv_dtype))
             v.copy_(torch.randn(v.shape).clamp(-4, 4).to(kv_dtype))
         per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
-        with torch.inference_mode():
+        with torch.inference_mode(), quantized.one_token_rows():
             spy.calls.clear()
             fused = model(ids, positions, caches, meta)
-            assert spy.calls.count("decode_layer") == 2
+            assert spy.calls.count("decode_layer") == (2 if one_call else 0)
             with monkeypatch.context() as patch:
                 patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
                 spy.calls.clear()
@@ -167,6 +171,12 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
         assert start(torch.zeros(rows, 64), prefill, rope, k_cache) is None
         decode = start(torch.zeros(rows, 64), meta, rope, k_cache)
         assert (decode is not None) == (rows <= KERNEL_MAX_ROWS)
+        with quantized.one_token_rows():  # as run_model runs a decode step: any count where x is int8
+            decode = start(torch.zeros(rows, 64), meta, rope, k_cache)
+        library = cpu_kernels.library()
+        assert library is not None
+        int8 = bool(library.quant_linear_int8_activations())
+        assert (decode is not None) == (rows <= KERNEL_MAX_ROWS or int8)
     float_model = LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu"))
     assert float_model.layers[0].fused() is None
     for layer in model.layers:

@@ -16,6 +16,7 @@ they dequantize the weight for each call and run the PyTorch product: same value
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -224,6 +225,14 @@ def one_token_rows(enabled: bool = True) -> Iterator[None]:
         _ONE_TOKEN_ROWS.reset(token)
 
 
+def kernel_takes(rows: int, library: ctypes.CDLL) -> bool:
+    """Whether `quantized_linear` multiplies `rows` rows of x by the C kernel (else by the dequantized
+    weights), here (inside or outside `one_token_rows`)."""
+    return rows <= KERNEL_MAX_ROWS or (
+        _ONE_TOKEN_ROWS.get() and bool(library.quant_linear_int8_activations())
+    )
+
+
 def quantized_linear(
     x: torch.Tensor,
     weight: QuantizedTensor,
@@ -239,10 +248,7 @@ def quantized_linear(
     library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
     rows_out, cols = weight.shape
     x2 = x.reshape(-1, cols)
-    if library is None or (
-        x2.shape[0] > KERNEL_MAX_ROWS
-        and not (_ONE_TOKEN_ROWS.get() and library.quant_linear_int8_activations())
-    ):
+    if library is None or not kernel_takes(x2.shape[0], library):
         parts = [
             F.linear(
                 x,

@@ -6,8 +6,9 @@ allocations and ctypes call: more time than the layer's quantized products. `dec
 engine/cpu/decode_layer.c runs the same kernels with the same arguments in one call, so its outputs are
 bit-identical to the per-op path (tests/engine/test_decode_layer.py).
 
-It runs a step of only decode rows (AttentionMetadata.is_decode_only), at most KERNEL_MAX_ROWS of them
-(above, the per-op path's products switch to the dequantized float GEMM), float32 or bfloat16
+It runs a step of only decode rows (AttentionMetadata.is_decode_only) whose products the per-op path
+would also give the kernel (`quantized.kernel_takes`: the run_model of a decode step takes any count
+where the kernel rounds x to int8, else at most KERNEL_MAX_ROWS rows), float32 or bfloat16
 activations, a KV cache of that dtype or float8, on one rank, with every projection of the layer a
 `QuantizedLinear` and the C kernels available; anything else takes the per-op path.
 """
@@ -21,7 +22,7 @@ from torch import nn
 
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
-from inflight.engine.cpu.quantized import FORMAT_CODES, KERNEL_MAX_ROWS, QuantizedLinear
+from inflight.engine.cpu.quantized import FORMAT_CODES, QuantizedLinear, kernel_takes
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -218,9 +219,11 @@ class DecodeStep:
     ) -> DecodeStep | None:
         """The step, where decode_layer.c can run it (see the top of the file), else None. `rope`: the
         step's cos and sin from ops.rotary_tables; `k_cache`: a layer's (every layer's is alike)."""
-        if not meta.is_decode_only or hidden.shape[0] > KERNEL_MAX_ROWS or hidden.dim() != 2:
-            return None
         library = cpu_kernels.library_for(hidden)
+        if library is None or not meta.is_decode_only or hidden.dim() != 2:
+            return None
+        if not kernel_takes(hidden.shape[0], library):
+            return None
         cos, sin = rope
         tables_usable = (
             cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
@@ -230,7 +233,7 @@ class DecodeStep:
             and k_cache.dtype in (hidden.dtype, torch.float8_e4m3fn)
             and meta.slot_mapping.dtype == torch.int64
         )
-        if library is None or not (tables_usable and kv_usable and hidden.is_contiguous()):
+        if not (tables_usable and kv_usable and hidden.is_contiguous()):
             return None
         return DecodeStep(library, hidden, meta, rope, k_cache)
 
