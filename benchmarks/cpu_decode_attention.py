@@ -16,7 +16,6 @@ alternating with the --dtype caches (an older kernels.c to --compare must take t
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import random
 import statistics
@@ -26,30 +25,17 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cpu_attention_common import build, parser_with_shape
 from inflight.engine.attention.kv_store import FP8_DTYPE, to_cache
 from inflight.engine.cpu import kernels as cpu_kernels
 
 
-def build(source: Path, out_dir: Path) -> ctypes.CDLL:
-    """The engine's library with kernels.c from `source`, built with the engine's flags into `out_dir`."""
-    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, kernels_source=source))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--compare", type=Path, help="another kernels.c to time against the working tree's")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser = parser_with_shape(__doc__)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "both"], default="auto")
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=250)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)

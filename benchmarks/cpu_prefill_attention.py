@@ -14,7 +14,6 @@ p.v over the keys each row attends).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import random
 import statistics
@@ -24,28 +23,15 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cpu_attention_common import build, parser_with_shape
 from inflight.engine.cpu import kernels as cpu_kernels
 
 # (query_len, seq_len) of one prompt chunk: whole prompts, and chunks after a cached prefix.
 CASES = ((512, 512), (1024, 1024), (2048, 2048), (2048, 4096), (1024, 4096), (4096, 4096))
 
 
-def build(source: Path, out_dir: Path) -> ctypes.CDLL:
-    """The engine's library with kernels.c from `source`, built with the engine's flags into `out_dir`."""
-    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, kernels_source=source))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--compare", type=Path, help="another kernels.c to time against the working tree's")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = parser_with_shape(__doc__)
     parser.add_argument("--calls", type=int, default=7)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
