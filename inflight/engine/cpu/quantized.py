@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -2,8 +2,8 @@
 float16 scales stay float16 (the bytes the file holds), Q4_0's offset becomes -8 x its scale (exact in
 float16), Q4_K's sub-blocks become u4 blocks of 32 with their nibbles in Q4_0's order and float32 scales
 and offsets (a float16 super-block scale times a 6-bit sub-block scale needs up to 17 bits). The values
-are exactly the float32 ones dequant.py computes (tests/engine/test_quantized.py). Float weights quantized at load
-(`--quantization int8|q8_0|q4_0|q4_1`) go through here too.
+are exactly the float32 ones dequant.py computes (tests/engine/test_quantized.py). Float weights
+quantized at load (`--quantization int8|q8_0|q4_0|q4_1`) go through here too.
 """
 
 from __future__ import annotations
