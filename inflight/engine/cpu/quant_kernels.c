@@ -318,7 +318,9 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             }
         }
+        /* The group's 16 scales (and offsets) for this block: one load each, widened once for the x rows. */
         const __m512 dwv = scales16(dw, b * QGROUP, half);
+        const __m512 mwv = kind == QFORMAT_U4 ? scales16(mw, b * QGROUP, half) : _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int i = 0; i < mt; i++) {
             const int8_t *xb = qx[i] + b * QBLOCK;
@@ -335,7 +337,7 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
             const __m512i dot = _mm512_add_epi32(s0, s1);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, _mm512_set1_ps(d)), acc[i]);
             if (kind == QFORMAT_U4)
-                acc[i] = _mm512_fmadd_ps(scales16(mw, b * QGROUP, half), _mm512_set1_ps(d * (float)sum), acc[i]);
+                acc[i] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(d * (float)sum), acc[i]);
         }
     }
 #pragma GCC unroll 4
