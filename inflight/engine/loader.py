@@ -22,7 +22,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
-from inflight.engine.cpu.quantized import KernelFormat, QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from inflight.engine.cpu.quant_layout import Layout
+from inflight.engine.cpu.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from inflight.engine.dtypes import DTYPE_NAMES
 from inflight.engine.fp8.checkpoint import (
     SCALE_SUFFIXES,
@@ -36,7 +37,7 @@ from inflight.engine.fp8.checkpoint import (
 from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight, quantize_fp8
 from inflight.engine.gguf import is_gguf
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint, open_checkpoint
-from inflight.engine.gguf.repack import KEPT_GGUF_TYPES, load_time_format, quantize
+from inflight.engine.gguf.repack import KEPT_GGUF_TYPES, load_time_layout, quantize
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.llama import LlamaForCausalLM, WeightTarget, shard_layout
@@ -158,11 +159,11 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def _quantized_formats(
     model: LlamaForCausalLM, quantization: str, gguf: GGUFCheckpoint | None
-) -> dict[str, KernelFormat]:
+) -> dict[str, Layout]:
     """Module name -> the kernel layout its weight is kept in, for the projections, the LM head and the
     embedding that stay quantized: every one with a multiple of 32 input features for a load-time format;
-    with `auto`, each whose GGUF tensors are all of kept types of one layout (e.g. a fused q/k/v with a
-    Q4_1 q and a Q8_0 v is dequantized)."""
+    with `auto`, each whose GGUF tensors are all of kept types of one format (e.g. a fused q/k/v with a
+    Q4_1 q and a Q8_0 v is dequantized), with float32 scales where one of them needs them (a Q4_K part)."""
     if quantization in ("none", "fp8") or (quantization == "auto" and gguf is None):
         return {}
     owner = {
@@ -171,23 +172,24 @@ def _quantized_formats(
         if type(module) in (nn.Linear, nn.Embedding) and module.weight.shape[-1] % 32 == 0
     }
     if quantization in LOAD_TIME_FORMATS:
-        return dict.fromkeys(owner.values(), load_time_format(quantization))
+        return dict.fromkeys(owner.values(), load_time_layout(quantization))
     assert gguf is not None
     types = gguf.tensor_types()
-    layouts: dict[str, set[KernelFormat | None]] = {}
+    parts: dict[str, list[Layout | None]] = {}
     for hf_name, target in model.weight_targets().items():
         module = owner.get(id(target.param))
         if module is not None and hf_name in types:
-            layouts.setdefault(module, set()).add(KEPT_GGUF_TYPES.get(types[hf_name]))
-    formats: dict[str, KernelFormat] = {}
-    for module, kinds in layouts.items():
-        kind = kinds.pop()
-        if kind is not None and not kinds:
-            formats[module] = kind
+            parts.setdefault(module, []).append(KEPT_GGUF_TYPES.get(types[hf_name]))
+    formats: dict[str, Layout] = {}
+    for module, layouts in parts.items():
+        kept = [layout for layout in layouts if layout is not None]
+        if len(kept) == len(layouts) and len({layout.format for layout in kept}) == 1:
+            wide = any(layout.scale_dtype == torch.float32 for layout in kept)
+            formats[module] = Layout(kept[0].format, torch.float32 if wide else torch.float16)
     return formats
 
 
-def _swap_quantized(model: nn.Module, formats: dict[str, KernelFormat], dtype: torch.dtype) -> None:
+def _swap_quantized(model: nn.Module, formats: dict[str, Layout], dtype: torch.dtype) -> None:
     """Replace each module named in `formats` by its quantized counterpart (empty: the loader fills it)."""
     for name, format in formats.items():
         parent_name, _, attribute = name.rpartition(".")

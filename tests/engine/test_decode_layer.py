@@ -65,7 +65,7 @@ def _model(quantization: str, dtype: torch.dtype, bias: bool, window: int | None
         ):
             linear = getattr(owner, name)
             weight = quantize(linear.weight.detach().float(), quantization)
-            quantized = QuantizedLinear(linear.in_features, linear.out_features, weight.format, linear.bias)
+            quantized = QuantizedLinear(linear.in_features, linear.out_features, weight.layout, linear.bias)
             quantized.weight = weight
             setattr(owner, name, quantized)
     return model
@@ -199,7 +199,7 @@ def test_the_quantized_lm_head_gives_the_kernels_float32_sums(quantization: str)
     """bfloat16 hidden states, float32 logits: the same sums the bfloat16 output rounds, unrounded."""
     model = _model(quantization, torch.bfloat16, False, None)
     head = quantize(torch.randn(64, 64, generator=torch.Generator().manual_seed(3)), quantization)
-    model.lm_head = QuantizedLinear(64, 64, head.format, None)
+    model.lm_head = QuantizedLinear(64, 64, head.layout, None)
     model.lm_head.weight = head
     hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     logits = model.compute_logits(hidden)

@@ -3,6 +3,8 @@
 - repacked GGUF blocks hold exactly the values engine/gguf/dequant.py dequantizes them to;
 - the kernel's product equals the dequantized float product within float32 summation noise, for every
   layout, for the native build and each portable build (plain C, AVX2, AVX-512 without BF16) this CPU runs;
+- float16 block scales (GGUF's own) are what the layout stores, and give bit for bit the products of the
+  same scales stored as float32, in every build;
 - a GGUF Q8_0 file loads kept quantized (no float copy of its projections) and generates the same greedy
   tokens as the same file dequantized at load; `--quantization int8` does the same for a float folder.
 """
@@ -22,17 +24,19 @@ from gguf import quants as gguf_quants
 from inflight.engine import runner
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu import kernels as cpu_kernels
-from inflight.engine.cpu import quantized
+from inflight.engine.cpu import quant_layout, quantized
+from inflight.engine.cpu.quant_layout import Layout
 from inflight.engine.cpu.quantized import (
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedTensor,
+    lookup_rows,
     quantized_linear,
 )
 from inflight.engine.engine import LLMEngine
 from inflight.engine.gguf.dequant import dequantize
 from inflight.engine.gguf.repack import from_gguf_blocks, quantize
-from inflight.engine.loader import load_model
+from inflight.engine.loader import _quantized_formats, load_model
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.sequence import SamplingParams
 
@@ -80,14 +84,116 @@ def test_repacked_blocks_hold_the_dequantized_values_exactly(qtype: GGMLQuantiza
     assert torch.equal(repacked[5:9].dequantize(), expected[5:9])
 
 
+# Bytes a product reads per weight: GGUF's own bytes for Q8_0, Q4_0 and Q4_1 (float16 scales); Q4_K's
+# 32-value blocks with float32 scales and offsets (its super-blocks are 0.5625); int8 like Q8_0.
+BYTES_PER_WEIGHT = {
+    GGMLQuantizationType.Q8_0: 34 / 32,
+    GGMLQuantizationType.Q4_0: 20 / 32,
+    GGMLQuantizationType.Q4_1: 20 / 32,
+    GGMLQuantizationType.Q4_K: 24 / 32,
+}
+
+
+@pytest.mark.parametrize("qtype", list(BYTES_PER_WEIGHT))
+def test_the_layout_reads_the_files_float16_scales(qtype: GGMLQuantizationType) -> None:
+    """Per weight, the repacked matrix holds (and the kernels read) GGUF's float16 scales, not float32
+    ones: 1.0625 bytes for Q8_0 (1.125 with float32 scales), 0.625 for Q4_1 (0.75)."""
+    gen = torch.Generator().manual_seed(6)
+    raw = _blocks(qtype, torch.randn(64, 512, generator=gen), gen)
+    weight = from_gguf_blocks(raw, qtype, (64, 512))
+    wanted = BYTES_PER_WEIGHT[qtype]
+    assert weight.nbytes == wanted * 64 * 512
+    assert quant_layout.bytes_per_weight(*weight.layout) == wanted
+    if qtype != GGMLQuantizationType.Q4_K:
+        assert weight.scale_dtype == torch.float16
+        assert weight.nbytes == raw.nbytes + (64 * 512 // 32 * 2 if qtype == GGMLQuantizationType.Q4_0 else 0)
+    assert weight.interleave_().nbytes == wanted * 64 * 512  # 64 rows: no padding group
+    assert quantize(torch.randn(64, 512, generator=gen), "int8").nbytes == 34 / 32 * 64 * 512
+
+
+def _float32_scales(weight: QuantizedTensor) -> QuantizedTensor:
+    """The same matrix with its scales (and offsets) stored as float32."""
+    mins = None if weight.mins is None else weight.mins.float()
+    return QuantizedTensor(weight.format, weight.qweight.clone(), weight.scales.float(), mins)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_float16_scales_give_the_products_of_the_same_float32_scales(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    fmt: str,
+) -> None:
+    """Bit for bit, in every build (the portable one widens float16 in C): the fused product for 1, 5
+    and 64 one-token rows, the dequantizing one for 12 prompt rows, and row lookups. Rows 0-19 are small
+    (|w| ~ 1e-4), so their scales are float16 subnormals; Q4_1's offsets are negative."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
+    gen = torch.Generator().manual_seed(7)
+    source = torch.randn(83, 160, generator=gen)
+    source[:20] *= 1e-4
+    weight = quantize(source, fmt)
+    assert weight.scale_dtype == torch.float16
+    assert (weight.scales[:20].abs() < torch.finfo(torch.float16).tiny).all()
+    wide = _float32_scales(weight)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, one_token in ((1, True), (5, True), (64, True), (12, False)):
+            x = torch.randn(rows, 160, generator=gen).to(dtype)
+            with quantized.one_token_rows(one_token):
+                assert torch.equal(quantized_linear(x, weight), quantized_linear(x, wide))
+        ids = torch.tensor([0, 19, 20, 82, 5])
+        assert torch.equal(lookup_rows(weight, ids, dtype), lookup_rows(wide, ids, dtype))
+
+
+def test_float16_scales_take_only_values_float16_holds() -> None:
+    """Loading rows into a float16-scale matrix refuses scales float16 would round (Q4_K's), a float32 one
+    takes any."""
+    gen = torch.Generator().manual_seed(8)
+    q4_k = from_gguf_blocks(_random_q4_k(16, 256, gen), GGMLQuantizationType.Q4_K, (16, 256))
+    with pytest.raises(ValueError, match="not exactly"):
+        QuantizedTensor.empty(Layout("u4", torch.float16), 16, 256).copy_(q4_k)
+    q4_0 = quantize(torch.randn(16, 256, generator=gen), "q4_0")
+    for source in (q4_k, q4_0):
+        wide = QuantizedTensor.empty(Layout("u4", torch.float32), 16, 256).copy_(source)
+        assert torch.equal(wide.dequantize(), source.dequantize())
+
+
+def test_a_fused_projection_of_mixed_gguf_types_keeps_float32_scales_where_a_part_needs_them(
+    tiny_llama_dir: Path,
+) -> None:
+    """q/k/v in one matrix: Q4_0 and Q4_K parts share u4 with float32 scales, Q4_0 and Q4_1 parts u4 with
+    float16 ones; a Q8_0 part beside a Q4_1 one (two formats) is not kept."""
+    model = load_model(tiny_llama_dir)
+    types = {name: GGMLQuantizationType.Q4_0 for name in model.weight_targets()}
+
+    class Checkpoint:
+        def tensor_types(self) -> dict[str, GGMLQuantizationType]:
+            return types
+
+    def layouts() -> dict[str, Layout]:
+        return _quantized_formats(model, "auto", Checkpoint())  # type: ignore[arg-type]
+
+    attention = "model.layers.0.self_attn"
+    qkv, mlp = "layers.0.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj"
+    assert layouts()[qkv] == Layout("u4", torch.float16)
+    types[f"{attention}.k_proj.weight"] = GGMLQuantizationType.Q4_K
+    types[f"{attention}.v_proj.weight"] = GGMLQuantizationType.Q4_1
+    types["model.layers.0.mlp.up_proj.weight"] = GGMLQuantizationType.Q8_0
+    assert layouts()[qkv] == Layout("u4", torch.float32)
+    assert mlp not in layouts()
+    types[f"{attention}.k_proj.weight"] = GGMLQuantizationType.Q4_1
+    assert layouts()[qkv] == Layout("u4", torch.float16)
+
+
 def test_int8_has_one_scale_per_output_channel() -> None:
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
     weight[3] *= 100
     q = quantize(weight, "int8")
     assert q.format == "s8"
     assert torch.equal(q.scales, q.scales[:, :1].expand_as(q.scales))
-    assert torch.allclose(q.scales[:, 0], weight.abs().amax(1) / 127)
-    assert (q.dequantize() - weight).abs().max(1).values.le(q.scales[:, 0] / 2 + 1e-6).all()
+    # The float16 nearest absmax / 127 from above: no value clipped, the step 2^-10 wider at most.
+    scale, exact = q.scales[:, 0], weight.abs().amax(1) / 127
+    below = torch.nextafter(scale, scale.new_tensor(0.0))
+    assert scale.dtype == torch.float16 and (scale.float() >= exact).all() and (below.float() < exact).all()
+    assert (q.dequantize() - weight).abs().max(1).values.le(scale.float() / 2 + 1e-6).all()
 
 
 def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +313,7 @@ def test_a_quantized_embedding_looks_up_dequantized_rows(
 ) -> None:
     monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
     weight = quantize(torch.randn(50, 96, generator=torch.Generator().manual_seed(4)), "q4_0")
-    embedding = QuantizedEmbedding(50, 96, "u4", dtype)
+    embedding = QuantizedEmbedding(50, 96, weight.layout, dtype)
     embedding.weight.copy_(weight)
     ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
     assert torch.equal(embedding(ids), weight.dequantize(dtype)[ids])

@@ -27,8 +27,8 @@ enum { LAYER_FLOAT32 = 0, LAYER_BFLOAT16 = 1, LAYER_FP8_E4M3 = 2 };
 /* A weight matrix in quant_kernels.c's interleaved layout, with its bias (NULL: none). */
 struct qmatrix {
     const uint8_t *qweight;
-    const float *scales;
-    const float *mins; /* NULL for the s8 format */
+    const void *scales; /* float16 or float32, as `format` says */
+    const void *mins;   /* NULL for the s8 format */
     const void *bias;
     int64_t rows;      /* output features */
     int64_t format;

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from inflight.cache import cache_dir
+from inflight.engine.cpu import quant_layout
 
 logger = logging.getLogger("inflight.engine")
 
@@ -88,7 +89,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "argmax_rows": ([_ptr, _i64, _i64, _ptr, _int], None),
     # logits (float32), row_stride, rows (int64), bitmask (int32), n, words, vocab, num_threads
     "apply_token_bitmask": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int], None),
-    # quant_kernels.c: x, rows, k, qweight, scales, mins, format, n, bias, dtype, out, out_dtype, num_threads
+    # quant_kernels.c: x, rows, k, qweight, scales, mins, format (quant_layout.kernel_code), n, bias, dtype,
+    # out, out_dtype, num_threads
     "quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _ptr, _int, _int], _int),
     # qweight, scales, mins, format, k, ids, count, dtype, out
     "quant_rows": ([_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _int, _ptr], _int),
@@ -137,6 +139,7 @@ def build_library(
         compiler_path,
         version,
         " ".join(flags),
+        quant_layout.compile_definitions(),
         _cpu_signature(),
     ]
     key = hashlib.sha256(repr(inputs).encode()).hexdigest()[:16]
@@ -149,10 +152,11 @@ def build_library(
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
         compiled = (kernels_source, QUANT_SOURCE, DECODE_LAYER_SOURCE)
-        # -I: kernels.h for a kernels.c outside this folder.
+        # -I: kernels.h for a kernels.c outside this folder; -D: the quantized layout (quant_layout.py).
         command = [
             compiler_path,
             *flags,
+            *quant_layout.compile_definitions(),
             f"-I{SOURCE.parent}",
             *map(str, compiled),
             "-o",

@@ -5,6 +5,12 @@
  *   QFORMAT_S8: per block 32 signed bytes q and a float scale d:      w = d * q
  *   QFORMAT_U4: per block 32 nibbles q, a float scale d and a float offset m:  w = d * q + m
  *
+ * with the matrix's scales and offsets stored as float16 (format + QSCALES_F16: GGUF's own float16
+ * values, 2 bytes a block less to read than float32) or float32 (where float16 cannot hold them: Q4_K's
+ * products of two scales). They are widened to float32 as they are loaded (vcvtph2ps), so a float16 scale
+ * gives the same products as the same value stored as float32. The layout's constants (QBLOCK, QGROUP,
+ * the format codes) are defined once, in quant_layout.py, and given to the compiler as -D flags.
+ *
  * The kernels read W interleaved by groups of QGROUP (16) output rows, so that one 64-byte load holds 4
  * consecutive bytes of each of the group's 16 rows (one int32 lane per row) and the group's 16 scales
  * are one vector. For group g (rows 16g..16g+15, zero rows past the last) and block b:
@@ -13,7 +19,7 @@
  *         (as unsigned bytes: value q is byte q ^ 0x80)
  *     u4: 4 x [16 rows x 4 bytes]: chunk j lane r holds row r's row-major bytes 4j..4j+3, byte i holding
  *         value i in its low nibble and value i + 16 in its high nibble (GGUF Q4_0's order)
- *   scales (and mins) + (g * blocks + b) * 16: the 16 rows' float scales (offsets).
+ *   scales (and mins) + (g * blocks + b) * 16 elements: the 16 rows' scales (offsets).
  *
  * The weights stay quantized in memory. Two products, chosen at build time by -march=native (kernels.py
  * builds on the machine that runs it):
@@ -32,16 +38,21 @@
 #include <string.h>
 
 #include "kernels.h"
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
+#if !defined(QBLOCK) || !defined(QGROUP) || !defined(QFORMAT_S8) || !defined(QFORMAT_U4) || \
+    !defined(QSCALES_F16) || !defined(QS8_OFFSET)
+#error "the quantized layout comes from quant_layout.py: build through kernels.py (-D flags)"
+#endif
+/* QBLOCK values per block, QGROUP rows per interleaved group (dequantized together: 4 micro-tiles of 4). */
+_Static_assert(QBLOCK == 32 && QGROUP == 16,
+               "the vector code holds a group's 16 rows in one 512-bit register and a block in 8 chunks of 4");
+
 enum { QDTYPE_FLOAT32 = 0, QDTYPE_BFLOAT16 = 1 };
-enum { QFORMAT_S8 = 0, QFORMAT_U4 = 1 };
-enum { QBLOCK = 32 };
-/* Output rows interleaved together (and dequantized together: 4 micro-tiles of 4) and activation rows per
- * micro-tile. */
-enum { QGROUP = 16, QTILE_N = 4, QTILE_M = 4 };
+/* Activation rows and weight rows per micro-tile of the float product. */
+enum { QTILE_N = 4, QTILE_M = 4 };
 /* Multiply-adds (rows x n x k) per OpenMP thread of quant_linear: a decoder layer's projections at batch
  * 1 (0.3-1.8 M: 10-40 us on one core) run on one thread, an LM head (28 M for SmolLM2) on several. */
 #define QWORK_PER_THREAD ((int64_t)1 << 22)
@@ -61,7 +72,10 @@ static inline uint16_t q_float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-static inline int64_t qblock_bytes(int format) { return format == QFORMAT_S8 ? QBLOCK : QBLOCK / 2; }
+/* A format argument's layout (QFORMAT_S8 or QFORMAT_U4) and whether its scales are float16. */
+static inline int qkind(int format) { return format & ~QSCALES_F16; }
+static inline int qhalf(int format) { return (format & QSCALES_F16) != 0; }
+static inline int64_t qblock_bytes(int format) { return qkind(format) == QFORMAT_S8 ? QBLOCK : QBLOCK / 2; }
 
 #if defined(__GNUC__) || defined(__clang__)
 #define Q_INLINE inline __attribute__((always_inline))
@@ -69,23 +83,64 @@ static inline int64_t qblock_bytes(int format) { return format == QFORMAT_S8 ? Q
 #define Q_INLINE inline
 #endif
 
-/* Row n of W (k values, interleaved: see the top of the file) as floats. */
-static void dequantize_row(const uint8_t *qweight, const float *scales, const float *mins, int format,
-                           int64_t n, int64_t k, float *out) {
+/* IEEE float16 bits as a float (exact). */
+static inline float q_half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {
+        const float magnitude = (float)mantissa * 0x1p-24f; /* zero or subnormal: exact in float */
+        memcpy(&bits, &magnitude, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Element i of a matrix's scales (or offsets), float16 (`half`) or float32, as a float. */
+static Q_INLINE float scale_at(const void *scales, int64_t i, int half) {
+    return half ? q_half_to_float(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
+}
+
+/* The scales from element i on. */
+static Q_INLINE const void *scales_from(const void *scales, int64_t i, int half) {
+    return half ? (const void *)((const uint16_t *)scales + i) : (const void *)((const float *)scales + i);
+}
+
+#if defined(__AVX512F__)
+/* Elements i..i+15 of a matrix's scales (or offsets) as floats: one load (and vcvtph2ps for float16). */
+static Q_INLINE __m512 scales16(const void *scales, int64_t i, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + i)))
+                : _mm512_loadu_ps((const float *)scales + i);
+}
+#endif
+
+/* Row n of W (k values, interleaved: see the top of the file) as floats; `kind` and `half` split from
+ * the format (constants in each inlined copy). */
+static Q_INLINE void dequantize_row_as(const uint8_t *qweight, const void *scales, const void *mins, int kind,
+                                      int half, int64_t n, int64_t k, float *out) {
     const int64_t blocks = k / QBLOCK, g = n / QGROUP, r = n % QGROUP;
-    const int64_t group_block = QGROUP * qblock_bytes(format);
+    const int64_t group_block = QGROUP * qblock_bytes(kind);
     const uint8_t *q = qweight + g * blocks * group_block + r * 4;
-    const float *d = scales + g * blocks * QGROUP + r;
-    if (format == QFORMAT_S8) {
+    const int64_t first = g * blocks * QGROUP + r; /* the row's first scale */
+    if (kind == QFORMAT_S8) {
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *qb = q + b * group_block;
             float *o = out + b * QBLOCK;
-            const float db = d[b * QGROUP];
+            const float db = scale_at(scales, first + b * QGROUP, half);
 #if defined(__AVX512F__)
             /* The 8 chunks' 4 bytes of this row: 32 values in order. */
             const __m256i offsets = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
             const __m256i raw = _mm256_xor_si256(_mm256_i32gather_epi32((const int *)qb, offsets, 1),
-                                                 _mm256_set1_epi8((char)0x80));
+                                                 _mm256_set1_epi8((char)QS8_OFFSET));
             const __m512 dv = _mm512_set1_ps(db);
             const __m512i q0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw));
             const __m512i q1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1));
@@ -93,16 +148,15 @@ static void dequantize_row(const uint8_t *qweight, const float *scales, const fl
             _mm512_storeu_ps(o + 16, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q1)));
 #else
             for (int j = 0; j < QBLOCK / 4; j++)
-                for (int t = 0; t < 4; t++) o[4 * j + t] = db * (float)((int)qb[j * 64 + t] - 128);
+                for (int t = 0; t < 4; t++) o[4 * j + t] = db * (float)((int)qb[j * 64 + t] - QS8_OFFSET);
 #endif
         }
         return;
     }
-    const float *m = mins + g * blocks * QGROUP + r;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *qb = q + b * group_block;
         float *o = out + b * QBLOCK;
-        const float db = d[b * QGROUP], mb = m[b * QGROUP];
+        const float db = scale_at(scales, first + b * QGROUP, half), mb = scale_at(mins, first + b * QGROUP, half);
 #if defined(__AVX512F__)
         const __m128i raw = _mm_i32gather_epi32((const int *)qb, _mm_setr_epi32(0, 64, 128, 192), 1);
         const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -119,6 +173,18 @@ static void dequantize_row(const uint8_t *qweight, const float *scales, const fl
                 o[4 * j + t + QBLOCK / 2] = db * (float)(byte >> 4) + mb;
             }
 #endif
+    }
+}
+
+/* dequantize_row_as for a format argument (one inlined copy per layout and scale type). */
+static void dequantize_row(const uint8_t *qweight, const void *scales, const void *mins, int format, int64_t n,
+                           int64_t k, float *out) {
+    if (qkind(format) == QFORMAT_S8) {
+        if (qhalf(format)) dequantize_row_as(qweight, scales, mins, QFORMAT_S8, 1, n, k, out);
+        else dequantize_row_as(qweight, scales, mins, QFORMAT_S8, 0, n, k, out);
+    } else {
+        if (qhalf(format)) dequantize_row_as(qweight, scales, mins, QFORMAT_U4, 1, n, k, out);
+        else dequantize_row_as(qweight, scales, mins, QFORMAT_U4, 0, n, k, out);
     }
 }
 
@@ -231,16 +297,16 @@ static Q_INLINE __m512i broadcast4(const int8_t *p) {
 
 /* out[i] (16 lanes: the group's rows) = dot(x row i, W's group) for `mt` (1..4) quantized rows of x. */
 static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
-                                const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const float *dw,
-                                const float *mw, int format, int64_t blocks, __m512 out[QTILE_M]) {
-    const int64_t group_block = QGROUP * qblock_bytes(format);
+                                const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const void *dw,
+                                const void *mw, int kind, int half, int64_t blocks, __m512 out[QTILE_M]) {
+    const int64_t group_block = QGROUP * qblock_bytes(kind);
     __m512 acc[QTILE_M];
 #pragma GCC unroll 4
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *qb = q + b * group_block;
         __m512i w[8];
-        if (format == QFORMAT_S8) {
+        if (kind == QFORMAT_S8) {
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(qb + 64 * j));
         } else {
@@ -252,13 +318,15 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             }
         }
-        const __m512 dwv = _mm512_loadu_ps(dw + b * QGROUP);
+        /* The group's 16 scales (and offsets) for this block: one load each, widened once for the x rows. */
+        const __m512 dwv = scales16(dw, b * QGROUP, half);
+        const __m512 mwv = kind == QFORMAT_U4 ? scales16(mw, b * QGROUP, half) : _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int i = 0; i < mt; i++) {
             const int8_t *xb = qx[i] + b * QBLOCK;
             const int32_t sum = sq[i][b];
             /* Two chains of 4 dependent vpdpbusd instead of one of 8. */
-            __m512i s0 = format == QFORMAT_S8 ? _mm512_set1_epi32(-128 * sum) : _mm512_setzero_si512();
+            __m512i s0 = kind == QFORMAT_S8 ? _mm512_set1_epi32(-QS8_OFFSET * sum) : _mm512_setzero_si512();
             __m512i s1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int j = 0; j < 8; j += 2) {
@@ -268,29 +336,37 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
             const float d = dx[i][b];
             const __m512i dot = _mm512_add_epi32(s0, s1);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, _mm512_set1_ps(d)), acc[i]);
-            if (format == QFORMAT_U4)
-                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b * QGROUP), _mm512_set1_ps(d * (float)sum), acc[i]);
+            if (kind == QFORMAT_U4)
+                acc[i] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(d * (float)sum), acc[i]);
         }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < mt; i++) out[i] = acc[i];
 }
 
-/* vnni_group with `mt` and `format` constants in each copy. */
+/* vnni_group with `mt`, the layout and the scale type constants in each copy. */
 static void vnni_groups(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
-                        const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const float *dw,
-                        const float *mw, int format, int64_t blocks, __m512 out[QTILE_M]) {
-#define VNNI_CASES(FORMAT)                                                                   \
+                        const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const void *dw,
+                        const void *mw, int format, int64_t blocks, __m512 out[QTILE_M]) {
+#define VNNI_CASES(KIND, HALF)                                                               \
     switch (mt) {                                                                            \
-    case 1: vnni_group(qx, dx, sq, 1, q, dw, mw, FORMAT, blocks, out); break;                \
-    case 2: vnni_group(qx, dx, sq, 2, q, dw, mw, FORMAT, blocks, out); break;                \
-    case 3: vnni_group(qx, dx, sq, 3, q, dw, mw, FORMAT, blocks, out); break;                \
-    default: vnni_group(qx, dx, sq, 4, q, dw, mw, FORMAT, blocks, out); break;               \
+    case 1: vnni_group(qx, dx, sq, 1, q, dw, mw, KIND, HALF, blocks, out); break;            \
+    case 2: vnni_group(qx, dx, sq, 2, q, dw, mw, KIND, HALF, blocks, out); break;            \
+    case 3: vnni_group(qx, dx, sq, 3, q, dw, mw, KIND, HALF, blocks, out); break;            \
+    default: vnni_group(qx, dx, sq, 4, q, dw, mw, KIND, HALF, blocks, out); break;           \
     }
-    if (format == QFORMAT_S8) {
-        VNNI_CASES(QFORMAT_S8)
+    if (qkind(format) == QFORMAT_S8) {
+        if (qhalf(format)) {
+            VNNI_CASES(QFORMAT_S8, 1)
+        } else {
+            VNNI_CASES(QFORMAT_S8, 0)
+        }
     } else {
-        VNNI_CASES(QFORMAT_U4)
+        if (qhalf(format)) {
+            VNNI_CASES(QFORMAT_U4, 1)
+        } else {
+            VNNI_CASES(QFORMAT_U4, 0)
+        }
     }
 #undef VNNI_CASES
 }
@@ -316,11 +392,11 @@ static Q_INLINE void store_output(void *out, const void *bias, int dtype, int ou
         ((float *)out)[row * n + col] = value;
 }
 
-/* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format`, interleaved (see the top of the
- * file). x and bias in `dtype` (bias may be NULL), out in `out_dtype` (float32 logits from bfloat16
+/* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format` (QFORMAT_*, + QSCALES_F16 for
+ * float16 scales), interleaved (see the top of the file). x and bias in `dtype` (bias may be NULL), out in `out_dtype` (float32 logits from bfloat16
  * activations: no bfloat16 rounding of the sums); k a multiple of 32. Returns 0, or -1 when out of memory. */
-int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const float *scales,
-                 const float *mins, int format, int64_t n, const void *bias, int dtype, void *out, int out_dtype,
+int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const void *scales,
+                 const void *mins, int format, int64_t n, const void *bias, int dtype, void *out, int out_dtype,
                  int num_threads) {
     const float *xf = (const float *)x;
     float *converted = NULL;
@@ -362,8 +438,10 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
                     srows[i] = sq + r * blocks;
                 }
                 __m512 values[QTILE_M];
-                vnni_groups(qrows, drows, srows, mt, qweight + g * group_bytes, scales + g * group_scales,
-                            mins == NULL ? NULL : mins + g * group_scales, format, blocks, values);
+                vnni_groups(qrows, drows, srows, mt, qweight + g * group_bytes,
+                            scales_from(scales, g * group_scales, qhalf(format)),
+                            mins == NULL ? NULL : scales_from(mins, g * group_scales, qhalf(format)), format,
+                            blocks, values);
                 for (int i = 0; i < mt; i++) {
                     float lanes[QGROUP];
                     _mm512_storeu_ps(lanes, values[i]);
@@ -418,7 +496,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
 
 /* out [count, k] = rows ids[0..count) of W [_, k] (interleaved) dequantized (an embedding lookup), in `dtype`.
  * Returns 0, or -1 when out of memory. */
-int quant_rows(const uint8_t *qweight, const float *scales, const float *mins, int format, int64_t k,
+int quant_rows(const uint8_t *qweight, const void *scales, const void *mins, int format, int64_t k,
                 const int64_t *ids, int64_t count, int dtype, void *out) {
     float *row = malloc((size_t)k * sizeof(float));
     if (row == NULL) return -1;

@@ -1,9 +1,12 @@
 """Weights kept quantized in memory on CPU: 32-value blocks multiplied by quant_kernels.c.
 
-Two kernel layouts hold every supported format (see quant_kernels.c): `s8` (signed bytes and a float32
-scale per block: GGUF Q8_0, and int8 per output channel with the channel's scale in every block) and `u4`
-(nibbles, a float32 scale and a float32 offset per block: GGUF Q4_0, Q4_1 and Q4_K, whose 8 sub-blocks
-of 32 each have their own scale and minimum). GGUF blocks are repacked into them once at load
+Two kernel layouts hold every supported format (see quant_kernels.c and quant_layout.py): `s8` (signed
+bytes and a scale per block: GGUF Q8_0, and int8 per output channel with the channel's scale in every
+block) and `u4` (nibbles, a scale and an offset per block: GGUF Q4_0, Q4_1 and Q4_K, whose 8 sub-blocks
+of 32 each have their own scale and minimum). Scales and offsets are float16 where float16 holds them
+(GGUF Q8_0, Q4_0 and Q4_1 store theirs as float16; int8's are chosen in float16), else float32 (Q4_K's,
+products of two scales): Q8_0 reads 1.0625 bytes a weight, as in the file, instead of 1.125 with float32
+scales (docs/models.md). GGUF blocks are repacked into them once at load
 (engine/gguf/repack.py), row by row; before its first product or lookup by the kernels a matrix is
 interleaved in place by groups of 16 rows (`interleave_`, the layout quant_kernels.c reads: one vector
 load holds 4 bytes of each of 16 rows, so a block of 16 rows is 8 int8 dot-product instructions and one
@@ -21,22 +24,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from inflight.engine.cpu import kernels as cpu_kernels
-
-BLOCK = 32
-KernelFormat = Literal["s8", "u4"]
-FORMAT_CODES: dict[KernelFormat, int] = {"s8": 0, "u4": 1}
-BLOCK_BYTES: dict[KernelFormat, int] = {"s8": BLOCK, "u4": BLOCK // 2}
-# Output rows the kernels' layout interleaves (QGROUP in quant_kernels.c).
-GROUP = 16
-# s8 values are stored + 128 when interleaved (unsigned bytes: value q is byte q ^ 0x80).
-S8_OFFSET = 0x80
+from inflight.engine.cpu.quant_layout import (
+    BLOCK,
+    BLOCK_BYTES,
+    GROUP,
+    S8_OFFSET,
+    SCALE_DTYPES,
+    KernelFormat,
+    Layout,
+    kernel_code,
+)
 
 
 @dataclass
@@ -45,25 +48,45 @@ class QuantizedTensor:
 
     Row-major as loaded; interleaved for the kernels by `interleave_` (then `interleaved_rows` is the
     row count, qweight [groups, blocks, 16 * BLOCK_BYTES[format]] and scales / mins [groups, blocks, 16]
-    for groups = rows / 16 rounded up; see quant_kernels.c)."""
+    for groups = rows / 16 rounded up; see quant_kernels.c). Scales and mins share one dtype, float16 or
+    float32 (`scale_dtype`)."""
 
     format: KernelFormat
     qweight: torch.Tensor  # uint8 [rows, cols / 32 * BLOCK_BYTES[format]]
-    scales: torch.Tensor  # float32 [rows, cols / 32]
-    mins: torch.Tensor | None  # float32 [rows, cols / 32] for u4, None for s8
+    scales: torch.Tensor  # float16 or float32 [rows, cols / 32]
+    mins: torch.Tensor | None  # [rows, cols / 32], the scales' dtype, for u4; None for s8
     interleaved_rows: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.scales.dtype not in SCALE_DTYPES:
+            raise ValueError(f"quantized scales are float16 or float32, not {self.scales.dtype}")
+        if self.mins is not None and self.mins.dtype != self.scales.dtype:
+            raise ValueError(f"mins ({self.mins.dtype}) and scales ({self.scales.dtype}) differ in dtype")
+
     @classmethod
-    def empty(cls, format: KernelFormat, rows: int, cols: int) -> QuantizedTensor:
+    def empty(cls, layout: Layout, rows: int, cols: int) -> QuantizedTensor:
         if cols % BLOCK:
             raise ValueError(f"a quantized matrix needs a multiple of {BLOCK} columns, got {cols}")
         blocks = cols // BLOCK
         return cls(
-            format,
-            torch.empty(rows, blocks * BLOCK_BYTES[format], dtype=torch.uint8),
-            torch.empty(rows, blocks, dtype=torch.float32),
-            torch.empty(rows, blocks, dtype=torch.float32) if format == "u4" else None,
+            layout.format,
+            torch.empty(rows, blocks * BLOCK_BYTES[layout.format], dtype=torch.uint8),
+            torch.empty(rows, blocks, dtype=layout.scale_dtype),
+            torch.empty(rows, blocks, dtype=layout.scale_dtype) if layout.format == "u4" else None,
         )
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.format, self.scale_dtype)
+
+    @property
+    def kernel_code(self) -> int:
+        """The `format` argument of the C kernels for this matrix (quant_layout.kernel_code)."""
+        return kernel_code(self.format, self.scale_dtype)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -90,13 +113,17 @@ class QuantizedTensor:
         )
 
     def copy_(self, source: QuantizedTensor) -> QuantizedTensor:
-        """Fill these rows from quantized rows of the same layout and shape."""
+        """Fill these rows from quantized rows of the same layout and shape; float16 scales take float32
+        ones only where float16 holds them exactly."""
         self._check_row_major("copying rows in")
         source = source.row_major()
         if source.format != self.format or source.shape != self.shape:
             raise ValueError(
                 f"cannot copy a {source.format} {source.shape} matrix into {self.format} {self.shape}"
             )
+        for t in (source.scales, source.mins):
+            if t is not None and not torch.equal(t.to(self.scale_dtype).to(t.dtype), t):
+                raise ValueError(f"cannot store these {t.dtype} scales as {self.scale_dtype}: not exactly")
         self.qweight.copy_(source.qweight)
         self.scales.copy_(source.scales)
         if self.mins is not None and source.mins is not None:
@@ -177,22 +204,29 @@ class QuantizedTensor:
             return self.row_major().dequantize(dtype)
         rows, cols = self.shape
         blocks = self.qweight.reshape(rows, cols // BLOCK, BLOCK_BYTES[self.format])
+        scales = self.scales.float()[..., None]
         if self.format == "s8":
-            values = self.scales[..., None] * blocks.view(torch.int8).float()
+            values = scales * blocks.view(torch.int8).float()
         else:
             assert self.mins is not None
             q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()
-            values = self.scales[..., None] * q + self.mins[..., None]
+            values = scales * q + self.mins.float()[..., None]
         return values.reshape(rows, cols).to(dtype)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
-    """int8 weight-only, one symmetric scale per output row (absmax / 127), stored in s8 blocks."""
+    """int8 weight-only, one symmetric scale per output row, stored in s8 blocks: the float16 nearest
+    absmax / 127 from above (so no value is clipped), the values rounded to it (docs/models.md: float16
+    scales, measured against float32 ones)."""
     rows, cols = weight.shape
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    exact = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = exact.half()
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, scale.new_tensor(torch.inf)), scale)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)
+    if not scale.isfinite().all():
+        raise ValueError("int8 quantization: a row's largest weight is beyond float16 scales (|w| > 8e6)")
+    q = torch.clamp(torch.round(w / scale.float()), -127, 127).to(torch.int8)
     blocks = cols // BLOCK
     if cols % BLOCK:
         raise ValueError(f"int8 quantization needs a multiple of {BLOCK} input features, got {cols}")
@@ -270,7 +304,7 @@ def quantized_linear(
         weight.qweight.data_ptr(),
         weight.scales.data_ptr(),
         None if weight.mins is None else weight.mins.data_ptr(),
-        FORMAT_CODES[weight.format],
+        weight.kernel_code,
         rows_out,
         None if bias is None else bias.data_ptr(),
         cpu_kernels.DTYPE_CODES[x.dtype],
@@ -300,7 +334,7 @@ def lookup_rows(weight: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) 
         weight.qweight.data_ptr(),
         weight.scales.data_ptr(),
         None if weight.mins is None else weight.mins.data_ptr(),
-        FORMAT_CODES[weight.format],
+        weight.kernel_code,
         weight.shape[1],
         ids.data_ptr(),
         ids.numel(),
@@ -315,11 +349,11 @@ def lookup_rows(weight: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) 
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W a QuantizedTensor (the bias stays a float parameter)."""
 
-    def __init__(self, in_features: int, out_features: int, format: KernelFormat, bias: nn.Parameter | None):
+    def __init__(self, in_features: int, out_features: int, layout: Layout, bias: nn.Parameter | None):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = QuantizedTensor.empty(format, out_features, in_features)
+        self.weight = QuantizedTensor.empty(layout, out_features, in_features)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -328,23 +362,26 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.weight.format}, bias={self.bias is not None}"
+            f"format={self.weight.format}, scales={self.weight.scale_dtype}, bias={self.bias is not None}"
         )
 
 
 class QuantizedEmbedding(nn.Module):
     """An embedding table kept quantized: a lookup dequantizes the rows it returns, into `dtype`."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, format: KernelFormat, dtype: torch.dtype):
+    def __init__(self, num_embeddings: int, embedding_dim: int, layout: Layout, dtype: torch.dtype):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.dtype = dtype
-        self.weight = QuantizedTensor.empty(format, num_embeddings, embedding_dim)
+        self.weight = QuantizedTensor.empty(layout, num_embeddings, embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64)
         return lookup_rows(self.weight, flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight.format}"
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight.format}, "
+            f"scales={self.weight.scale_dtype}"
+        )

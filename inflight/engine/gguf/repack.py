@@ -1,8 +1,9 @@
 """GGUF blocks as the CPU kernels' QuantizedTensors (engine/cpu/quantized.py), repacked once at load:
-float16 scales become float32 (2 more bytes per 32 values), Q4_0's offset becomes -8 x its scale, Q4_K's
-sub-blocks become u4 blocks of 32 with their nibbles in Q4_0's order. The values are exactly the float32
-ones dequant.py computes (tests/engine/test_quantized.py). Float weights quantized at load
-(`--quantization int8|q8_0|q4_0|q4_1`) go through here too.
+float16 scales stay float16 (the bytes the file holds), Q4_0's offset becomes -8 x its scale (exact in
+float16), Q4_K's sub-blocks become u4 blocks of 32 with their nibbles in Q4_0's order and float32 scales
+and offsets (a float16 super-block scale times a 6-bit sub-block scale needs up to 17 bits). The values
+are exactly the float32 ones dequant.py computes (tests/engine/test_quantized.py). Float weights
+quantized at load (`--quantization int8|q8_0|q4_0|q4_1`) go through here too.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from inflight.engine.cpu.quantized import KernelFormat, QuantizedTensor, quantize_int8
+from inflight.engine.cpu.quant_layout import Layout
+from inflight.engine.cpu.quantized import QuantizedTensor, quantize_int8
 from inflight.engine.gguf.dequant import _f16, _k_scales_mins
 
 # GGUF tensor types kept quantized, and the kernel layout each is repacked into.
-KEPT_GGUF_TYPES: dict[GGMLQuantizationType, KernelFormat] = {
-    GGMLQuantizationType.Q8_0: "s8",
-    GGMLQuantizationType.Q4_0: "u4",
-    GGMLQuantizationType.Q4_1: "u4",
-    GGMLQuantizationType.Q4_K: "u4",
+KEPT_GGUF_TYPES: dict[GGMLQuantizationType, Layout] = {
+    GGMLQuantizationType.Q8_0: Layout("s8", torch.float16),
+    GGMLQuantizationType.Q4_0: Layout("u4", torch.float16),
+    GGMLQuantizationType.Q4_1: Layout("u4", torch.float16),
+    GGMLQuantizationType.Q4_K: Layout("u4", torch.float32),
 }
 
 
@@ -34,13 +36,19 @@ def from_gguf_blocks(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
     blocks = data.reshape(rows * cols // block_values, block_bytes)
 
     def f16(start: int) -> torch.Tensor:
-        return blocks[:, start : start + 2].contiguous().view(torch.float16).float().reshape(rows, -1)
+        return blocks[:, start : start + 2].contiguous().view(torch.float16).reshape(rows, -1)
 
     if qtype == GGMLQuantizationType.Q8_0:
         return QuantizedTensor("s8", blocks[:, 2:].reshape(rows, -1).contiguous(), f16(0), None)
     if qtype == GGMLQuantizationType.Q4_0:
         scales = f16(0)
-        return QuantizedTensor("u4", blocks[:, 2:].reshape(rows, -1).contiguous(), scales, -8.0 * scales)
+        # -8 x a float16 is a float16 unless it overflows (|scale| > 8188): float32 then.
+        offsets = -8.0 * scales.float()
+        if not torch.equal(offsets.half().float(), offsets):
+            scales = scales.float()
+        return QuantizedTensor(
+            "u4", blocks[:, 2:].reshape(rows, -1).contiguous(), scales, offsets.to(scales.dtype)
+        )
     if qtype == GGMLQuantizationType.Q4_1:
         return QuantizedTensor("u4", blocks[:, 4:].reshape(rows, -1).contiguous(), f16(0), f16(2))
     if qtype == GGMLQuantizationType.Q4_K:
@@ -79,9 +87,10 @@ LOAD_TIME_GGUF_TYPES = {
 }
 
 
-def load_time_format(quantization: str) -> KernelFormat:
-    """The kernel layout a `--quantization` format quantized at load is stored in."""
-    return "s8" if quantization in ("int8", "q8_0") else "u4"
+def load_time_layout(quantization: str) -> Layout:
+    """The kernel layout a `--quantization` format quantized at load is stored in: float16 scales for
+    every one (the gguf quantizer's, and int8's chosen in float16: quantized.quantize_int8)."""
+    return Layout("s8" if quantization in ("int8", "q8_0") else "u4", torch.float16)
 
 
 def quantize(weight: torch.Tensor, quantization: str) -> QuantizedTensor:

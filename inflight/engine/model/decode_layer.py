@@ -22,7 +22,7 @@ from torch import nn
 
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
-from inflight.engine.cpu.quantized import FORMAT_CODES, QuantizedLinear, kernel_takes
+from inflight.engine.cpu.quantized import QuantizedLinear, kernel_takes
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -91,7 +91,7 @@ def _matrix(linear: QuantizedLinear) -> _QMatrix:
         None if weight.mins is None else weight.mins.data_ptr(),
         None if linear.bias is None else linear.bias.data_ptr(),
         weight.shape[0],
-        FORMAT_CODES[weight.format],
+        weight.kernel_code,
     )
 
 
