@@ -16,8 +16,6 @@ activations, a KV cache of that dtype or float8, on one rank, with every project
 from __future__ import annotations
 
 import ctypes
-import operator
-from itertools import chain
 
 import torch
 from torch import nn
@@ -27,8 +25,6 @@ from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.quantized import FORMAT_CODES, QuantizedLinear, kernel_takes
 
 _ptr = ctypes.c_void_p
-# A projection's weight and the weight's tensors (FusedLayer.current).
-_WEIGHT_FIELDS = operator.attrgetter("weight", "weight.qweight", "weight.scales", "weight.mins")
 _i64 = ctypes.c_int64
 
 
@@ -121,6 +117,12 @@ class FusedLayer:
         num_kv_heads, head_dim, scale."""
         qkv, o, gate_up, down = projections
         num_heads, num_kv_heads, head_dim, scale = attention
+        weights = [p.weight for p in projections]
+        tensors = [_weight(n) for n in norms] + [p.bias for p in projections if p.bias is not None]
+        tensors += [t for w in weights for t in (w.qweight, w.scales, w.mins) if t is not None]
+        self.modules = (*norms, *projections)
+        self._weights = tuple(zip(projections, weights, strict=True))
+        self._pointers = tuple((t, t.data_ptr()) for t in tensors)
         self.dtype = _weight(norms[0]).dtype
         self.kv_shape = (num_kv_heads, head_dim)
         self.weights = _LayerWeights(
@@ -138,20 +140,6 @@ class FusedLayer:
             eps,
             scale,
         )
-        # `current` runs for every layer of every decode step, with every object it reads out of the caches
-        # (the layers' weights streamed through them since): a pointer check on each of the 8-12 tensors of
-        # the quantized weights and generators cost a batch-1 SmolLM2 step ~0.5 ms of ~9 (docs/benchmarks.md).
-        # So it compares identities in C loops (map), and addresses only of the modules' own tensors, which
-        # `.to()` moves in place (same tensor, new memory); a QuantizedTensor's tensors change only by
-        # assigning its fields (interleave_, which `_matrix` ran above). Aliases of all of them keep what
-        # the C code reads alive.
-        owned = [_weight(n) for n in norms] + [p.bias for p in projections if p.bias is not None]
-        self.modules = (*norms, *projections)
-        self._projections = projections
-        self._held = tuple(chain.from_iterable(map(_WEIGHT_FIELDS, projections)))
-        self._owned = tuple(owned)
-        self._addresses = [t.data_ptr() for t in owned]
-        self._alive = tuple(t.detach() for t in (*owned, *self._held) if isinstance(t, torch.Tensor))
 
     @staticmethod
     def of(
@@ -178,12 +166,9 @@ class FusedLayer:
         """Whether the layer's modules are still `modules` (norms, then qkv, o, gate_up, down), with the
         same weights where they were (a replaced weight or a tensor moved by `.to()` is not)."""
         return (
-            len(modules) == len(self.modules)
-            and all(map(operator.is_, modules, self.modules))
-            and all(
-                map(operator.is_, chain.from_iterable(map(_WEIGHT_FIELDS, self._projections)), self._held)
-            )
-            and list(map(torch.Tensor.data_ptr, self._owned)) == self._addresses
+            all(a is b for a, b in zip(modules, self.modules, strict=True))
+            and all(p.weight is w for p, w in self._weights)
+            and all(t.data_ptr() == ptr for t, ptr in self._pointers)
         )
 
 

@@ -175,25 +175,15 @@ class DecoderLayer(nn.Module):
     def fused(self) -> FusedLayer | None:
         """This layer as one C call of a decode step (model/decode_layer.py), where its projections are
         kept quantized, on one rank, with the C attention kernels; else None. Built once, kept while
-        the layer's modules and weights are the same. It runs for every layer of every decode step, so
-        it reads the submodules from nn.Module's registry, not as attributes (each of those first fails
-        its normal lookup and raises an AttributeError before nn.Module's `__getattr__` finds it)."""
-        children = self._modules
-        attn, mlp = cast(Attention, children["self_attn"]), cast(MLP, children["mlp"])
+        the layer's modules and weights are the same."""
+        attn, mlp = self.self_attn, self.mlp
         if attn.tp_size > 1 or attn.backend is not CPU_KERNEL_BACKEND:
             return None
-        heads, ffn = attn._modules, mlp._modules
-        norms = cast(
-            tuple[nn.Module, nn.Module], (children["input_layernorm"], children["post_attention_layernorm"])
-        )
-        projections = cast(
-            tuple[nn.Module, nn.Module, nn.Module, nn.Module],
-            (heads["qkv_proj"], heads["o_proj"], ffn["gate_up_proj"], ffn["down_proj"]),
-        )
-        modules = (*norms, *projections)
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        modules = (*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if self._fused is None or not self._fused.current(modules):
             attention = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
-            self._fused = FusedLayer.of(norms, self.input_layernorm.eps, projections, attention)
+            self._fused = FusedLayer.of(norms, self.input_layernorm.eps, modules[2:], attention)
         return self._fused
 
     def forward(
