@@ -1642,6 +1642,190 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
     }
 }
 
+/* ---- products of a few rows with float weights -------------------------------------------------------
+ * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_MAX_ROWS (a decode step of one to a few sequences),
+ * W [n, k] float32 or bfloat16 as the checkpoint holds it (row-major, one row per output). oneDNN's GEMM
+ * runs these shapes at about half of the memory's speed (docs/benchmarks.md); here each weight row is read
+ * once, four rows at a time, and multiplied into every x row while it is in registers.
+ *
+ * The arithmetic is fixed, whatever the thread count or the number of rows, so a row's output does not
+ * depend on the other rows of the batch. Each output sums in float32 over 16 lanes, then adds the lanes in
+ * a fixed tree (lanes_sum), adds the bias, and a bfloat16 output rounds that to nearest even. float32: lane
+ * l takes the products of columns c = l (mod 16) in column order, by fused multiply-add. bfloat16 (the
+ * AVX512-BF16 dot product's order): lane l takes, for each 32 columns from c0, the product of column
+ * c0 + 2l + 1 and then of column c0 + 2l, each exact in float32 and added with one rounding; values and
+ * sums below float32's normal range (1.2e-38) count as zero there, as the instruction has them. Columns
+ * past k count as 0 * 0. The AVX-512 path is bit-identical to the plain C one
+ * (tests/engine/test_dense_linear.py); the engine runs only the AVX-512 one (dense_linear_max_rows). */
+
+enum { DENSE_MAX_ROWS = 4, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
+
+/* s[0] + ... + s[15] in the tree the vector path adds them in: lanes i and i + 8, then i + 4, i + 2, i + 1. */
+static inline float lanes_sum(float s[16]) {
+    for (int width = 8; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) s[i] += s[i + width];
+    return s[0];
+}
+
+/* f, or a zero of its sign below float32's normal range (AVX512-BF16's treatment of denormals). */
+static inline float flush_denormal(float f) { return fabsf(f) < 0x1p-126f ? copysignf(0.0f, f) : f; }
+
+/* Element c of a bfloat16 row of k as the dot product reads it: 0 past k, denormals as zero. */
+static inline float dense_bf16_at(const uint16_t *row, int64_t k, int64_t c) {
+    return c < k ? flush_denormal(bf16_to_float(row[c])) : 0.0f;
+}
+
+/* sums[r * DENSE_TILE + t] = x row r . W row n0 + t, for r < rows and t < outs: the plain C version. */
+static void dense_tile_plain(const void *x, int64_t rows, int64_t k, const void *w, int bf16, int64_t n0,
+                             int64_t outs, float *sums) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < outs; t++) {
+            float lane[16] = {0.0f};
+            if (bf16) {
+                const uint16_t *xr = (const uint16_t *)x + r * k, *wr = (const uint16_t *)w + (n0 + t) * k;
+                for (int64_t c0 = 0; c0 < k; c0 += 32)
+                    for (int l = 0; l < 16; l++)
+                        for (int64_t c = c0 + 2 * l + 1; c >= c0 + 2 * l; c--)
+                            lane[l] = flush_denormal(lane[l] + dense_bf16_at(xr, k, c) * dense_bf16_at(wr, k, c));
+            } else {
+                const float *xr = (const float *)x + r * k, *wr = (const float *)w + (n0 + t) * k;
+                for (int64_t c0 = 0; c0 < k; c0 += 16)
+                    for (int l = 0; l < 16; l++) {
+                        const int64_t c = c0 + l;
+                        lane[l] = fmaf(c < k ? xr[c] : 0.0f, c < k ? wr[c] : 0.0f, lane[l]);
+                    }
+            }
+            sums[r * DENSE_TILE + t] = lanes_sum(lane);
+        }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DENSE_FLOAT32_VECTOR 1
+#if defined(__AVX512BF16__)
+#define DENSE_BFLOAT16_VECTOR 1
+#endif
+
+static ALWAYS_INLINE float dense_reduce(__m512 v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+/* dense_tile_plain with AVX-512: ROWS x OUTS accumulators in registers (constants after inlining), each
+ * weight row also prefetched into L2 at the same column of a tile of rows DENSE_PREFETCH_BYTES or more
+ * ahead (the hardware prefetcher alone, over four interleaved row streams, left the products at ~17 GB/s
+ * on two cores that read 25-30). */
+static ALWAYS_INLINE void dense_tile16(const void *x, const int rows, int64_t k, const void *w, const int bf16,
+                                      int64_t n0, const int outs, float *sums) {
+    __m512 acc[DENSE_MAX_ROWS][DENSE_TILE];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) acc[r][t] = _mm512_setzero_ps();
+    const int64_t elem = bf16 ? 2 : 4, tile_bytes = DENSE_TILE * k * elem;
+    const int64_t ahead = (DENSE_PREFETCH_BYTES + tile_bytes - 1) / tile_bytes * tile_bytes;
+    const int64_t step = bf16 ? 32 : 16; /* columns per 64 bytes */
+    for (int64_t i = 0; i < k; i += step) {
+        const int64_t left = k - i;
+        for (int t = 0; t < outs; t++)
+            _mm_prefetch((const char *)w + ((n0 + t) * k + i) * elem + ahead, _MM_HINT_T1);
+#if defined(DENSE_BFLOAT16_VECTOR)
+        if (bf16) {
+            const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+            __m512bh wv[DENSE_TILE];
+            for (int t = 0; t < outs; t++)
+                wv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)w + (n0 + t) * k + i);
+            for (int r = 0; r < rows; r++) {
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)x + r * k + i);
+                for (int t = 0; t < outs; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, wv[t]);
+            }
+            continue;
+        }
+#endif
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        __m512 wv[DENSE_TILE];
+        for (int t = 0; t < outs; t++) wv[t] = _mm512_maskz_loadu_ps(mask, (const float *)w + (n0 + t) * k + i);
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, (const float *)x + r * k + i);
+            for (int t = 0; t < outs; t++) acc[r][t] = _mm512_fmadd_ps(xv, wv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce(acc[r][t]);
+}
+
+/* dense_tile16 for ROWS rows, the dtype and the tile's width made constants. */
+#define DENSE_TILE_CASE(ROWS)                                                                  \
+    case ROWS:                                                                                 \
+        for (int64_t t = 0; t < outs; t += outs == DENSE_TILE ? DENSE_TILE : 1) {              \
+            float one[DENSE_MAX_ROWS * DENSE_TILE];                                            \
+            if (outs == DENSE_TILE && bf16) dense_tile16(x, ROWS, k, w, 1, n0, DENSE_TILE, one);  \
+            else if (outs == DENSE_TILE) dense_tile16(x, ROWS, k, w, 0, n0, DENSE_TILE, one);  \
+            else if (bf16) dense_tile16(x, ROWS, k, w, 1, n0 + t, 1, one);                     \
+            else dense_tile16(x, ROWS, k, w, 0, n0 + t, 1, one);                               \
+            for (int r = 0; r < ROWS; r++)                                                     \
+                for (int64_t j = 0; j < (outs == DENSE_TILE ? DENSE_TILE : 1); j++)            \
+                    sums[r * DENSE_TILE + t + j] = one[r * DENSE_TILE + j];                    \
+        }                                                                                      \
+        return;
+#endif
+
+/* The products of one tile of outputs, n0 .. n0 + outs - 1 (outs <= DENSE_TILE), for every row. */
+static void dense_tile(const void *x, int64_t rows, int64_t k, const void *w, int bf16, int64_t n0, int64_t outs,
+                       float *sums) {
+#if defined(DENSE_FLOAT32_VECTOR)
+#if !defined(DENSE_BFLOAT16_VECTOR)
+    if (!bf16)
+#endif
+        switch (rows) {
+            DENSE_TILE_CASE(1)
+            DENSE_TILE_CASE(2)
+            DENSE_TILE_CASE(3)
+            DENSE_TILE_CASE(4)
+        }
+#endif
+    dense_tile_plain(x, rows, k, w, bf16, n0, outs, sums);
+}
+
+/* How many rows dense_linear takes for weights of `dtype` on this build: DENSE_MAX_ROWS where it runs
+ * vectorized (AVX-512; AVX512-BF16 for bfloat16), else 0: the plain C version is slower than oneDNN, so
+ * the engine keeps oneDNN there (tests still call dense_linear on such builds). */
+int dense_linear_max_rows(int dtype) {
+#if defined(DENSE_BFLOAT16_VECTOR)
+    (void)dtype;
+    return DENSE_MAX_ROWS;
+#elif defined(DENSE_FLOAT32_VECTOR)
+    return dtype == DTYPE_FLOAT32 ? DENSE_MAX_ROWS : 0;
+#else
+    (void)dtype;
+    return 0;
+#endif
+}
+
+/* out [rows, n] = x [rows, k] W^T (+ bias [n]), all of `dtype` (float32 or bfloat16), 1 <= rows <=
+ * DENSE_MAX_ROWS (see the top of this section). Returns 0, or -1 for another number of rows. */
+int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int dtype,
+                 void *out, int num_threads) {
+    if (rows < 1 || rows > DENSE_MAX_ROWS) return -1;
+    const int bf16 = dtype == DTYPE_BFLOAT16;
+    const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
+#pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
+        float sums[DENSE_MAX_ROWS * DENSE_TILE];
+        dense_tile(x, rows, k, w, bf16, n0, outs, sums);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t t = 0; t < outs; t++) {
+                float v = sums[r * DENSE_TILE + t];
+                if (bias != NULL)
+                    v += bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + t]) : ((const float *)bias)[n0 + t];
+                if (bf16) ((uint16_t *)out)[r * n + n0 + t] = float_to_bf16(v);
+                else ((float *)out)[r * n + n0 + t] = v;
+            }
+    }
+    return 0;
+}
+
 /* ---- the KV cache ------------------------------------------------------------------------------- */
 
 /* Store the step's new keys and values at their cache slots: row t of k and of v (`row_bytes` bytes each,

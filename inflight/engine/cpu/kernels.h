@@ -1,6 +1,6 @@
-/* The exported kernels of kernels.c and quant_kernels.c that decode_layer.c chains into one decoder layer:
- * one declaration for the files that define them and the file that calls them (compiled into the same
- * library by kernels.py). Argument meanings: at each definition. */
+/* The exported kernels of kernels.c and quant_kernels.c that decode_layer.c and dense_layer.c chain into one
+ * decoder layer: one declaration for the files that define them and the files that call them (compiled into
+ * the same library by kernels.py). Argument meanings: at each definition. */
 #ifndef INFLIGHT_KERNELS_H
 #define INFLIGHT_KERNELS_H
 
@@ -18,6 +18,8 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
             int64_t head_dim, int dtype, int num_threads);
 void write_kv(const void *k, const void *v, int64_t row_stride, void *k_cache, void *v_cache, const int64_t *slots,
               int64_t rows, int64_t row_bytes);
+int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int dtype,
+                 void *out, int num_threads);
 int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const void *scales,
                  const void *mins, int format, int64_t n, const void *bias, int dtype, void *out, int out_dtype,
                  int num_threads);

@@ -41,6 +41,8 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # step's whole decoder layer over them (model/decode_layer.py), which calls the kernels of both files.
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")
 DECODE_LAYER_SOURCE = Path(__file__).with_name("decode_layer.c")
+# A decode step's whole decoder layer over float weights (model/dense_layer.py), kernels.c's alone.
+DENSE_LAYER_SOURCE = Path(__file__).with_name("dense_layer.c")
 DISABLE_ENV = "INFLIGHT_CPU_KERNELS"
 COMPILE_FLAGS = (
     "-O3",
@@ -89,6 +91,10 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "argmax_rows": ([_ptr, _i64, _i64, _ptr, _int], None),
     # logits (float32), row_stride, rows (int64), bitmask (int32), n, words, vocab, num_threads
     "apply_token_bitmask": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int], None),
+    # x, rows, k, weight, n, bias (or NULL), dtype, out, num_threads: a few rows times float weights
+    "dense_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _int], _int),
+    # dtype: how many rows dense_linear takes on this build (0: not vectorized, use oneDNN)
+    "dense_linear_max_rows": ([_int], _int),
     # quant_kernels.c: x, rows, k, qweight, scales, mins, format (quant_layout.kernel_code), n, bias, dtype,
     # out, out_dtype, num_threads
     "quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _ptr, _int, _int], _int),
@@ -98,6 +104,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "quant_linear_int8_activations": ([], _int),
     # decode_layer.c: weights (struct), step (struct), hidden, residual, first, k_cache, v_cache
     "decode_layer": ([_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr], _int),
+    # dense_layer.c: the same arguments, float weights (struct dense_layer_weights, struct dense_step)
+    "dense_decode_layer": ([_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr], _int),
 }
 
 
@@ -121,8 +129,8 @@ def build_library(
     flags: tuple[str, ...] = COMPILE_FLAGS,
     kernels_source: Path = SOURCE,
 ) -> Path:
-    """Compile kernels.c, quant_kernels.c and decode_layer.c into one library (once per source, compiler,
-    flags and CPU) and return its path.
+    """Compile kernels.c, quant_kernels.c, decode_layer.c and dense_layer.c into one library (once per
+    source, compiler, flags and CPU) and return its path.
 
     `flags` other than the default are for tests (e.g. without -march=native: the portable C path);
     `kernels_source`, another kernels.c in place of this one, for benchmarks comparing an older one."""
@@ -151,7 +159,7 @@ def build_library(
     # Build into a temporary name and rename: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
-        compiled = (kernels_source, QUANT_SOURCE, DECODE_LAYER_SOURCE)
+        compiled = (kernels_source, QUANT_SOURCE, DECODE_LAYER_SOURCE, DENSE_LAYER_SOURCE)
         # -I: kernels.h for a kernels.c outside this folder; -D: the quantized layout (quant_layout.py).
         command = [
             compiler_path,

@@ -5,6 +5,11 @@ machine's speed; oneDNN with the weight reordered once into its blocked layout i
 (measurements: docs/benchmarks.md). bfloat16 is prepacked too where the CPU runs it natively
 (AVX512-BF16 / AMX, cpu/isa.py): oneDNN's bf16 kernels there are about 2x its float32 ones. The engine
 swaps the decoder layers' projections after loading; CUDA and other dtypes are left alone.
+
+At one to four rows (a decode step of that many sequences) oneDNN streams the weights at about half of
+the memory's speed, while a step of a small model is nearly all weight reads: there the product runs in
+C instead (`dense_linear` in cpu/kernels.c) on the plain weight, which the module keeps anyway; each row's
+result is then the same whatever the other rows of the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.isa import cpu_isa
 
 logger = logging.getLogger("inflight.engine")
@@ -47,8 +53,17 @@ class PrepackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             linear.weight.detach(), batch_size=batch_size_hint
         )
+        self.dense_rows = dense_rows(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if (
+            0 < rows <= self.dense_rows
+            and x.dim() == 2
+            and x.dtype == self.weight.dtype
+            and x.is_contiguous()
+        ):
+            return dense_linear(x, self.weight, self.bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed_weight, self.bias, "none", [], ""
         )
@@ -58,6 +73,40 @@ class PrepackedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+def dense_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Up to how many rows `dense_linear` multiplies by `weight` (and `bias`): 0 where the C kernels are
+    unavailable, do not run it vectorized for this dtype, or cannot read these tensors as they are."""
+    tensors = (weight,) if bias is None else (weight, bias)
+    library = cpu_kernels.library_for(*tensors)
+    if library is None or weight.dim() != 2 or not all(t.is_contiguous() for t in tensors):
+        return 0
+    rows: int = library.dense_linear_max_rows(cpu_kernels.DTYPE_CODES[weight.dtype])
+    return rows
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) by cpu/kernels.c's `dense_linear`, for x [rows, in] contiguous with rows at most
+    `dense_rows(weight, bias)`, all of one dtype."""
+    library = cpu_kernels.library()
+    assert library is not None
+    rows, k = x.shape
+    out = x.new_empty((rows, weight.shape[0]))
+    status = library.dense_linear(
+        x.data_ptr(),
+        rows,
+        k,
+        weight.data_ptr(),
+        weight.shape[0],
+        None if bias is None else bias.data_ptr(),
+        cpu_kernels.DTYPE_CODES[x.dtype],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"dense_linear takes 1 to {dense_rows(weight, bias)} rows, not {rows}")
+    return out
 
 
 def prepack_linears(model: nn.Module, batch_size_hint: int) -> int:

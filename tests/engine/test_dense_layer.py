@@ -1,0 +1,147 @@
+"""A decode step's layers in one C call each over float weights (model/dense_layer.py, cpu/dense_layer.c)
+against the per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden
+states, residual stream and KV cache bytes, bit for bit, at 1..4 rows, float32 and (where oneDNN prepacks
+it) bfloat16, with and without biases, with a sliding window, on 1 and 2 threads; for the native build and
+each portable one this CPU runs (those without AVX-512 multiply in oneDNN: no one-call layer there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture)
+from engine.test_decode_layer import _decode_step, _model, _Spy
+
+from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
+from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu.linear import can_prepack, prepack_linears
+from inflight.engine.model import dense_layer
+from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.llama import LlamaForCausalLM
+from inflight.engine.runner import allocate_kv_caches
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 48
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.library() is None or not can_prepack(torch.device("cpu"), torch.float32),
+    reason="needs the CPU kernels and oneDNN",
+)
+
+
+def _float_model(dtype: torch.dtype, bias: bool, window: int | None) -> LlamaForCausalLM:
+    """Two layers with random float weights, prepacked as the engine does."""
+    config = ModelConfig(
+        architecture="MistralForCausalLM" if window else "LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        attention_bias=bias,
+        o_proj_bias=bias,
+        sliding_window=window,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, CPU_KERNEL_BACKEND, torch.device("cpu"))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            scale = 0.5 if parameter.dim() == 1 else 0.2
+            parameter.copy_(torch.randn_like(parameter) * scale + (1.0 if parameter.dim() == 1 else 0.0))
+    model.to(dtype)
+    prepack_linears(model, batch_size_hint=8)
+    return model
+
+
+def native_dtypes() -> list[torch.dtype]:
+    return [d for d in (torch.float32, torch.bfloat16) if can_prepack(torch.device("cpu"), d)]
+
+
+@pytest.mark.parametrize("dtype", native_dtypes())
+@pytest.mark.parametrize(("bias", "window"), [(False, None), (True, None), (False, 6)])
+def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    bias: bool,
+    window: int | None,
+    torch_threads: int,
+) -> None:
+    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work); 1..5 rows (5: more than
+    dense_linear takes, the per-op path both times, with oneDNN's products)."""
+    spy = _Spy(any_library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    model = _float_model(dtype, bias, window)  # prepacked with this build's dense_linear_max_rows
+    max_rows = any_library.dense_linear_max_rows(cpu_kernels.DTYPE_CODES[dtype])
+    rng = random.Random(1)
+    for rows in range(1, 6):
+        one_call = rows <= max_rows
+        meta, positions = _decode_step(rows, rng)
+        ids = torch.tensor([rng.randrange(64) for _ in range(rows)])
+        caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
+        for k, v in caches:  # earlier tokens' keys and values
+            k.copy_(torch.randn(k.shape).to(dtype))
+            v.copy_(torch.randn(v.shape).to(dtype))
+        per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode():
+            spy.calls.clear()
+            one = model(ids, positions, caches, meta)
+            assert spy.calls.count("dense_decode_layer") == (2 if one_call else 0)
+            assert "decode_layer" not in spy.calls
+            with monkeypatch.context() as patch:
+                patch.setattr(dense_layer.DenseStep, "start", lambda *args: None)
+                spy.calls.clear()
+                per_op = model(ids, positions, per_op_caches, meta)
+                assert "dense_decode_layer" not in spy.calls
+                assert ("dense_linear" in spy.calls) == one_call
+        assert one.dtype == dtype and torch.equal(one, per_op), f"{rows} rows"
+        for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref), f"{rows} rows"
+
+
+def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None:
+    """A prefill row, more rows than dense_linear takes, a float8 KV cache, weights kept quantized or not
+    prepacked, or the torch attention backend: no one-call step or layer."""
+    model = _float_model(torch.float32, False, None)
+    layer = model.layers[0].dense()
+    assert layer is not None and layer.max_rows == 4
+    assert model.layers[0].dense() is layer  # built once
+    rng = random.Random(2)
+    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    fp8_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float8_e4m3fn, "cpu")[0][0]
+    start = dense_layer.DenseStep.start
+    for rows in (2, 5):
+        meta, _ = _decode_step(rows, rng)
+        rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
+        hidden = torch.zeros(rows, 64)
+        prefill = replace(meta, query_lens_list=[2] + [1] * (rows - 1), max_query_len=2)
+        assert start(layer, hidden, prefill, rope, caches[0][0]) is None
+        assert start(layer, hidden, meta, rope, fp8_cache) is None
+        assert start(None, hidden, meta, rope, caches[0][0]) is None
+        step = start(layer, hidden, meta, rope, caches[0][0])
+        assert (step is not None) == (rows <= 4)
+        if step is not None:
+            assert step.takes(layer, *caches[1])
+            assert not step.takes(layer, fp8_cache, fp8_cache)
+    assert _model("q4_1", torch.float32, False, None).layers[0].dense() is None
+    assert LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu")).layers[0].dense() is None
+    model.layers[0].self_attn.backend = TORCH_BACKEND
+    assert model.layers[0].dense() is None
+    model.layers[0].self_attn.backend = CPU_KERNEL_BACKEND
+    held = model.layers[0].mlp.down_proj
+    model.layers[0].mlp.down_proj = model.layers[1].mlp.down_proj
+    rebuilt = model.layers[0].dense()
+    assert rebuilt is not None and rebuilt is not layer  # a module replaced: not the cached pointers
+    model.layers[0].mlp.down_proj = held
+    model.layers[0].input_layernorm.to(torch.float64)  # its weight moved (and no kernel dtype)
+    assert model.layers[0].dense() is None

@@ -1,0 +1,162 @@
+"""cpu/kernels.c's dense_linear (one to four rows times float weights) and PrepackedLinear's use of it.
+
+The plain C version (the portable build) defines the result bit for bit: every other build gives the
+same bits, whatever the thread count and whatever the other rows of the batch are."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from engine.attention.test_cpu_paged import any_library
+from torch import nn
+
+from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu.linear import PrepackedLinear, can_prepack, dense_linear, dense_rows
+
+__all__ = ["any_library"]  # the native kernels, then each portable build (a fixture of test_cpu_paged)
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.library() is None, reason=f"CPU kernels not built: {cpu_kernels.unavailable_reason()}"
+)
+
+# (outputs, inputs): tails of every kind (outputs not a multiple of the 4-row tile, inputs not of 16 or
+# 32 columns), and the shapes of a SmolLM2 layer's products.
+SHAPES = [(7, 5), (37, 70), (130, 96), (33, 1537), (960, 576), (576, 1536)]
+# float32 sums of up to 1537 products against float64; bfloat16 adds one rounding of the result.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2**-8}
+
+
+def run(
+    library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    status = library.dense_linear(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        weight.data_ptr(),
+        weight.shape[0],
+        None if bias is None else bias.data_ptr(),
+        cpu_kernels.DTYPE_CODES[x.dtype],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    assert status == 0
+    return out
+
+
+def case(
+    dtype: torch.dtype, rows: int, shape: tuple[int, int], scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    n, k = shape
+    x = (torch.randn(rows, k, generator=gen) * scale).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    return x, weight, torch.randn(n, generator=gen).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def plain_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    flags = tuple(flag for flag in cpu_kernels.COMPILE_FLAGS if flag != "-march=native")
+    out_dir = tmp_path_factory.getbasetemp() / "kernels-dense-plain"
+    return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, flags=flags))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_every_build_and_thread_count_gives_the_plain_c_bits(
+    any_library: ctypes.CDLL, plain_library: ctypes.CDLL, dtype: torch.dtype, rows: int, torch_threads: int
+) -> None:
+    for shape in SHAPES:
+        x, weight, bias = case(dtype, rows, shape)
+        for b in (bias, None):
+            with_threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            expected = run(plain_library, x, weight, b)
+            torch.set_num_threads(with_threads)
+            actual = run(any_library, x, weight, b)
+            assert torch.equal(actual, expected), f"{shape}, bias {b is not None}"
+            exact = nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+            torch.testing.assert_close(actual.double(), exact, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_other_rows(
+    any_library: ctypes.CDLL, dtype: torch.dtype
+) -> None:
+    for shape in SHAPES:
+        x, weight, bias = case(dtype, 4, shape)
+        together = run(any_library, x, weight, bias)
+        for r in range(4):
+            assert torch.equal(together[r : r + 1], run(any_library, x[r : r + 1], weight, bias))
+        assert torch.equal(together[1:3], run(any_library, x[1:3].contiguous(), weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [(1e-20, 1e-19), (1e-39, 1.0), (1e-30, 1e-8)])
+def test_products_and_values_below_the_normal_range(
+    any_library: ctypes.CDLL, plain_library: ctypes.CDLL, dtype: torch.dtype, scales: tuple[float, float]
+) -> None:
+    """float32 keeps denormals; bfloat16 counts values and sums under 1.2e-38 as zero, as AVX512-BF16's
+    dot product does, in the plain C version too."""
+    x_scale, w_scale = scales
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 100, generator=gen) * x_scale).to(dtype)
+    weight = (torch.randn(37, 100, generator=gen) * w_scale).to(dtype)
+    actual = run(any_library, x, weight, None)
+    assert torch.equal(actual, run(plain_library, x, weight, None))
+    if dtype == torch.bfloat16 and x_scale * w_scale < 1e-38:
+        assert not actual.any()
+    else:
+        assert actual.all()
+
+
+def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL) -> None:
+    x, weight, bias = case(torch.float32, 5, (8, 16))
+    out = torch.empty(5, 8)
+    args = (weight.data_ptr(), 8, bias.data_ptr(), 0, out.data_ptr(), 1)
+    assert any_library.dense_linear(x.data_ptr(), 5, 16, *args) == -1
+    assert any_library.dense_linear(x.data_ptr(), 0, 16, *args) == -1
+
+
+def native_dtypes() -> list[torch.dtype]:
+    return [d for d in (torch.float32, torch.bfloat16) if can_prepack(torch.device("cpu"), d)]
+
+
+@pytest.mark.parametrize("dtype", native_dtypes())
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_multiplies_up_to_four_rows_in_c_and_more_with_onednn(
+    dtype: torch.dtype, bias: bool
+) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=bias).to(dtype)
+    packed = PrepackedLinear(linear, batch_size_hint=64)
+    assert packed.dense_rows == dense_rows(linear.weight, linear.bias)
+    assert packed.dense_rows in (0, 4)
+    x = torch.randn(9, 96).to(dtype)
+    with torch.inference_mode():
+        for rows in range(1, 10):
+            actual = packed(x[:rows])
+            if rows <= packed.dense_rows:
+                assert torch.equal(actual, dense_linear(x[:rows], linear.weight, linear.bias))
+                assert torch.equal(actual[-1:], packed(x[rows - 1 : rows]))
+            else:
+                onednn = torch.ops.mkldnn._linear_pointwise(
+                    x[:rows], packed.packed_weight, packed.bias, "none", [], ""
+                )
+                assert torch.equal(actual, onednn)
+            # A view that is not contiguous takes oneDNN's path, with the same result within rounding.
+            strided = x[:rows].t().contiguous().t()
+            torch.testing.assert_close(packed(strided), actual, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_no_c_product_where_the_kernels_are_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    linear = nn.Linear(16, 8)
+    assert dense_rows(linear.weight, linear.bias) == 0
+    packed = PrepackedLinear(linear, batch_size_hint=4)
+    x = torch.randn(1, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
