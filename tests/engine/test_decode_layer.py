@@ -1,9 +1,10 @@
-"""A decode step's layers in one C call each (model/decode_layer.py, cpu/decode_layer.c) against the
-per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden states,
-residual stream and KV cache bytes, bit for bit, for both kernel formats (s8, u4), 1..8 rows, float32 and
-bfloat16 activations, bfloat16/float32 and float8 KV caches, with and without biases, with a sliding
-window, on 1 and 2 threads; for the native build and each portable one this CPU runs. And the quantized
-LM head's float32 logits are the kernel's sums, not bfloat16 values widened.
+"""A decode step's layers in one C call each over quantized weights (model/decode_layer.py,
+cpu/decode_layer.c) against the per-op path (model/llama.py's DecoderLayer.forward), which is the
+definition: the same hidden states, residual stream and KV cache bytes, bit for bit, for both kernel
+formats (s8, u4), 1..8 rows, float32 and bfloat16 activations, bfloat16/float32 and float8 KV caches, with
+and without biases, with a sliding window, on 1 and 2 threads; for the native build and each portable one
+this CPU runs. And the quantized LM head's float32 logits are the kernel's sums, not bfloat16 values
+widened. (test_dense_layer.py: the same over float weights.)
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ BLOCK_SIZE = 8
 NUM_BLOCKS = 48
 
 
-def _model(quantization: str, dtype: torch.dtype, bias: bool, window: int | None) -> LlamaForCausalLM:
-    """Two layers with random weights, every projection kept quantized in `quantization`."""
-    config = ModelConfig(
+def _config(bias: bool, window: int | None) -> ModelConfig:
+    """The two-layer model of these tests and of test_dense_layer.py."""
+    return ModelConfig(
         architecture="MistralForCausalLM" if window else "LlamaForCausalLM",
         vocab_size=64,
         hidden_size=64,
@@ -50,8 +51,12 @@ def _model(quantization: str, dtype: torch.dtype, bias: bool, window: int | None
         sliding_window=window,
         torch_dtype="float32",
     )
+
+
+def _model(quantization: str, dtype: torch.dtype, bias: bool, window: int | None) -> LlamaForCausalLM:
+    """Two layers with random weights, every projection kept quantized in `quantization`."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, CPU_KERNEL_BACKEND, torch.device("cpu"))
+    model = LlamaForCausalLM(_config(bias, window), CPU_KERNEL_BACKEND, torch.device("cpu"))
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(torch.randn_like(parameter) * 0.5 + (1.0 if parameter.dim() == 1 else 0.0))
@@ -164,15 +169,16 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     rng = random.Random(2)
     k_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")[0][0]
     start = decode_layer.DecodeStep.start
+    layer = model.layers[0].fused()
     for rows in (2, KERNEL_MAX_ROWS + 1):
         meta, _ = _decode_step(rows, rng)
         rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
         prefill = replace(meta, query_lens_list=[2] + [1] * (rows - 1), max_query_len=2)
-        assert start(torch.zeros(rows, 64), prefill, rope, k_cache) is None
-        decode = start(torch.zeros(rows, 64), meta, rope, k_cache)
+        assert start(layer, torch.zeros(rows, 64), prefill, rope, k_cache) is None
+        decode = start(layer, torch.zeros(rows, 64), meta, rope, k_cache)
         assert (decode is not None) == (rows <= KERNEL_MAX_ROWS)
         with quantized.one_token_rows():  # as run_model runs a decode step: any count where x is int8
-            decode = start(torch.zeros(rows, 64), meta, rope, k_cache)
+            decode = start(layer, torch.zeros(rows, 64), meta, rope, k_cache)
         library = cpu_kernels.library()
         assert library is not None
         int8 = bool(library.quant_linear_int8_activations())

@@ -1,4 +1,4 @@
-"""A decode step's layers in one C call each over float weights (model/dense_layer.py, cpu/dense_layer.c)
+"""A decode step's layers in one C call each over float weights (model/decode_layer.py, cpu/decode_layer.c)
 against the per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden
 states, residual stream and KV cache bytes, bit for bit, at 1..4 rows, float32 and (where oneDNN prepacks
 it) bfloat16, with and without biases, with a sliding window, on 1 and 2 threads; for the native build and
@@ -14,13 +14,12 @@ from dataclasses import replace
 import pytest
 import torch
 from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture)
-from engine.test_decode_layer import _decode_step, _model, _Spy
+from engine.test_decode_layer import _config, _decode_step, _model, _Spy
 
 from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
-from inflight.engine.model import dense_layer
-from inflight.engine.model.config import ModelConfig
+from inflight.engine.model import decode_layer
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.runner import allocate_kv_caches
 
@@ -35,25 +34,8 @@ pytestmark = pytest.mark.skipif(
 
 def _float_model(dtype: torch.dtype, bias: bool, window: int | None) -> LlamaForCausalLM:
     """Two layers with random float weights, prepacked as the engine does."""
-    config = ModelConfig(
-        architecture="MistralForCausalLM" if window else "LlamaForCausalLM",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        attention_bias=bias,
-        o_proj_bias=bias,
-        sliding_window=window,
-        torch_dtype="float32",
-    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, CPU_KERNEL_BACKEND, torch.device("cpu"))
+    model = LlamaForCausalLM(_config(bias, window), CPU_KERNEL_BACKEND, torch.device("cpu"))
     with torch.no_grad():
         for parameter in model.parameters():
             scale = 0.5 if parameter.dim() == 1 else 0.2
@@ -96,13 +78,14 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
         with torch.inference_mode():
             spy.calls.clear()
             one = model(ids, positions, caches, meta)
-            assert spy.calls.count("dense_decode_layer") == (2 if one_call else 0)
-            assert "decode_layer" not in spy.calls
+            assert spy.calls.count("decode_layer") == (2 if one_call else 0)
+            if one_call:  # and each call's products dense_linear's
+                assert all(layer.dense() is not None for layer in model.layers)
             with monkeypatch.context() as patch:
-                patch.setattr(dense_layer.DenseStep, "start", lambda *args: None)
+                patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
                 spy.calls.clear()
                 per_op = model(ids, positions, per_op_caches, meta)
-                assert "dense_decode_layer" not in spy.calls
+                assert "decode_layer" not in spy.calls
                 assert ("dense_linear" in spy.calls) == one_call
         assert one.dtype == dtype and torch.equal(one, per_op), f"{rows} rows"
         for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
@@ -119,7 +102,7 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     rng = random.Random(2)
     caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
     fp8_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float8_e4m3fn, "cpu")[0][0]
-    start = dense_layer.DenseStep.start
+    start = decode_layer.DecodeStep.start
     for rows in (2, 5):
         meta, _ = _decode_step(rows, rng)
         rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))

@@ -28,25 +28,6 @@ SHAPES = [(7, 5), (37, 70), (130, 96), (33, 1537), (960, 576), (576, 1536)]
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2**-8}
 
 
-def run(
-    library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    out = x.new_empty((x.shape[0], weight.shape[0]))
-    status = library.dense_linear(
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        weight.data_ptr(),
-        weight.shape[0],
-        None if bias is None else bias.data_ptr(),
-        cpu_kernels.DTYPE_CODES[x.dtype],
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    assert status == 0
-    return out
-
-
 def case(
     dtype: torch.dtype, rows: int, shape: tuple[int, int], scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,9 +55,9 @@ def test_every_build_and_thread_count_gives_the_plain_c_bits(
         for b in (bias, None):
             with_threads = torch.get_num_threads()
             torch.set_num_threads(1)
-            expected = run(plain_library, x, weight, b)
+            expected = dense_linear(x, weight, b, plain_library)
             torch.set_num_threads(with_threads)
-            actual = run(any_library, x, weight, b)
+            actual = dense_linear(x, weight, b, any_library)
             assert torch.equal(actual, expected), f"{shape}, bias {b is not None}"
             exact = nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
             torch.testing.assert_close(actual.double(), exact, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
@@ -88,10 +69,10 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(
 ) -> None:
     for shape in SHAPES:
         x, weight, bias = case(dtype, 4, shape)
-        together = run(any_library, x, weight, bias)
+        together = dense_linear(x, weight, bias, any_library)
         for r in range(4):
-            assert torch.equal(together[r : r + 1], run(any_library, x[r : r + 1], weight, bias))
-        assert torch.equal(together[1:3], run(any_library, x[1:3].contiguous(), weight, bias))
+            assert torch.equal(together[r : r + 1], dense_linear(x[r : r + 1], weight, bias, any_library))
+        assert torch.equal(together[1:3], dense_linear(x[1:3].contiguous(), weight, bias, any_library))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,8 +86,8 @@ def test_products_and_values_below_the_normal_range(
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(3, 100, generator=gen) * x_scale).to(dtype)
     weight = (torch.randn(37, 100, generator=gen) * w_scale).to(dtype)
-    actual = run(any_library, x, weight, None)
-    assert torch.equal(actual, run(plain_library, x, weight, None))
+    actual = dense_linear(x, weight, None, any_library)
+    assert torch.equal(actual, dense_linear(x, weight, None, plain_library))
     if dtype == torch.bfloat16 and x_scale * w_scale < 1e-38:
         assert not actual.any()
     else:

@@ -1,9 +1,12 @@
-/* One decoder layer of a decode step in one call, for weights kept quantized (engine/model/decode_layer.py).
+/* One decoder layer of a decode step in one call (engine/model/decode_layer.py), for weights kept quantized
+ * (products by quant_linear) or float weights at the rows dense_linear takes (products by dense_linear): the
+ * layer's weights struct says which.
  *
- * At batch 1 a layer's work is ~0.2 ms of products and a few tens of microseconds of elementwise steps,
- * while the per-op path (model/llama.py) made ten Python calls a layer, each with its tensor checks,
- * allocations and a ctypes call: several milliseconds a step over 30 layers. decode_layer chains the same
- * kernels (kernels.h: kernels.c's and quant_kernels.c's exported functions, nothing duplicated) in C:
+ * At batch 1 a quantized layer's work is ~0.2 ms of products (a float SmolLM2 layer's ~0.4 ms in bfloat16)
+ * and a few tens of microseconds of elementwise steps, while the per-op path (model/llama.py) made ten
+ * Python calls a layer, each with its tensor checks, allocations and a ctypes call: several milliseconds a
+ * step over 30 layers. decode_layer chains the same kernels (kernels.h: kernels.c's and quant_kernels.c's
+ * exported functions, nothing duplicated) in C:
  *
  *   residual += hidden; normed = RMSNorm(residual)         (first layer: residual = hidden)
  *   qkv = normed Wqkv^T (+ b); rotary on q and k; k, v -> the KV cache at the rows' slots
@@ -12,9 +15,9 @@
  *   hidden = (silu(gate) * up of normed Wgate_up^T) Wdown^T
  *
  * with the arguments the per-op path gives each kernel, so the outputs are bit-identical to it
- * (tests/engine/test_decode_layer.py). The one step written here is the float8 KV cache store: keys and
- * values saturated to +-448 and rounded to nearest even, as kv_store.to_cache does with torch (c10's
- * fp8e4m3fn_from_fp32_value, below).
+ * (tests/engine/test_decode_layer.py, tests/engine/test_dense_layer.py). The one step written here is the
+ * float8 KV cache store (quantized weights only): keys and values saturated to +-448 and rounded to nearest
+ * even, as kv_store.to_cache does with torch (c10's fp8e4m3fn_from_fp32_value, below).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,10 +26,14 @@
 #include "kernels.h"
 
 enum { LAYER_FLOAT32 = 0, LAYER_BFLOAT16 = 1, LAYER_FP8_E4M3 = 2 };
+/* struct decode_layer_weights' `product`: how its matrices are multiplied. */
+enum { PRODUCT_QUANTIZED = 0, PRODUCT_DENSE = 1 };
 
-/* A weight matrix in quant_kernels.c's interleaved layout, with its bias (NULL: none). */
-struct qmatrix {
-    const uint8_t *qweight;
+/* A weight matrix with its bias (NULL: none). PRODUCT_QUANTIZED: `weight` in quant_kernels.c's interleaved
+ * layout, with `scales`, `mins` and `format`; PRODUCT_DENSE: `weight` [rows, columns] as the checkpoint
+ * holds it (scales and mins NULL). */
+struct matrix {
+    const void *weight;
     const void *scales; /* float16 or float32, as `format` says */
     const void *mins;   /* NULL for the s8 format */
     const void *bias;
@@ -36,8 +43,9 @@ struct qmatrix {
 
 /* A layer's weights and shapes: fixed after loading (decode_layer.py builds it once per layer). */
 struct decode_layer_weights {
+    int64_t product;
     const void *input_norm, *post_norm;
-    struct qmatrix qkv, o, gate_up, down;
+    struct matrix qkv, o, gate_up, down;
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
 };
@@ -111,16 +119,20 @@ static void write_kv_fp8(const void *k, const void *v, int64_t row_stride, int64
     }
 }
 
-static int product(const struct qmatrix *w, const void *x, int64_t rows, int64_t k, int dtype, void *out,
-                   int num_threads) {
-    return quant_linear(x, rows, k, w->qweight, w->scales, w->mins, (int)w->format, w->rows, w->bias, dtype, out,
+/* out = x m^T (+ bias) for `rows` rows of x [rows, k], by the kernel the layer's `product` names. */
+static int product(int64_t kind, const struct matrix *m, const void *x, int64_t rows, int64_t k, int dtype,
+                   void *out, int num_threads) {
+    if (kind == PRODUCT_DENSE)
+        return dense_linear(x, rows, k, m->weight, m->rows, m->bias, dtype, out, num_threads);
+    return quant_linear(x, rows, k, m->weight, m->scales, m->mins, (int)m->format, m->rows, m->bias, dtype, out,
                         dtype, num_threads);
 }
 
 /* One decoder layer for s->rows decode rows (see the top of the file). `hidden` [rows, hidden]: the
  * previous layer's MLP output (the embeddings for the first layer), replaced by this layer's;
  * `residual` [rows, hidden]: the residual stream, updated in place (`first`: it is set from `hidden`).
- * Returns 0, or -1 when a buffer could not be allocated (the outputs are then incomplete). */
+ * Returns 0, or -1 when a buffer could not be allocated or a kernel refused (the outputs are then
+ * incomplete). */
 int decode_layer(const struct decode_layer_weights *w, const struct decode_step *s, void *hidden, void *residual,
                  int first, void *k_cache, void *v_cache) {
     const int64_t rows = s->rows, h = w->hidden, d = w->head_dim;
@@ -142,7 +154,7 @@ int decode_layer(const struct decode_layer_weights *w, const struct decode_step 
     } else {
         rms_norm(hidden, residual, w->input_norm, normed, rows, h, w->eps, dtype, threads);
     }
-    failed |= product(&w->qkv, normed, rows, h, dtype, qkv, threads);
+    failed |= product(w->product, &w->qkv, normed, rows, h, dtype, qkv, threads);
     rotary(qkv, qkv_width, s->cos, s->sin, rows, w->num_heads + w->num_kv_heads, d, dtype, threads);
     const char *k = qkv + q_size * elem, *v = k + kv_size * elem;
     if (s->kv_dtype == LAYER_FP8_E4M3)
@@ -153,11 +165,11 @@ int decode_layer(const struct decode_layer_weights *w, const struct decode_step 
                            s->query_rows, s->seqs, rows, w->num_heads, w->num_kv_heads, d, s->block_size,
                            s->window, w->scale, dtype, (int)s->kv_dtype, attention, s->max_seq_len, threads);
     /* The o_proj output goes into `hidden` (the layer's input is in `residual` by now). */
-    failed |= product(&w->o, attention, rows, q_size, dtype, hidden, threads);
+    failed |= product(w->product, &w->o, attention, rows, q_size, dtype, hidden, threads);
     rms_norm(hidden, residual, w->post_norm, normed, rows, h, w->eps, dtype, threads);
-    failed |= product(&w->gate_up, normed, rows, h, dtype, gate_up, threads);
+    failed |= product(w->product, &w->gate_up, normed, rows, h, dtype, gate_up, threads);
     silu_and_mul(gate_up, act, rows, w->intermediate, dtype, threads);
-    failed |= product(&w->down, act, rows, w->intermediate, dtype, hidden, threads);
+    failed |= product(w->product, &w->down, act, rows, w->intermediate, dtype, hidden, threads);
     free(buffer);
     return failed ? -1 : 0;
 }

@@ -1,6 +1,6 @@
-/* The exported kernels of kernels.c and quant_kernels.c that decode_layer.c and dense_layer.c chain into one
- * decoder layer: one declaration for the files that define them and the files that call them (compiled into
- * the same library by kernels.py). Argument meanings: at each definition. */
+/* The exported kernels of kernels.c and quant_kernels.c that decode_layer.c chains into one decoder layer:
+ * one declaration for the files that define them and the file that calls them (compiled into the same
+ * library by kernels.py). Argument meanings: at each definition. */
 #ifndef INFLIGHT_KERNELS_H
 #define INFLIGHT_KERNELS_H
 

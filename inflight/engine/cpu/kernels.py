@@ -38,11 +38,10 @@ logger = logging.getLogger("inflight.engine")
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # Compiled into the same library: the weight-quantized linear layers (cpu/quantized.py), and a decode
-# step's whole decoder layer over them (model/decode_layer.py), which calls the kernels of both files.
+# step's whole decoder layer over quantized or float weights (model/decode_layer.py), which calls the
+# kernels of both files.
 QUANT_SOURCE = Path(__file__).with_name("quant_kernels.c")
 DECODE_LAYER_SOURCE = Path(__file__).with_name("decode_layer.c")
-# A decode step's whole decoder layer over float weights (model/dense_layer.py), kernels.c's alone.
-DENSE_LAYER_SOURCE = Path(__file__).with_name("dense_layer.c")
 DISABLE_ENV = "INFLIGHT_CPU_KERNELS"
 COMPILE_FLAGS = (
     "-O3",
@@ -104,8 +103,6 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "quant_linear_int8_activations": ([], _int),
     # decode_layer.c: weights (struct), step (struct), hidden, residual, first, k_cache, v_cache
     "decode_layer": ([_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr], _int),
-    # dense_layer.c: the same arguments, float weights (struct dense_layer_weights, struct dense_step)
-    "dense_decode_layer": ([_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr], _int),
 }
 
 
@@ -129,7 +126,7 @@ def build_library(
     flags: tuple[str, ...] = COMPILE_FLAGS,
     kernels_source: Path = SOURCE,
 ) -> Path:
-    """Compile kernels.c, quant_kernels.c, decode_layer.c and dense_layer.c into one library (once per
+    """Compile kernels.c, quant_kernels.c and decode_layer.c into one library (once per
     source, compiler, flags and CPU) and return its path.
 
     `flags` other than the default are for tests (e.g. without -march=native: the portable C path);
@@ -159,7 +156,7 @@ def build_library(
     # Build into a temporary name and rename: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
-        compiled = (kernels_source, QUANT_SOURCE, DECODE_LAYER_SOURCE, DENSE_LAYER_SOURCE)
+        compiled = (kernels_source, QUANT_SOURCE, DECODE_LAYER_SOURCE)
         # -I: kernels.h for a kernels.c outside this folder; -D: the quantized layout (quant_layout.py).
         command = [
             compiler_path,

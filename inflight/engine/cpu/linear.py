@@ -14,6 +14,7 @@ result is then the same whatever the other rows of the batch.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 
@@ -86,10 +87,14 @@ def dense_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
     return rows
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, library: ctypes.CDLL | None = None
+) -> torch.Tensor:
     """x W^T (+ b) by cpu/kernels.c's `dense_linear`, for x [rows, in] contiguous with rows at most
-    `dense_rows(weight, bias)`, all of one dtype."""
-    library = cpu_kernels.library()
+    `dense_rows(weight, bias)`, all of one dtype. `library`: another build of the kernels than this
+    process's (for tests)."""
+    if library is None:
+        library = cpu_kernels.library()
     assert library is not None
     rows, k = x.shape
     out = x.new_empty((rows, weight.shape[0]))

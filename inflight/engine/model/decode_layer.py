@@ -1,38 +1,49 @@
-"""A decode step's decoder layers, one C call each, where the projections are kept quantized (CPU).
+"""A decode step's decoder layers, one C call each, where the projections are kept quantized or are float
+weights multiplied in C (CPU).
 
-At batch 1 the per-op path (model/llama.py: RMSNorm, the qkv product, rotary, the KV write, attention,
-o_proj, RMSNorm, gate_up, SiLU * up, down) made about ten Python calls a layer, each with its checks,
-allocations and ctypes call: more time than the layer's quantized products. `decode_layer` in
-engine/cpu/decode_layer.c runs the same kernels with the same arguments in one call, so its outputs are
-bit-identical to the per-op path (tests/engine/test_decode_layer.py).
+The per-op path (model/llama.py: RMSNorm, the qkv product, rotary, the KV write, attention, o_proj,
+RMSNorm, gate_up, SiLU * up, down) made about ten Python calls a layer, each with its checks, allocations
+and ctypes call: at batch 1 more time than the layer's quantized products, ~0.2 ms a layer beside a float
+SmolLM2 layer's ~0.4-0.8 ms of products at one to four rows. `decode_layer` in engine/cpu/decode_layer.c
+runs the same kernels with the same arguments in one call, so its outputs are bit-identical to the per-op
+path (tests/engine/test_decode_layer.py, tests/engine/test_dense_layer.py).
 
-It runs a step of only decode rows (AttentionMetadata.is_decode_only) whose products the per-op path
-would also give the kernel (`quantized.kernel_takes`: the run_model of a decode step takes any count
-where the kernel rounds x to int8, else at most KERNEL_MAX_ROWS rows), float32 or bfloat16
-activations, a KV cache of that dtype or float8, on one rank, with every projection of the layer a
-`QuantizedLinear` and the C kernels available; anything else takes the per-op path.
+It runs a step of only decode rows (AttentionMetadata.is_decode_only), float32 or bfloat16 activations,
+on one rank, with the C kernels available, where every projection of the layer is
+- a `QuantizedLinear` (products by quant_linear): the rows the per-op path would also give the kernel
+  (`quantized.kernel_takes`: the run_model of a decode step takes any count where the kernel rounds x to
+  int8, else at most KERNEL_MAX_ROWS rows), a KV cache of the activations' dtype or float8;
+- a `PrepackedLinear` that multiplies rows in C (products by dense_linear): no more than the projections'
+  `PrepackedLinear.dense_rows`, a KV cache of the activations' dtype.
+Anything else takes the per-op path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 from torch import nn
 
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu.linear import PrepackedLinear
 from inflight.engine.cpu.quantized import QuantizedLinear, kernel_takes
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
+# struct decode_layer_weights' `product` (decode_layer.c): the kernel that multiplies the layer's matrices.
+QUANTIZED = 0  # quant_linear
+DENSE = 1  # dense_linear
 
-class _QMatrix(ctypes.Structure):
-    """struct qmatrix (decode_layer.c)."""
+
+class _Matrix(ctypes.Structure):
+    """struct matrix (decode_layer.c)."""
 
     _fields_ = [
-        ("qweight", _ptr),
+        ("weight", _ptr),
         ("scales", _ptr),
         ("mins", _ptr),
         ("bias", _ptr),
@@ -45,12 +56,13 @@ class _LayerWeights(ctypes.Structure):
     """struct decode_layer_weights (decode_layer.c)."""
 
     _fields_ = [
+        ("product", _i64),
         ("input_norm", _ptr),
         ("post_norm", _ptr),
-        ("qkv", _QMatrix),
-        ("o", _QMatrix),
-        ("gate_up", _QMatrix),
-        ("down", _QMatrix),
+        ("qkv", _Matrix),
+        ("o", _Matrix),
+        ("gate_up", _Matrix),
+        ("down", _Matrix),
         ("hidden", _i64),
         ("num_heads", _i64),
         ("num_kv_heads", _i64),
@@ -83,16 +95,28 @@ class _Step(ctypes.Structure):
     ]
 
 
-def _matrix(linear: QuantizedLinear) -> _QMatrix:
+def _bias(linear: QuantizedLinear | PrepackedLinear) -> int | None:
+    return None if linear.bias is None else linear.bias.data_ptr()
+
+
+def _quantized(linear: QuantizedLinear) -> tuple[_Matrix, list[torch.Tensor]]:
+    """The matrix of a QuantizedLinear, and the tensors it points into besides the bias."""
     weight = linear.weight.interleave_()
-    return _QMatrix(
+    matrix = _Matrix(
         weight.qweight.data_ptr(),
         weight.scales.data_ptr(),
         None if weight.mins is None else weight.mins.data_ptr(),
-        None if linear.bias is None else linear.bias.data_ptr(),
+        _bias(linear),
         weight.shape[0],
         weight.kernel_code,
     )
+    return matrix, [t for t in (weight.qweight, weight.scales, weight.mins) if t is not None]
+
+
+def _dense(linear: PrepackedLinear) -> tuple[_Matrix, list[torch.Tensor]]:
+    """The matrix of a PrepackedLinear, and the tensors it points into besides the bias."""
+    matrix = _Matrix(linear.weight.data_ptr(), None, None, _bias(linear), linear.out_features, 0)
+    return matrix, [linear.weight]
 
 
 def _weight(norm: nn.Module) -> torch.Tensor:
@@ -100,6 +124,9 @@ def _weight(norm: nn.Module) -> torch.Tensor:
     weight = norm.weight
     assert isinstance(weight, torch.Tensor)
     return weight
+
+
+Projection = QuantizedLinear | PrepackedLinear
 
 
 class FusedLayer:
@@ -110,28 +137,35 @@ class FusedLayer:
         self,
         norms: tuple[nn.Module, nn.Module],
         eps: float,
-        projections: tuple[QuantizedLinear, QuantizedLinear, QuantizedLinear, QuantizedLinear],
+        projections: tuple[Projection, Projection, Projection, Projection],
         attention: tuple[int, int, int, float],
     ) -> None:
-        """`norms`: the two RMSNorms; `projections`: qkv, o, gate_up, down; `attention`: num_heads,
-        num_kv_heads, head_dim, scale."""
-        qkv, o, gate_up, down = projections
+        """`norms`: the two RMSNorms; `projections`: qkv, o, gate_up, down, all QuantizedLinear or all
+        PrepackedLinear; `attention`: num_heads, num_kv_heads, head_dim, scale."""
+        qkv, o, _, down = projections
         num_heads, num_kv_heads, head_dim, scale = attention
-        weights = [p.weight for p in projections]
+        parts = [_quantized(p) if isinstance(p, QuantizedLinear) else _dense(p) for p in projections]
         tensors = [_weight(n) for n in norms] + [p.bias for p in projections if p.bias is not None]
-        tensors += [t for w in weights for t in (w.qweight, w.scales, w.mins) if t is not None]
+        tensors += [t for _, held in parts for t in held]
         self.modules = (*norms, *projections)
-        self._weights = tuple(zip(projections, weights, strict=True))
+        self._weights = tuple((p, p.weight, p.bias) for p in projections)
         self._pointers = tuple((t, t.data_ptr()) for t in tensors)
         self.dtype = _weight(norms[0]).dtype
         self.kv_shape = (num_kv_heads, head_dim)
+        self.product = QUANTIZED if isinstance(qkv, QuantizedLinear) else DENSE
+        # The most rows every product of the layer takes in C (quantized: `kernel_takes`, the same for
+        # every layer, decides at the step's start), and the KV cache dtypes the layer's step takes.
+        self.max_rows = sys.maxsize
+        self.kv_dtypes: tuple[torch.dtype, ...] = (self.dtype, torch.float8_e4m3fn)
+        if self.product == DENSE:
+            self.max_rows = min(p.dense_rows for p in projections if isinstance(p, PrepackedLinear))
+            self.kv_dtypes = (self.dtype,)
+        matrices = [matrix for matrix, _ in parts]
         self.weights = _LayerWeights(
+            self.product,
             _weight(norms[0]).data_ptr(),
             _weight(norms[1]).data_ptr(),
-            _matrix(qkv),
-            _matrix(o),
-            _matrix(gate_up),
-            _matrix(down),
+            *matrices,
             o.out_features,
             num_heads,
             num_kv_heads,
@@ -148,26 +182,39 @@ class FusedLayer:
         projections: tuple[nn.Module, nn.Module, nn.Module, nn.Module],
         attention: tuple[int, int, int, float],
     ) -> FusedLayer | None:
-        """A FusedLayer where every projection is a QuantizedLinear and the norms' weights and the biases
-        share one kernel dtype, else None."""
+        """A FusedLayer where every projection is a QuantizedLinear, the norms' weights and the biases
+        sharing one kernel dtype, or every projection is a PrepackedLinear that multiplies rows in C, the
+        norms' weights sharing its dtype; else None."""
         quantized = [p for p in projections if isinstance(p, QuantizedLinear)]
-        if len(quantized) != len(projections):
+        dense = [p for p in projections if isinstance(p, PrepackedLinear) and p.dense_rows > 0]
+        chosen: list[QuantizedLinear] | list[PrepackedLinear]
+        if len(quantized) == len(projections):
+            chosen = quantized
+            floats = [_weight(n) for n in norms] + [p.bias for p in quantized if p.bias is not None]
+            dtype = floats[0].dtype
+        elif len(dense) == len(projections):
+            chosen = dense
+            floats = [_weight(n) for n in norms] + [p.weight for p in dense]
+            dtype = dense[0].weight.dtype
+        else:
             return None
-        floats = [_weight(n) for n in norms] + [p.bias for p in quantized if p.bias is not None]
-        dtype = floats[0].dtype
         if dtype not in cpu_kernels.DTYPE_CODES:
             return None
         if any(t.dtype != dtype or not t.is_contiguous() for t in floats):
             return None
-        qkv, o, gate_up, down = quantized
+        qkv, o, gate_up, down = chosen
         return FusedLayer(norms, eps, (qkv, o, gate_up, down), attention)
+
+    def takes_rows(self, rows: int, library: ctypes.CDLL) -> bool:
+        """Whether every product of the layer multiplies `rows` rows in C here."""
+        return rows <= self.max_rows and (self.product == DENSE or kernel_takes(rows, library))
 
     def current(self, modules: tuple[nn.Module, ...]) -> bool:
         """Whether the layer's modules are still `modules` (norms, then qkv, o, gate_up, down), with the
-        same weights where they were (a replaced weight or a tensor moved by `.to()` is not)."""
+        same weights and biases where they were (a replaced weight or a tensor moved by `.to()` is not)."""
         return (
             all(a is b for a, b in zip(modules, self.modules, strict=True))
-            and all(p.weight is w for p, w in self._weights)
+            and all(p.weight is w and p.bias is b for p, w, b in self._weights)
             and all(t.data_ptr() == ptr for t, ptr in self._pointers)
         )
 
@@ -212,26 +259,26 @@ class DecodeStep:
 
     @staticmethod
     def start(
+        layer: FusedLayer | None,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
     ) -> DecodeStep | None:
-        """The step, where decode_layer.c can run it (see the top of the file), else None. `rope`: the
-        step's cos and sin from ops.rotary_tables; `k_cache`: a layer's (every layer's is alike)."""
-        library = cpu_kernels.library_for(hidden)
-        if library is None or not meta.is_decode_only or hidden.dim() != 2:
+        """The step, where decode_layer.c can run it with `layer` (the first layer's; see the top of the
+        file), else None. `rope`: the step's cos and sin from ops.rotary_tables; `k_cache`: a layer's
+        (every layer's is alike)."""
+        if layer is None or not meta.is_decode_only or hidden.dim() != 2:
             return None
-        if not kernel_takes(hidden.shape[0], library):
+        library = cpu_kernels.library_for(hidden)
+        if library is None or not layer.takes_rows(hidden.shape[0], library):
             return None
         cos, sin = rope
         tables_usable = (
             cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         )
         kv_usable = (
-            k_cache.is_cpu
-            and k_cache.dtype in (hidden.dtype, torch.float8_e4m3fn)
-            and meta.slot_mapping.dtype == torch.int64
+            k_cache.is_cpu and k_cache.dtype in layer.kv_dtypes and meta.slot_mapping.dtype == torch.int64
         )
         if not (tables_usable and kv_usable and hidden.is_contiguous()):
             return None
@@ -239,9 +286,11 @@ class DecodeStep:
 
     def takes(self, layer: FusedLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """True where `run` can run this layer with these caches ([blocks, block_size, kv heads, head
-        dim], contiguous, the step's KV dtype)."""
+        dim], contiguous, the step's KV dtype, one the layer takes) at the step's rows."""
         return (
             layer.dtype == self.dtype
+            and self.args.rows <= layer.max_rows
+            and self.kv_dtype in layer.kv_dtypes
             and k_cache.dtype == v_cache.dtype == self.kv_dtype
             and k_cache.shape == v_cache.shape
             and k_cache.shape[1] == self.args.block_size
@@ -273,5 +322,5 @@ class DecodeStep:
             v_cache.data_ptr(),
         )
         if status != 0:
-            raise MemoryError("decode_layer: could not allocate its buffers")
+            raise MemoryError("decode_layer: a buffer could not be allocated or a kernel refused")
         return hidden, residual

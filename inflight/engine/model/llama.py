@@ -30,8 +30,7 @@ from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.decode_layer import DecodeStep, FusedLayer
-from inflight.engine.model.dense_layer import DenseLayer, DenseStep
+from inflight.engine.model.decode_layer import DENSE, DecodeStep, FusedLayer
 from inflight.engine.model.shard_layout import ShardLayout
 
 
@@ -172,7 +171,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layout)
         self._fused: FusedLayer | None = None
-        self._dense: DenseLayer | None = None
 
     def _parts(
         self,
@@ -194,27 +192,21 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         return attn.tp_size == 1 and attn.backend is CPU_KERNEL_BACKEND
 
-    def dense(self) -> DenseLayer | None:
-        """This layer as one C call of a decode step (model/dense_layer.py), where its projections are
-        float weights multiplied in C, on one rank, with the C attention kernels; else None. Built once,
-        kept while the layer's modules and weights are the same."""
-        if not self._one_call_capable():
-            return None
-        norms, projections, attention = self._parts()
-        if self._dense is None or not self._dense.current((*norms, *projections)):
-            self._dense = DenseLayer.of(norms, self.input_layernorm.eps, projections, attention)
-        return self._dense
-
     def fused(self) -> FusedLayer | None:
         """This layer as one C call of a decode step (model/decode_layer.py), where its projections are
-        kept quantized, on one rank, with the C attention kernels; else None. Built once, kept while
-        the layer's modules and weights are the same."""
+        kept quantized or are float weights multiplied in C, on one rank, with the C attention kernels;
+        else None. Built once, kept while the layer's modules and weights are the same."""
         if not self._one_call_capable():
             return None
         norms, projections, attention = self._parts()
         if self._fused is None or not self._fused.current((*norms, *projections)):
             self._fused = FusedLayer.of(norms, self.input_layernorm.eps, projections, attention)
         return self._fused
+
+    def dense(self) -> FusedLayer | None:
+        """fused(), where its products are dense_linear's (float weights); else None."""
+        layer = self.fused()
+        return layer if layer is not None and layer.product == DENSE else None
 
     def forward(
         self,
@@ -299,28 +291,16 @@ class LlamaForCausalLM(nn.Module):
         rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
         residual: torch.Tensor | None = None
         last = len(self.layers) - 1
-        # A decode step runs each layer as one C call where it can: float weights (dense_step, decided by
-        # the first layer) or weights kept quantized (step).
-        dense_step = (
-            DenseStep.start(
-                cast(DecoderLayer, self.layers[0]).dense(), hidden, attn_metadata, rope, kv_caches[0][0]
+        # A decode step runs each layer as one C call where it can (decided by the first layer).
+        step = (
+            DecodeStep.start(
+                cast(DecoderLayer, self.layers[0]).fused(), hidden, attn_metadata, rope, kv_caches[0][0]
             )
             if kv_caches
             else None
         )
-        step = (
-            DecodeStep.start(hidden, attn_metadata, rope, kv_caches[0][0])
-            if kv_caches and dense_step is None
-            else None
-        )
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer_keep = keep if i == last else None
-            dense = (
-                cast(DecoderLayer, layer).dense() if dense_step is not None and layer_keep is None else None
-            )
-            if dense is not None and dense_step is not None and dense_step.takes(dense, k_cache, v_cache):
-                hidden, residual = dense_step.run(dense, hidden, residual, k_cache, v_cache)
-                continue
             fused = cast(DecoderLayer, layer).fused() if step is not None and layer_keep is None else None
             if fused is not None and step is not None and step.takes(fused, k_cache, v_cache):
                 hidden, residual = step.run(fused, hidden, residual, k_cache, v_cache)
