@@ -200,6 +200,34 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     assert model.layers[0].fused() is None
 
 
+def test_layers_after_one_the_kernels_cannot_take_still_run_as_one_call(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first layer with a float projection (as a GGUF file's dequantized Q6_K tensor in layer 0): the
+    step still runs the quantized layers after it as one call each, bit for bit the per-op path."""
+    spy = _Spy(any_library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    model = _model("q8_0", torch.float32, False, None)
+    float_model = LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu"))
+    model.layers[0].mlp.down_proj = float_model.layers[0].mlp.down_proj
+    assert model.layers[0].fused() is None and model.layers[1].fused() is not None
+    meta, positions = _decode_step(3, random.Random(3))
+    ids = torch.tensor([5, 17, 42])
+    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        spy.calls.clear()
+        fused = model(ids, positions, caches, meta)
+        assert spy.calls.count("decode_layer") == 1
+        with monkeypatch.context() as patch:
+            patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
+            per_op = model(ids, positions, per_op_caches, meta)
+    assert torch.equal(fused, per_op)
+    for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])
 def test_the_quantized_lm_head_gives_the_kernels_float32_sums(quantization: str) -> None:
     """bfloat16 hidden states, float32 logits: the same sums the bfloat16 output rounds, unrounded."""

@@ -291,14 +291,15 @@ class LlamaForCausalLM(nn.Module):
         rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
         residual: torch.Tensor | None = None
         last = len(self.layers) - 1
-        # A decode step runs each layer as one C call where it can (decided by the first layer).
-        step = (
-            DecodeStep.start(
-                cast(DecoderLayer, self.layers[0]).fused(), hidden, attn_metadata, rope, kv_caches[0][0]
-            )
-            if kv_caches
-            else None
+        # A decode step runs each layer as one C call where it can, by the rules (rows, KV dtype) of the
+        # first layer that can (a GGUF file's first layers may hold a type the kernels do not keep).
+        one_call = (
+            (cast(DecoderLayer, layer).fused() for layer in self.layers)
+            if kv_caches and attn_metadata.is_decode_only
+            else iter(())
         )
+        first = next((fused for fused in one_call if fused is not None), None)
+        step = DecodeStep.start(first, hidden, attn_metadata, rope, kv_caches[0][0]) if kv_caches else None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer_keep = keep if i == last else None
             fused = cast(DecoderLayer, layer).fused() if step is not None and layer_keep is None else None
