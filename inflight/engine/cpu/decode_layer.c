@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "float_bits.h"
 #include "kernels.h"
 
 enum { LAYER_FLOAT32 = 0, LAYER_BFLOAT16 = 1, LAYER_FP8_E4M3 = 2 };
@@ -61,18 +62,6 @@ struct decode_step {
     int64_t dtype, kv_dtype, num_threads;
 };
 
-static inline uint32_t bits_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float float_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* float -> float8 e4m3fn: torch's conversion (c10 fp8e4m3fn_from_fp32_value), after saturating to +-448
  * (kv_store.to_cache's clamp; NaN stays NaN). */
 static uint8_t to_fp8(float f) {
@@ -107,8 +96,8 @@ static void write_kv_fp8(const void *k, const void *v, int64_t row_stride, int64
         for (int64_t i = 0; i < count; i++) {
             float kf, vf;
             if (dtype == LAYER_BFLOAT16) {
-                kf = float_of((uint32_t)((const uint16_t *)k)[t * row_stride + i] << 16);
-                vf = float_of((uint32_t)((const uint16_t *)v)[t * row_stride + i] << 16);
+                kf = bf16_to_float(((const uint16_t *)k)[t * row_stride + i]);
+                vf = bf16_to_float(((const uint16_t *)v)[t * row_stride + i]);
             } else {
                 kf = ((const float *)k)[t * row_stride + i];
                 vf = ((const float *)v)[t * row_stride + i];

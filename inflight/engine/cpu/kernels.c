@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "float_bits.h"
 #include "kernels.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -31,22 +32,6 @@ enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2 };
 #else
 #define ALWAYS_INLINE inline
 #endif
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    /* Round to nearest even, as torch does; NaN stays NaN. */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* ---- bfloat16 rows <-> float rows ---------------------------------------------------------------- */
 

@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "float_bits.h"
 #include "kernels.h"
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -56,21 +57,6 @@ enum { QTILE_N = 4, QTILE_M = 4 };
 /* Multiply-adds (rows x n x k) per OpenMP thread of quant_linear: a decoder layer's projections at batch
  * 1 (0.3-1.8 M: 10-40 us on one core) run on one thread, an LM head (28 M for SmolLM2) on several. */
 #define QWORK_PER_THREAD ((int64_t)1 << 22)
-
-static inline float q_bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t q_float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* A format argument's layout (QFORMAT_S8 or QFORMAT_U4) and whether its scales are float16. */
 static inline int qkind(int format) { return format & ~QSCALES_F16; }
@@ -95,13 +81,9 @@ static inline float q_half_to_float(uint16_t h) {
     } else if (exponent != 0) {
         bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
     } else {
-        const float magnitude = (float)mantissa * 0x1p-24f; /* zero or subnormal: exact in float */
-        memcpy(&bits, &magnitude, sizeof bits);
-        bits |= sign;
+        bits = sign | bits_of((float)mantissa * 0x1p-24f); /* zero or subnormal: exact in float */
     }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return float_of(bits);
 #endif
 }
 
@@ -385,9 +367,9 @@ int quant_linear_int8_activations(void) {
 static Q_INLINE void store_output(void *out, const void *bias, int dtype, int out_dtype, int64_t n, int64_t row,
                                   int64_t col, float value) {
     if (bias != NULL)
-        value += dtype == QDTYPE_BFLOAT16 ? q_bf16_to_float(((const uint16_t *)bias)[col]) : ((const float *)bias)[col];
+        value += dtype == QDTYPE_BFLOAT16 ? bf16_to_float(((const uint16_t *)bias)[col]) : ((const float *)bias)[col];
     if (out_dtype == QDTYPE_BFLOAT16)
-        ((uint16_t *)out)[row * n + col] = q_float_to_bf16(value);
+        ((uint16_t *)out)[row * n + col] = float_to_bf16(value);
     else
         ((float *)out)[row * n + col] = value;
 }
@@ -404,7 +386,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         converted = malloc((size_t)(rows * k) * sizeof(float));
         if (converted == NULL) return -1;
         const uint16_t *xb = (const uint16_t *)x;
-        for (int64_t i = 0; i < rows * k; i++) converted[i] = q_bf16_to_float(xb[i]);
+        for (int64_t i = 0; i < rows * k; i++) converted[i] = bf16_to_float(xb[i]);
         xf = converted;
     }
     const int64_t groups = (n + QGROUP - 1) / QGROUP, blocks = k / QBLOCK;
@@ -510,7 +492,7 @@ int quant_rows(const uint8_t *qweight, const void *scales, const void *mins, int
             for (; p + 16 <= k; p += 16)
                 _mm256_storeu_si256((__m256i *)(o + p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + p)));
 #endif
-            for (; p < k; p++) o[p] = q_float_to_bf16(row[p]);
+            for (; p < k; p++) o[p] = float_to_bf16(row[p]);
         }
     }
     free(row);
