@@ -293,16 +293,20 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.layers) - 1
         # A decode step runs each layer as one C call where it can, by the rules (rows, KV dtype) of the
         # first layer that can (a GGUF file's first layers may hold a type the kernels do not keep).
-        one_call = (
-            (cast(DecoderLayer, layer).fused() for layer in self.layers)
-            if kv_caches and attn_metadata.is_decode_only
-            else iter(())
-        )
-        first = next((fused for fused in one_call if fused is not None), None)
+        # `looked_up`: the layers' fused() up to that first one, each looked up once a step.
+        looked_up: list[FusedLayer | None] = []
+        if kv_caches and attn_metadata.is_decode_only:
+            for layer in self.layers:
+                looked_up.append(cast(DecoderLayer, layer).fused())
+                if looked_up[-1] is not None:
+                    break
+        first = looked_up[-1] if looked_up else None
         step = DecodeStep.start(first, hidden, attn_metadata, rope, kv_caches[0][0]) if kv_caches else None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer_keep = keep if i == last else None
-            fused = cast(DecoderLayer, layer).fused() if step is not None and layer_keep is None else None
+            fused = None
+            if step is not None and layer_keep is None:
+                fused = looked_up[i] if i < len(looked_up) else cast(DecoderLayer, layer).fused()
             if fused is not None and step is not None and step.takes(fused, k_cache, v_cache):
                 hidden, residual = step.run(fused, hidden, residual, k_cache, v_cache)
                 continue
