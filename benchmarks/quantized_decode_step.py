@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import inflight
+from inflight.bench.system import resident_mib
 from inflight.checkpoints.resolve import resolve_model
 from inflight.engine.llm import LLM
 from inflight.engine.sequence import SamplingParams
@@ -29,21 +30,13 @@ PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128
 
 
-def rss_mib() -> float:
-    """The process's resident set size now (VmRSS), MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def main() -> None:
     model = sys.argv[1]
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     path = resolve_model(model)
     torch.set_num_threads(2)
     llm = LLM(path, max_slots=rows, dtype="bfloat16")
-    loaded_rss = rss_mib()
+    loaded_rss = resident_mib()
     vocab = llm.tokenizer.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)]
@@ -68,8 +61,8 @@ def main() -> None:
     digest = hashlib.sha256(repr(tokens).encode()).hexdigest()[:12]
     print(
         f"{Path(inflight.__file__).parent.parent} {path.name} rows={rows}: median decode step "
-        f"{statistics.median(decode) * 1e3:.2f} ms over {len(decode)} steps, RSS {loaded_rss:.0f} MiB "
-        f"loaded, {rss_mib():.0f} MiB after, tokens {digest}"
+        f"{statistics.median(decode) * 1e3:.2f} ms over {len(decode)} steps, RSS {loaded_rss} MiB "
+        f"loaded, {resident_mib()} MiB after, tokens {digest}"
     )
 
 

@@ -14,8 +14,9 @@ import sys
 import time
 
 import torch
-from quantized_decode_step import PROMPT_TOKENS, rss_mib
 
+from benchmarks.quantized_decode_step import PROMPT_TOKENS
+from inflight.bench.system import resident_mib
 from inflight.checkpoints.resolve import resolve_model
 from inflight.engine.cpu.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from inflight.engine.llm import LLM
@@ -57,9 +58,9 @@ def main() -> None:
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     torch.set_num_threads(2)
     as_loaded = LLM(path, max_slots=rows, dtype="bfloat16")
-    rss_one = rss_mib()
+    rss_one = resident_mib()
     widened = LLM(path, max_slots=rows, dtype="bfloat16")
-    rss_two = rss_mib()
+    rss_two = resident_mib()
     widen_scales(widened)
     gen = torch.Generator().manual_seed(0)
     vocab = as_loaded.tokenizer.vocab_size
@@ -80,7 +81,7 @@ def main() -> None:
     for name, seconds in times.items():
         median = statistics.median(seconds) * 1e3
         print(f"  {name}: median decode step {median:.2f} ms over {len(seconds)} steps")
-    print(f"  RSS: {rss_one:.0f} MiB with one engine, {rss_two:.0f} MiB with two, {rss_mib():.0f} at the end")
+    print(f"  RSS: {rss_one} MiB with one engine, {rss_two} MiB with two, {resident_mib()} at the end")
 
 
 if __name__ == "__main__":
