@@ -9,7 +9,7 @@
    bfloat16 F.linear vs engine/fp8/linear.py (activation quantization included), median of CUDA-event
    timings, as TFLOP/s and the FP8 / bfloat16 speedup.
 3. End to end: `inflight.LLM` on builtin:llama-1b (bfloat16), generated tokens/s for a fixed greedy
-   workload with --quantization none and fp8, alternating (none, fp8, none, fp8).
+   workload with --quantization none, fp8, and fp8 with --kv-cache-dtype fp8, alternating (two rounds).
 
 Writes fp8_gpu.json (all figures) and prints a summary. Exits at once, with a message, without CUDA. Each
 part records its error in the JSON and the run goes on.
@@ -130,11 +130,19 @@ def end_to_end(prompts: int, max_tokens: int) -> dict[str, list[float]]:
     gen = torch.Generator().manual_seed(0)
     token_prompts = [torch.randint(100, 30000, (256,), generator=gen).tolist() for _ in range(prompts)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    results: dict[str, list[float]] = {"none": [], "fp8": []}
+    # (weights, KV cache) per run: bfloat16 weights, FP8 weights, FP8 weights and an FP8 KV cache.
+    settings = {"none": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8+fp8_kv": ("fp8", "fp8")}
+    results: dict[str, list[float]] = {name: [] for name in settings}
     # One engine at a time (each sizes its KV cache to the free GPU memory), alternating.
     for _ in range(2):
-        for quantization in results:
-            llm = LLM(str(folder), device="cuda", dtype="bfloat16", quantization=quantization)
+        for name, (quantization, kv_cache_dtype) in settings.items():
+            llm = LLM(
+                str(folder),
+                device="cuda",
+                dtype="bfloat16",
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
+            )
             try:
                 llm.generate(token_prompts[:8], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
                 start = time.perf_counter()
@@ -145,7 +153,8 @@ def end_to_end(prompts: int, max_tokens: int) -> dict[str, list[float]]:
             del llm
             gc.collect()
             torch.cuda.empty_cache()
-            results[quantization].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+            results[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+            print(f"end to end {name}: {results[name][-1]:.0f} tokens/s", file=sys.stderr, flush=True)
     return results
 
 
@@ -173,15 +182,16 @@ def main() -> int:
         "linear": linear_throughput,
         "end_to_end_tokens_per_s": lambda: end_to_end(args.prompts, args.max_tokens),
     }
+    args.out.mkdir(parents=True, exist_ok=True)
     for name, part in parts.items():
         started = time.perf_counter()
         try:
             results[name] = part()
         except Exception:  # recorded; the other parts still run
             results[name] = {"error": traceback.format_exc()}
-        print(f"{name}: {time.perf_counter() - started:.0f}s", file=sys.stderr)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fp8_gpu.json").write_text(json.dumps(results, indent=2))
+        print(f"{name}: {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
+        # Rewritten after each part: a run cut short keeps what it measured.
+        (args.out / "fp8_gpu.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results.get("correctness"), indent=2))
     linear = results.get("linear")
     if isinstance(linear, list):

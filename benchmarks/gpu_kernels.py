@@ -149,6 +149,7 @@ def make_batch(
 def check_correctness() -> dict[str, Any]:
     """Triton vs the torch reference on the GPU, bf16, for decode (with and without split-K) and mixed."""
     from inflight.engine.attention import torch_paged, triton_paged
+    from inflight.engine.attention.kv_store import FP8_DTYPE, to_cache
 
     generator = torch.Generator().manual_seed(0)
     cases = {
@@ -165,17 +166,27 @@ def check_correctness() -> dict[str, Any]:
         error = (actual.float() - expected).abs().max().item()
         errors[name] = {"max_abs_error": error, "ok": error < 3e-2}
         say(f"check {name}: max abs error vs torch reference {error:.2e}")
+        k_fp8, v_fp8 = to_cache(k_cache.float() * 8, FP8_DTYPE), to_cache(v_cache.float() * 8, FP8_DTYPE)
+        expected = torch_paged.paged_attention(query.float(), k_fp8.float(), v_fp8.float(), meta, scale)
+        actual = triton_paged.paged_attention(query, k_fp8, v_fp8, meta, scale, num_splits=splits)
+        error = ((actual.float() - expected).abs().max() / expected.abs().max()).item()
+        errors[name + "_fp8_kv"] = {"max_rel_error": error, "ok": error < 3e-2}
+        say(f"check {name} with a float8 KV cache: max error / max |reference| {error:.2e}")
     return errors
 
 
-def decode_sweep() -> list[dict[str, Any]]:
+def decode_sweep(
+    contexts: tuple[int, ...] = CONTEXTS, batches: tuple[int, ...] = BATCHES, fp8_kv: bool = False
+) -> list[dict[str, Any]]:
+    """Decode kernel bandwidth per (batch, context); `fp8_kv`: the caches are float8 (half the bytes)."""
     from inflight.engine.attention import triton_paged
+    from inflight.engine.attention.kv_store import FP8_DTYPE, to_cache
 
     generator = torch.Generator().manual_seed(1)
-    element = torch.tensor([], dtype=torch.bfloat16).element_size()
+    element = 1 if fp8_kv else torch.tensor([], dtype=torch.bfloat16).element_size()
     rows = []
-    for context in CONTEXTS:
-        for batch in BATCHES:
+    for context in contexts:
+        for batch in batches:
             kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * element
             if kv_bytes > MAX_CACHE_BYTES:
                 rows.append({"batch": batch, "context": context, "skipped": "KV cache over the sweep's cap"})
@@ -183,17 +194,20 @@ def decode_sweep() -> list[dict[str, Any]]:
             query, k_cache, v_cache, meta = make_batch(
                 [context] * batch, [1] * batch, torch.bfloat16, generator
             )
+            if fp8_kv:
+                k_cache, v_cache = to_cache(k_cache.float(), FP8_DTYPE), to_cache(v_cache.float(), FP8_DTYPE)
             splits = triton_paged.choose_num_splits(batch * NUM_KV_HEADS, context, query.device)
             ms = cuda_time_ms(
                 lambda q=query, k=k_cache, v=v_cache, m=meta: triton_paged.paged_attention(
                     q, k, v, m, HEAD_DIM**-0.5
                 )
             )
-            moved = kv_bytes + 2 * query.numel() * element + meta.block_tables.numel() * 4
+            moved = kv_bytes + 2 * query.numel() * query.element_size() + meta.block_tables.numel() * 4
             bandwidth = moved / (ms / 1e3)
             row = {
                 "batch": batch,
                 "context": context,
+                "kv_cache": "fp8" if fp8_kv else "bfloat16",
                 "num_splits": splits,
                 "kernel_ms": ms,
                 "bytes_moved": moved,
@@ -202,7 +216,8 @@ def decode_sweep() -> list[dict[str, Any]]:
             }
             rows.append(row)
             say(
-                f"decode batch {batch:>3} context {context:>5}: {ms:8.3f} ms, {bandwidth / 1e12:5.2f} TB/s "
+                f"decode{' fp8 KV' if fp8_kv else ''} batch {batch:>3} context {context:>5}: {ms:8.3f} ms, "
+                f"{bandwidth / 1e12:5.2f} TB/s "
                 f"({bandwidth / H200_PEAK_BYTES_PER_S:.0%} of peak), splits {splits}"
             )
             del query, k_cache, v_cache, meta
@@ -320,7 +335,9 @@ def end_to_end(num_requests: int, prompt_len: int, output_len: int, max_slots: i
     return rows
 
 
-def section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+def section(results: dict[str, Any], name: str, fn: Callable[[], Any], path: Path) -> None:
+    """Runs one part, records its figures or its error, and rewrites `path` (a run cut short keeps the parts
+    done so far)."""
     say(f"== {name}")
     start = time.perf_counter()
     try:
@@ -329,6 +346,7 @@ def section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
         traceback.print_exc()
         results[name] = {"error": f"{type(error).__name__}: {error}"}
     say(f"== {name} took {time.perf_counter() - start:.1f} s")
+    path.write_text(json.dumps(results, indent=2) + "\n")
 
 
 def main() -> int:
@@ -355,9 +373,12 @@ def main() -> int:
         "block_size": BLOCK_SIZE,
     }
     say(f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB")
-    section(results, "correctness", check_correctness)
-    section(results, "decode", decode_sweep)
-    section(results, "prefill", prefill_sweep)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gpu_kernels.json"
+    section(results, "correctness", check_correctness, path)
+    section(results, "decode", decode_sweep, path)
+    section(results, "decode_fp8_kv", lambda: decode_sweep((4096, 32768), (16, 64, 256), fp8_kv=True), path)
+    section(results, "prefill", prefill_sweep, path)
     if not args.skip_e2e:
         section(
             results,
@@ -365,6 +386,7 @@ def main() -> int:
             lambda: end_to_end(
                 args.e2e_requests, args.e2e_prompt_len, args.e2e_output_len, args.e2e_max_slots
             ),
+            path,
         )
     headline = next(
         (
@@ -380,8 +402,6 @@ def main() -> int:
             "goal": 0.6,
         }
         say(f"headline: decode batch 64, context 4k: {headline['fraction_of_h200_peak']:.0%} of H200 peak")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "gpu_kernels.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     say(f"wrote {path}")
     failed = [name for name, value in results.items() if isinstance(value, dict) and "error" in value]
