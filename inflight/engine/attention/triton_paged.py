@@ -25,8 +25,10 @@ MIN_SPLIT_LEN = 256
 MAX_SPLITS = 64
 
 
+@cache
 def triton_available() -> bool:
-    """True where the triton package is installed."""
+    """True where the triton package is installed (asked once: a module search costs microseconds, and the
+    FP8 products ask on every call)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -42,7 +44,8 @@ def _kernels() -> ModuleType:
     return triton_kernels
 
 
-def _interpreting() -> bool:
+def triton_interpreting() -> bool:
+    """True where Triton runs its kernels in its interpreter (TRITON_INTERPRET=1: tests on CPU)."""
     from triton import knobs
 
     return bool(knobs.runtime.interpret)
@@ -192,7 +195,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         USE_WINDOW=meta.sliding_window is not None,
-        DOT_IN_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting()),
+        DOT_IN_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and triton_interpreting()),
         KV_FP8=k_cache.dtype == FP8_DTYPE,
     )
     if num_splits > 1:

@@ -1,20 +1,23 @@
 """x W^T (+ b) for an FP8 weight W = scale * W8 (engine/fp8/weights.py), by where it runs:
 
 - CUDA with FP8 tensor cores (compute capability 8.9 and later: Ada Lovelace, Hopper, Blackwell), bfloat16
-  activations: `torch._scaled_mm` with row-wise scales. Each token's activations are quantized to e4m3 on
-  the fly (per-token dynamic scale = row amax / 448), so both operands are FP8 and the output is
-  x_scale * (x8 W8^T) * w_scale, accumulated in float32.
-- CUDA without them (Ampere and older) or with float16 / float32 activations: a Triton kernel
-  (triton_kernels.py) that widens each weight tile from e4m3 to the activations' dtype in registers; the
-  activations are not quantized. Without triton, the path below.
+  activations, more than WEIGHT_ONLY_MAX_ROWS rows: `torch._scaled_mm` with row-wise scales. Each token's
+  activations are quantized to e4m3 on the fly (per-token dynamic scale = row amax / 448; one Triton
+  kernel), so both operands are FP8 and the output is x_scale * (x8 W8^T) * w_scale, accumulated in
+  float32.
+- CUDA at up to WEIGHT_ONLY_MAX_ROWS rows (decode of a few sequences), without FP8 tensor cores (Ampere and
+  older), or with float16 / float32 activations: a Triton kernel (triton_kernels.py) that widens each weight
+  tile from e4m3 to the activations' dtype in registers (the GPU's conversion instructions where it has
+  them); the activations are not quantized. Without triton, the path below.
 - CPU (and the rest): each block of DEQUANTIZE_CHUNK_ROWS weight rows widened to the activations' dtype
   per call and multiplied by PyTorch; the scale applied to the output. It keeps 1 byte per weight in
   memory but is slower than the float model (docs/models.md): for testing and memory, not speed.
+
+The row threshold and the Triton tile shapes were measured on an H200 (docs/models.md, FP8 weights).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from functools import cache
 from types import ModuleType
 
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.engine.attention.kv_store import FP8_DTYPE, FP8_MAX
+from inflight.engine.attention.triton_paged import triton_available, triton_interpreting
 
 # torch._scaled_mm's row-wise FP8 GEMM: the first compute capability with FP8 tensor cores, and the
 # multiple its inner and output sizes must be.
@@ -31,6 +35,19 @@ SCALED_MM_ALIGNMENT = 16
 DEQUANTIZE_CHUNK_ROWS = 8192
 # Below this an activation row's scale is not divided by (an all-zero row).
 MIN_ACTIVATION_SCALE = 1e-12
+# At or below this many rows the weight-only Triton kernel runs even where _scaled_mm could: it reads the
+# FP8 weight once, with no activation quantization launched before it (H200: 1.1-1.5x bfloat16 at 1 and
+# 16 rows, where quantize + _scaled_mm ran at 0.5-1.2x).
+WEIGHT_ONLY_MAX_ROWS = 16
+# Triton tiles of fp8_linear_kernel by row count: (most rows, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
+# the last entry serves any larger count. The fastest of ten configurations on an H200 per row count.
+TRITON_TILES = (
+    (16, 16, 32, 256, 4, 4),
+    (64, 16, 64, 256, 4, 3),
+    (None, 128, 128, 64, 8, 3),
+)
+# Columns of an activation row quantize_rows_kernel reads at a time.
+QUANTIZE_BLOCK_K = 1024
 
 
 def fp8_linear(
@@ -40,7 +57,8 @@ def fp8_linear(
     in x's dtype."""
     out_features, in_features = weight.shape
     x2 = x.reshape(-1, in_features)
-    if x.is_cuda and uses_scaled_mm(x, weight):
+    weight_only = triton_available() and x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS
+    if x.is_cuda and uses_scaled_mm(x, weight) and not weight_only:
         out = scaled_mm_linear(x2, weight, scale)
     elif x.is_cuda and triton_available():
         out = triton_linear(x2, weight, scale)
@@ -69,7 +87,29 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] as e4m3 values and a float32 scale per row [M, 1] (row amax / 448)."""
+    """x [M, K] as e4m3 values and a float32 scale per row [M, 1] (row amax / 448): one Triton kernel on
+    CUDA, PyTorch's element-wise operations elsewhere (the same values)."""
+    if not (x.is_cuda and triton_available()):
+        return quantize_activations_torch(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    rows, k = x.shape
+    values = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    _kernels().quantize_rows_kernel[(rows,)](
+        x,
+        values,
+        scales,
+        k,
+        x.stride(0),
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_ACTIVATION_SCALE,
+        BLOCK_K=QUANTIZE_BLOCK_K,
+    )
+    return values, scales
+
+
+def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activations by PyTorch operations (seven kernel launches on a GPU)."""
     x_float = x.float()
     x_scale = (x_float.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_ACTIVATION_SCALE)
     return (x_float / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x_scale
@@ -98,21 +138,11 @@ def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 @cache
 def _kernels() -> ModuleType:
     from inflight.engine.fp8 import triton_kernels
 
     return triton_kernels
-
-
-def _interpreting() -> bool:
-    from triton import knobs
-
-    return bool(knobs.runtime.interpret)
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -122,8 +152,11 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     m, k = x.shape
     n = weight.shape[0]
     out = x.new_empty((m, n))
-    block_m = 16 if m <= 16 else 64
-    grid = (-(-m // block_m), -(-n // kernels.BLOCK_N))
+    block_m, block_n, block_k, warps, stages = next(
+        tile[1:] for tile in TRITON_TILES if tile[0] is None or m <= tile[0]
+    )
+    interpreting = triton_interpreting()
+    grid = (-(-m // block_m), -(-n // block_n))
     kernels.fp8_linear_kernel[grid](
         x,
         weight.contiguous().view(torch.uint8),
@@ -136,9 +169,12 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
         k,
         out.stride(0),
         # Triton's interpreter cannot multiply bfloat16 matrices: there, products in float32.
-        DOT_IN_FP32=x.dtype == torch.float32 or _interpreting(),
+        DOT_IN_FP32=x.dtype == torch.float32 or interpreting,
+        NATIVE_FP8=not interpreting and fp8_tensor_cores(x.get_device()),
         BLOCK_M=block_m,
-        BLOCK_N=kernels.BLOCK_N,
-        BLOCK_K=kernels.BLOCK_K,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
