@@ -2,7 +2,7 @@
 
 Per tensor-parallel shard (one GPU):
 
-    weight_bytes       = linear_params * format_bytes + other_params * dtype_bytes   (split over the GPUs)
+    weight_bytes       = quantized_params * format_bytes + other_params * dtype_bytes   (split over the GPUs)
     kv_bytes_per_token = 2 * layers * kv_heads_per_gpu * head_dim * kv_dtype_bytes
     block_bytes        = block_size * kv_bytes_per_token
     usable             = gpu_mem * gpu_memory_utilization - weight_bytes_per_gpu - activation_reserve
@@ -16,8 +16,9 @@ The operator plans with the engine's own formulas (engine/kv_budget.py's `kv_tok
 torch-free modules of the engine); the engine re-measures free memory at start and takes the smaller of
 the two plans.
 
-Bytes come from two tables: the weight format (`quantization`: engine/quantization.py, bytes per weight of
-the decoder's linear layers; the rest stays in `dtype`) and the KV cache's element type (`kv_cache_dtype`
+Bytes come from two tables: the weight format (`quantization`: engine/quantization.py, the bytes per
+weight the engine holds, from the kernels' block layout, for the matrices the format quantizes; the rest
+stays in `dtype`) and the KV cache's element type (`kv_cache_dtype`
 auto = dtype, fp8 = one byte: engine/dtypes.py). FP8 in either needs a GPU with FP8 support (`GPUType.fp8`,
 from the datasheets: Ada Lovelace and Hopper and later); on another GPU the plan does not fit and says
 what to change.
@@ -34,7 +35,7 @@ from inflight.engine.dtypes import DTYPE_BYTES, DTYPE_CHOICES, kv_cache_dtype_na
 from inflight.engine.kv_budget import kv_token_bytes
 from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
 from inflight.engine.model.shard_layout import degree_error, valid_degrees
-from inflight.engine.quantization import NEEDS_FP8_GPU, QUANTIZED_WEIGHT_BYTES, check_known
+from inflight.engine.quantization import NEEDS_FP8_GPU, QUANTIZED_WEIGHT_BYTES, check_known, holds_quantized
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -83,16 +84,29 @@ class ModelShape:
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
 
-    def linear_parameter_count(self) -> int:
-        """Parameters of the decoder's linear layers (attention q/k/v/o, MLP or experts, the router): what a
-        quantized weight format stores in its own bytes."""
+    def linear_matrices(self) -> list[tuple[int, int]]:
+        """(input features, parameters over all layers) of each of the decoder's linear layers: attention
+        q/k/v and o, the MLP's gate/up and down (or its experts'), the router."""
         q_size = self.num_attention_heads * self.head_dim
         kv_size = self.num_key_value_heads * self.head_dim
-        attention = self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size
-        mlp = self.num_experts * 3 * self.hidden_size * self.intermediate_size
-        if self.num_experts > 1:
-            mlp += self.hidden_size * self.num_experts  # the router
-        return self.num_layers * (attention + mlp)
+        hidden, intermediate, experts = self.hidden_size, self.intermediate_size, self.num_experts
+        per_layer = [
+            (hidden, hidden * (q_size + 2 * kv_size)),
+            (q_size, q_size * hidden),
+            (hidden, experts * 2 * hidden * intermediate),
+            (intermediate, experts * intermediate * hidden),
+        ]
+        if experts > 1:
+            per_layer.append((hidden, hidden * experts))
+        return [(features, self.num_layers * count) for features, count in per_layer]
+
+    def linear_parameter_count(self) -> int:
+        """Parameters of the decoder's linear layers (attention q/k/v/o, MLP or experts, the router)."""
+        return sum(count for _, count in self.linear_matrices())
+
+    def embedding_parameter_count(self) -> int:
+        """Parameters of the embedding table and the LM head (none of its own when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
     def replicated_parameter_count(self) -> int:
         """Parameters every tensor-parallel shard holds in full: the RMSNorm weights."""
@@ -103,10 +117,11 @@ class ModelShape:
         q_size = self.num_attention_heads * self.head_dim
         kv_size = self.num_key_value_heads * self.head_dim
         biases = self.num_layers * (q_size + 2 * kv_size) if self.attention_bias else 0
-        embeddings = self.vocab_size * self.hidden_size
-        lm_head = 0 if self.tie_word_embeddings else embeddings
         return (
-            self.linear_parameter_count() + biases + embeddings + lm_head + self.replicated_parameter_count()
+            self.linear_parameter_count()
+            + biases
+            + self.embedding_parameter_count()
+            + self.replicated_parameter_count()
         )
 
     def tensor_parallel_error(self, degree: int) -> str | None:
@@ -369,14 +384,20 @@ def weight_bytes_per_gpu(
     shape: ModelShape, dtype: str, tensor_parallel: int, quantization: str = "none"
 ) -> int:
     """Sharded weights split evenly (vocab-parallel embeddings too); norms are held in full by every shard.
-    A quantized format stores the linear layers in its bytes per weight, the rest stays in `dtype`."""
+    A quantized format holds the matrices it quantizes (`holds_quantized`: the linear layers, and for the
+    formats quantized at load the embedding and LM head too) in the bytes per weight the engine holds; the
+    rest stays in `dtype`."""
     check_known(quantization)
     replicated = shape.replicated_parameter_count()
-    linear_bytes = QUANTIZED_WEIGHT_BYTES[quantization] or DTYPE_BYTES[dtype]
-    linear = shape.linear_parameter_count()
-    other = shape.parameter_count() - replicated - linear
+    format_bytes = QUANTIZED_WEIGHT_BYTES[quantization] or DTYPE_BYTES[dtype]
+    matrices = [(features, count, False) for features, count in shape.linear_matrices()]
+    matrices.append((shape.hidden_size, shape.embedding_parameter_count(), True))
+    quantized = sum(
+        count for features, count, embedding in matrices if holds_quantized(quantization, features, embedding)
+    )
+    other = shape.parameter_count() - replicated - quantized
     sharded = (
-        math.ceil(linear * linear_bytes / tensor_parallel)
+        math.ceil(quantized * format_bytes / tensor_parallel)
         + math.ceil(other / tensor_parallel) * DTYPE_BYTES[dtype]
     )
     return sharded + replicated * DTYPE_BYTES[dtype]

@@ -271,15 +271,40 @@ def test_fp8_on_a_gpu_without_fp8_does_not_fit_and_says_what_to_change(
     assert on_h100.smallest_gpu_type == "L40S"  # the smallest catalog GPU with FP8 that holds it on 2
 
 
-def test_gguf_formats_are_counted_in_their_block_bytes() -> None:
+def test_cpu_formats_are_counted_in_the_bytes_the_engine_holds() -> None:
+    """Blocks of 32 weights as the kernels hold them (float16 scales; Q4_K's float32), not the GGUF file's
+    bytes: the formats quantized at load hold the embeddings and LM head too, a GGUF file's own Q4_K
+    (its embeddings' types unknown) plans them in the dtype. tests/engine/test_quantized.py checks these
+    against loaded models."""
     assert LLAMA_70B is not None
     linear = LLAMA_70B.linear_parameter_count()
-    rest = LLAMA_70B.parameter_count() - linear
-    for quantization, per_weight in (("q8_0", 34 / 32), ("q4_0", 18 / 32), ("q4_k", 144 / 256), ("int8", 1)):
+    embeddings = 2 * 128256 * 8192
+    rest = LLAMA_70B.parameter_count() - linear - embeddings
+    for quantization, per_weight in (
+        ("int8", 34 / 32),
+        ("q8_0", 34 / 32),
+        ("q4_0", 20 / 32),
+        ("q4_1", 20 / 32),
+    ):
         assert (
             sizing.weight_bytes_per_gpu(LLAMA_70B, "bfloat16", 1, quantization)
-            == round(linear * per_weight) + rest * 2
+            == round((linear + embeddings) * per_weight) + rest * 2
         )
+    q4_k = sizing.weight_bytes_per_gpu(LLAMA_70B, "bfloat16", 1, "q4_k")
+    assert q4_k == round(linear * 24 / 32) + (embeddings + rest) * 2
+
+
+def test_a_matrix_without_whole_blocks_is_planned_in_the_dtype() -> None:
+    """The engine quantizes a matrix only with a multiple of 32 input features: an intermediate size of
+    360 leaves each down projection (360 inputs) in the dtype, and with a hidden size of 120 every matrix."""
+    odd = sizing.ModelShape("odd", 2, 128, 4, 2, 32, 360, 1024, False)
+    down = 2 * 360 * 128
+    rest = odd.parameter_count() - odd.linear_parameter_count() - 2 * 1024 * 128
+    assert sizing.weight_bytes_per_gpu(odd, "float32", 1, "q8_0") == (
+        round((odd.linear_parameter_count() - down + 2 * 1024 * 128) * 34 / 32) + (down + rest) * 4
+    )
+    narrow = sizing.ModelShape("narrow", 2, 120, 4, 2, 30, 360, 1024, False)
+    assert sizing.weight_bytes_per_gpu(narrow, "float32", 1, "q8_0") == 4 * narrow.parameter_count()
 
 
 def test_size_cli_plans_fp8_weights_and_kv(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
-from inflight.engine.cpu.quant_layout import Layout
+from inflight.engine.cpu.quant_layout import BLOCK, Layout
 from inflight.engine.cpu.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from inflight.engine.dtypes import DTYPE_NAMES
 from inflight.engine.fp8.checkpoint import (
@@ -37,11 +37,11 @@ from inflight.engine.fp8.checkpoint import (
 from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight, quantize_fp8
 from inflight.engine.gguf import is_gguf
 from inflight.engine.gguf.checkpoint import GGUFCheckpoint, open_checkpoint
-from inflight.engine.gguf.repack import KEPT_GGUF_TYPES, load_time_layout, quantize
+from inflight.engine.gguf.repack import KEPT_GGUF_TYPES, quantize
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.model.llama import LlamaForCausalLM, WeightTarget, shard_layout
-from inflight.engine.quantization import GGUF_ONLY_FORMATS, LOAD_TIME_FORMATS, check_quantization
+from inflight.engine.quantization import CPU_LAYOUTS, GGUF_ONLY_FORMATS, LOAD_TIME_FORMATS, check_quantization
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -169,10 +169,10 @@ def _quantized_formats(
     owner = {
         id(module.weight): name
         for name, module in model.named_modules()
-        if type(module) in (nn.Linear, nn.Embedding) and module.weight.shape[-1] % 32 == 0
+        if type(module) in (nn.Linear, nn.Embedding) and module.weight.shape[-1] % BLOCK == 0
     }
     if quantization in LOAD_TIME_FORMATS:
-        return dict.fromkeys(owner.values(), load_time_layout(quantization))
+        return dict.fromkeys(owner.values(), CPU_LAYOUTS[quantization])
     assert gguf is not None
     types = gguf.tensor_types()
     parts: dict[str, list[Layout | None]] = {}
@@ -184,8 +184,8 @@ def _quantized_formats(
     for module, layouts in parts.items():
         kept = [layout for layout in layouts if layout is not None]
         if len(kept) == len(layouts) and len({layout.format for layout in kept}) == 1:
-            wide = any(layout.scale_dtype == torch.float32 for layout in kept)
-            formats[module] = Layout(kept[0].format, torch.float32 if wide else torch.float16)
+            wide = any(layout.scale_dtype == "float32" for layout in kept)
+            formats[module] = Layout(kept[0].format, "float32" if wide else "float16")
     return formats
 
 

@@ -15,32 +15,48 @@
   them on FP8 tensor cores (compute capability 8.9+), older GPUs by a Triton kernel, the CPU by
   dequantizing per call (for testing and memory, not speed).
 
-The formats quantize the decoder's linear layers (attention q/k/v/o and the MLP); for sizing, embeddings,
-the LM head and the norms stay in the engine's dtype (FP8 and INT8 checkpoints on the Hugging Face hub
-keep them so; sizing a GGUF file this way slightly overestimates it, whose embeddings are quantized too).
-GGUF formats are stored in blocks (`ggml` block layouts): Q8_0 32 int8 weights + one float16 scale
-(34 bytes / 32), Q4_0 32 4-bit weights + a float16 scale (18 / 32), Q4_1 + a float16 minimum (20 / 32),
-Q4_K super-blocks of 256 weights in 144 bytes. FP8 and INT8 carry per-channel scales (a few bytes per
-output row: left out).
+Each CPU format is held in one of the kernels' block layouts (`CPU_LAYOUTS`; engine/cpu/quant_layout.py,
+which quant_kernels.c is compiled from), and its bytes per weight are that layout's: what the engine
+holds, not what a GGUF file stores. Blocks of 32 weights with their scale (and u4's offset): `int8` and
+`q8_0` 32 bytes + a float16 scale (34 / 32 = 1.0625; int8's scale is its row's, repeated per block);
+`q4_0` and `q4_1` 16 bytes + a float16 scale and offset (20 / 32 = 0.625; a Q4_0 file stores 18 / 32,
+its offset -8 x scale is added at load); `q4_k` 16 bytes + a float32 scale and offset (24 / 32 = 0.75;
+the file's super-blocks store 144 / 256 = 0.5625, each sub-block's scale is a product of two). `fp8`:
+one byte a weight (its per-channel scales, a few bytes per output row, left out).
+
+Which matrices a format holds in its bytes (`holds_quantized`, what sizing counts): `fp8` the decoder's
+linear layers (attention q/k/v/o and the MLP); the formats quantized at load every matrix with a
+multiple of 32 input features, the embedding and the LM head too (engine/loader.py); a GGUF file's own
+`q4_k` its linear layers, its embeddings counted in the engine's dtype (sizing cannot see which types
+the file gives them: it overestimates a file whose embeddings are quantized). Norms and biases stay in
+the engine's dtype.
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
+from inflight.engine.cpu.quant_layout import BLOCK, Layout
+
 Quantization = Literal["auto", "none", "fp8", "int8", "q8_0", "q4_0", "q4_1", "q4_k"]
 QUANTIZATION_CHOICES: tuple[str, ...] = get_args(Quantization)
 
-# Bytes per weight of a quantized layer; None: the engine's dtype (DTYPE_BYTES).
+# The kernel layout each CPU format is held in: float16 scales where the file's (or int8's, chosen in
+# float16) are, float32 for Q4_K's (a float16 times a 6-bit scale needs up to 17 bits). engine/gguf/repack.py
+# repacks into these.
+CPU_LAYOUTS: dict[str, Layout] = {
+    "int8": Layout("s8", "float16"),
+    "q8_0": Layout("s8", "float16"),
+    "q4_0": Layout("u4", "float16"),
+    "q4_1": Layout("u4", "float16"),
+    "q4_k": Layout("u4", "float32"),
+}
+# Bytes the engine holds per weight of a quantized matrix; None: the engine's dtype (DTYPE_BYTES).
 QUANTIZED_WEIGHT_BYTES: dict[str, float | None] = {
     "auto": None,
     "none": None,
     "fp8": 1.0,
-    "int8": 1.0,
-    "q8_0": 34 / 32,
-    "q4_0": 18 / 32,
-    "q4_1": 20 / 32,
-    "q4_k": 144 / 256,
+    **{name: layout.bytes_per_weight for name, layout in CPU_LAYOUTS.items()},
 }
 
 # Formats whose matrix multiplies run at speed on FP8 tensor cores only (Ada Lovelace / Hopper and later);
@@ -50,6 +66,18 @@ NEEDS_FP8_GPU: frozenset[str] = frozenset({"fp8"})
 LOAD_TIME_FORMATS: tuple[str, ...] = ("int8", "q8_0", "q4_0", "q4_1")
 # Formats read only from a GGUF file that holds them.
 GGUF_ONLY_FORMATS: frozenset[str] = frozenset({"q4_k"})
+
+
+def holds_quantized(quantization: str, input_features: int, embedding: bool) -> bool:
+    """Whether the engine holds a matrix with `input_features` columns in `quantization`'s bytes per weight:
+    `embedding` for the embedding table and the LM head, else one of the decoder's linear layers."""
+    if QUANTIZED_WEIGHT_BYTES[quantization] is None:
+        return False
+    if quantization not in CPU_LAYOUTS:
+        return not embedding
+    if input_features % BLOCK:
+        return False
+    return quantization in LOAD_TIME_FORMATS or not embedding
 
 
 def check_known(quantization: str) -> None:

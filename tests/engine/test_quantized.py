@@ -21,10 +21,11 @@ from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from inflight import sizing
 from inflight.engine import runner
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu import kernels as cpu_kernels
-from inflight.engine.cpu import quant_layout, quantized
+from inflight.engine.cpu import quantized
 from inflight.engine.cpu.quant_layout import Layout
 from inflight.engine.cpu.quantized import (
     QuantizedEmbedding,
@@ -38,9 +39,11 @@ from inflight.engine.gguf.dequant import dequantize
 from inflight.engine.gguf.repack import from_gguf_blocks, quantize
 from inflight.engine.loader import _quantized_formats, load_model
 from inflight.engine.model.errors import ModelLoadError
+from inflight.engine.quantization import CPU_LAYOUTS, LOAD_TIME_FORMATS, QUANTIZED_WEIGHT_BYTES
 from inflight.engine.sequence import SamplingParams
 
 from support.gguf_files import write_gguf
+from support.models import cached_model
 
 FORMATS = ["int8", "q8_0", "q4_0", "q4_1"]
 # Float32 products of up to 1536 terms in another order: relative to the output's scale.
@@ -103,12 +106,57 @@ def test_the_layout_reads_the_files_float16_scales(qtype: GGMLQuantizationType) 
     weight = from_gguf_blocks(raw, qtype, (64, 512))
     wanted = BYTES_PER_WEIGHT[qtype]
     assert weight.nbytes == wanted * 64 * 512
-    assert quant_layout.bytes_per_weight(*weight.layout) == wanted
+    assert weight.layout.bytes_per_weight == wanted
     if qtype != GGMLQuantizationType.Q4_K:
         assert weight.scale_dtype == torch.float16
         assert weight.nbytes == raw.nbytes + (64 * 512 // 32 * 2 if qtype == GGMLQuantizationType.Q4_0 else 0)
     assert weight.interleave_().nbytes == wanted * 64 * 512  # 64 rows: no padding group
     assert quantize(torch.randn(64, 512, generator=gen), "int8").nbytes == 34 / 32 * 64 * 512
+
+
+@pytest.mark.parametrize("quantization", list(CPU_LAYOUTS))
+def test_sizing_plans_the_bytes_a_matrix_is_held_in(quantization: str) -> None:
+    """The bytes per weight sizing plans (QUANTIZED_WEIGHT_BYTES: `inflight size`, the operator) are the
+    bytes the engine's own packing holds, row-major and interleaved for the kernels: the load-time
+    quantizer's for int8 / q8_0 / q4_0 / q4_1, a GGUF file's Q4_K tensor repacked for q4_k."""
+    gen = torch.Generator().manual_seed(12)
+    rows, cols = 64, 512
+    if quantization == "q4_k":
+        weight = from_gguf_blocks(_random_q4_k(rows, cols, gen), GGMLQuantizationType.Q4_K, (rows, cols))
+    else:
+        weight = quantize(torch.randn(rows, cols, generator=gen), quantization)
+    assert weight.layout == CPU_LAYOUTS[quantization]
+    planned = QUANTIZED_WEIGHT_BYTES[quantization]
+    assert planned is not None
+    assert weight.nbytes == planned * rows * cols
+    assert weight.interleave_().nbytes == planned * rows * cols  # 64 rows: no padding group
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("quantization", ["none", *LOAD_TIME_FORMATS])
+def test_sizing_plans_the_weight_bytes_a_loaded_model_holds(arch: str, quantization: str) -> None:
+    """sizing.weight_bytes_per_gpu of a model's shape is, byte for byte, what the loaded model holds: its
+    quantized matrices (the linear layers, the embedding and the LM head) in their layout's bytes, the
+    norms and Qwen2's q/k/v biases in the dtype."""
+    model = load_model(cached_model("tiny", arch), quantization=quantization)
+    config = model.config
+    shape = sizing.ModelShape(
+        "tiny",
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+        architecture=config.architecture,
+    )
+    held = sum(t.nbytes for t in model.weight_tensors().values())
+    assert sizing.weight_bytes_per_gpu(shape, config.torch_dtype, 1, quantization) == held
+    if quantization != "none":
+        assert isinstance(model.embed_tokens, QuantizedEmbedding)
 
 
 def _float32_scales(weight: QuantizedTensor) -> QuantizedTensor:
@@ -149,10 +197,10 @@ def test_float16_scales_take_only_values_float16_holds() -> None:
     gen = torch.Generator().manual_seed(8)
     q4_k = from_gguf_blocks(_random_q4_k(16, 256, gen), GGMLQuantizationType.Q4_K, (16, 256))
     with pytest.raises(ValueError, match="not exactly"):
-        QuantizedTensor.empty(Layout("u4", torch.float16), 16, 256).copy_(q4_k)
+        QuantizedTensor.empty(Layout("u4", "float16"), 16, 256).copy_(q4_k)
     q4_0 = quantize(torch.randn(16, 256, generator=gen), "q4_0")
     for source in (q4_k, q4_0):
-        wide = QuantizedTensor.empty(Layout("u4", torch.float32), 16, 256).copy_(source)
+        wide = QuantizedTensor.empty(Layout("u4", "float32"), 16, 256).copy_(source)
         assert torch.equal(wide.dequantize(), source.dequantize())
 
 
@@ -173,14 +221,14 @@ def test_a_fused_projection_of_mixed_gguf_types_keeps_float32_scales_where_a_par
 
     attention = "model.layers.0.self_attn"
     qkv, mlp = "layers.0.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj"
-    assert layouts()[qkv] == Layout("u4", torch.float16)
+    assert layouts()[qkv] == Layout("u4", "float16")
     types[f"{attention}.k_proj.weight"] = GGMLQuantizationType.Q4_K
     types[f"{attention}.v_proj.weight"] = GGMLQuantizationType.Q4_1
     types["model.layers.0.mlp.up_proj.weight"] = GGMLQuantizationType.Q8_0
-    assert layouts()[qkv] == Layout("u4", torch.float32)
+    assert layouts()[qkv] == Layout("u4", "float32")
     assert mlp not in layouts()
     types[f"{attention}.k_proj.weight"] = GGMLQuantizationType.Q4_1
-    assert layouts()[qkv] == Layout("u4", torch.float16)
+    assert layouts()[qkv] == Layout("u4", "float16")
 
 
 def test_int8_has_one_scale_per_output_channel() -> None:

@@ -94,8 +94,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "dense_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _int], _int),
     # dtype: how many rows dense_linear takes on this build (0: not vectorized, use oneDNN)
     "dense_linear_max_rows": ([_int], _int),
-    # quant_kernels.c: x, rows, k, qweight, scales, mins, format (quant_layout.kernel_code), n, bias, dtype,
-    # out, out_dtype, num_threads
+    # quant_kernels.c: x, rows, k, qweight, scales, mins, format (quant_layout.Layout.kernel_code), n, bias,
+    # dtype, out, out_dtype, num_threads
     "quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _ptr, _int, _int], _int),
     # qweight, scales, mins, format, k, ids, count, dtype, out
     "quant_rows": ([_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _int, _ptr], _int),

@@ -35,11 +35,14 @@ from inflight.engine.cpu.quant_layout import (
     BLOCK_BYTES,
     GROUP,
     S8_OFFSET,
-    SCALE_DTYPES,
     KernelFormat,
     Layout,
-    kernel_code,
+    ScaleDtype,
 )
+
+# The torch dtype of each scale dtype a layout names, and back.
+SCALE_DTYPES: dict[ScaleDtype, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
+SCALE_DTYPE_NAMES: dict[torch.dtype, ScaleDtype] = {dtype: name for name, dtype in SCALE_DTYPES.items()}
 
 
 @dataclass
@@ -58,7 +61,7 @@ class QuantizedTensor:
     interleaved_rows: int | None = None
 
     def __post_init__(self) -> None:
-        if self.scales.dtype not in SCALE_DTYPES:
+        if self.scales.dtype not in SCALE_DTYPE_NAMES:
             raise ValueError(f"quantized scales are float16 or float32, not {self.scales.dtype}")
         if self.mins is not None and self.mins.dtype != self.scales.dtype:
             raise ValueError(f"mins ({self.mins.dtype}) and scales ({self.scales.dtype}) differ in dtype")
@@ -67,12 +70,12 @@ class QuantizedTensor:
     def empty(cls, layout: Layout, rows: int, cols: int) -> QuantizedTensor:
         if cols % BLOCK:
             raise ValueError(f"a quantized matrix needs a multiple of {BLOCK} columns, got {cols}")
-        blocks = cols // BLOCK
+        blocks, scale_dtype = cols // BLOCK, SCALE_DTYPES[layout.scale_dtype]
         return cls(
             layout.format,
             torch.empty(rows, blocks * BLOCK_BYTES[layout.format], dtype=torch.uint8),
-            torch.empty(rows, blocks, dtype=layout.scale_dtype),
-            torch.empty(rows, blocks, dtype=layout.scale_dtype) if layout.format == "u4" else None,
+            torch.empty(rows, blocks, dtype=scale_dtype),
+            torch.empty(rows, blocks, dtype=scale_dtype) if layout.format == "u4" else None,
         )
 
     @property
@@ -81,12 +84,12 @@ class QuantizedTensor:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.format, self.scale_dtype)
+        return Layout(self.format, SCALE_DTYPE_NAMES[self.scale_dtype])
 
     @property
     def kernel_code(self) -> int:
-        """The `format` argument of the C kernels for this matrix (quant_layout.kernel_code)."""
-        return kernel_code(self.format, self.scale_dtype)
+        """The `format` argument of the C kernels for this matrix (quant_layout.Layout.kernel_code)."""
+        return self.layout.kernel_code
 
     @property
     def shape(self) -> tuple[int, int]:

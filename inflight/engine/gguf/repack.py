@@ -16,13 +16,14 @@ from gguf import quants as gguf_quants
 from inflight.engine.cpu.quant_layout import Layout
 from inflight.engine.cpu.quantized import QuantizedTensor, quantize_int8
 from inflight.engine.gguf.dequant import _f16, _k_scales_mins
+from inflight.engine.quantization import CPU_LAYOUTS
 
-# GGUF tensor types kept quantized, and the kernel layout each is repacked into.
+# GGUF tensor types kept quantized, and the kernel layout each is repacked into (its format's).
 KEPT_GGUF_TYPES: dict[GGMLQuantizationType, Layout] = {
-    GGMLQuantizationType.Q8_0: Layout("s8", torch.float16),
-    GGMLQuantizationType.Q4_0: Layout("u4", torch.float16),
-    GGMLQuantizationType.Q4_1: Layout("u4", torch.float16),
-    GGMLQuantizationType.Q4_K: Layout("u4", torch.float32),
+    GGMLQuantizationType.Q8_0: CPU_LAYOUTS["q8_0"],
+    GGMLQuantizationType.Q4_0: CPU_LAYOUTS["q4_0"],
+    GGMLQuantizationType.Q4_1: CPU_LAYOUTS["q4_1"],
+    GGMLQuantizationType.Q4_K: CPU_LAYOUTS["q4_k"],
 }
 
 
@@ -85,12 +86,6 @@ LOAD_TIME_GGUF_TYPES = {
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_1": GGMLQuantizationType.Q4_1,
 }
-
-
-def load_time_layout(quantization: str) -> Layout:
-    """The kernel layout a `--quantization` format quantized at load is stored in: float16 scales for
-    every one (the gguf quantizer's, and int8's chosen in float16: quantized.quantize_int8)."""
-    return Layout("s8" if quantization in ("int8", "q8_0") else "u4", torch.float16)
 
 
 def quantize(weight: torch.Tensor, quantization: str) -> QuantizedTensor:
