@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
-from inflight.engine.cpu.quant_layout import BLOCK, Layout
+from inflight.engine.cpu.quant_layout import Layout, whole_blocks
 from inflight.engine.cpu.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from inflight.engine.dtypes import DTYPE_NAMES
 from inflight.engine.fp8.checkpoint import (
@@ -169,7 +169,7 @@ def _quantized_formats(
     owner = {
         id(module.weight): name
         for name, module in model.named_modules()
-        if type(module) in (nn.Linear, nn.Embedding) and module.weight.shape[-1] % BLOCK == 0
+        if type(module) in (nn.Linear, nn.Embedding) and whole_blocks(module.weight.shape[-1])
     }
     if quantization in LOAD_TIME_FORMATS:
         return dict.fromkeys(owner.values(), CPU_LAYOUTS[quantization])

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from inflight.engine.cpu.quant_layout import BLOCK, Layout
+from inflight.engine.cpu.quant_layout import Layout, whole_blocks
 
 Quantization = Literal["auto", "none", "fp8", "int8", "q8_0", "q4_0", "q4_1", "q4_k"]
 QUANTIZATION_CHOICES: tuple[str, ...] = get_args(Quantization)
@@ -75,7 +75,7 @@ def holds_quantized(quantization: str, input_features: int, embedding: bool) -> 
         return False
     if quantization not in CPU_LAYOUTS:
         return not embedding
-    if input_features % BLOCK:
+    if not whole_blocks(input_features):
         return False
     return quantization in LOAD_TIME_FORMATS or not embedding
 

@@ -30,6 +30,11 @@ BLOCK_FLOATS: dict[KernelFormat, int] = {"s8": 1, "u4": 2}
 S8_OFFSET = 0x80
 
 
+def whole_blocks(columns: int) -> bool:
+    """Whether a matrix with `columns` input features can be held in blocks (a multiple of BLOCK)."""
+    return columns % BLOCK == 0
+
+
 class Layout(NamedTuple):
     """How a matrix is stored: its format and its scales' dtype (quantized.py: the torch dtype of each)."""
 

@@ -38,6 +38,7 @@ from inflight.engine.cpu.quant_layout import (
     KernelFormat,
     Layout,
     ScaleDtype,
+    whole_blocks,
 )
 
 # The torch dtype of each scale dtype a layout names, and back.
@@ -68,7 +69,7 @@ class QuantizedTensor:
 
     @classmethod
     def empty(cls, layout: Layout, rows: int, cols: int) -> QuantizedTensor:
-        if cols % BLOCK:
+        if not whole_blocks(cols):
             raise ValueError(f"a quantized matrix needs a multiple of {BLOCK} columns, got {cols}")
         blocks, scale_dtype = cols // BLOCK, SCALE_DTYPES[layout.scale_dtype]
         return cls(
@@ -231,7 +232,7 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
         raise ValueError("int8 quantization: a row's largest weight is beyond float16 scales (|w| > 8e6)")
     q = torch.clamp(torch.round(w / scale.float()), -127, 127).to(torch.int8)
     blocks = cols // BLOCK
-    if cols % BLOCK:
+    if not whole_blocks(cols):
         raise ValueError(f"int8 quantization needs a multiple of {BLOCK} input features, got {cols}")
     return QuantizedTensor(
         "s8", q.view(torch.uint8).contiguous(), scale.expand(rows, blocks).contiguous(), None
