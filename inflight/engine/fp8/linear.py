@@ -40,11 +40,18 @@ MIN_ACTIVATION_SCALE = 1e-12
 # 16 rows, where quantize + _scaled_mm ran at 0.5-1.2x).
 WEIGHT_ONLY_MAX_ROWS = 16
 # Triton tiles of fp8_linear_kernel by row count: (most rows, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages);
-# the last entry serves any larger count. The fastest of ten configurations on an H200 per row count.
-TRITON_TILES = (
+# the last entry serves any larger count. NATIVE_TILES (FP8 conversion instructions): the fastest of ten
+# configurations on an H200 per row count. PORTABLE_TILES (integer decoding: GPUs before compute
+# capability 8.9, whose shared memory can be 64 KB a block, and the interpreter): small tiles.
+Tiles = tuple[tuple[int | None, int, int, int, int, int], ...]
+NATIVE_TILES: Tiles = (
     (16, 16, 32, 256, 4, 4),
     (64, 16, 64, 256, 4, 3),
     (None, 128, 128, 64, 8, 3),
+)
+PORTABLE_TILES: Tiles = (
+    (16, 16, 64, 64, 4, 3),
+    (None, 64, 64, 64, 4, 3),
 )
 # Columns of an activation row quantize_rows_kernel reads at a time.
 QUANTIZE_BLOCK_K = 1024
@@ -152,10 +159,11 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     m, k = x.shape
     n = weight.shape[0]
     out = x.new_empty((m, n))
-    block_m, block_n, block_k, warps, stages = next(
-        tile[1:] for tile in TRITON_TILES if tile[0] is None or m <= tile[0]
-    )
     interpreting = triton_interpreting()
+    native = not interpreting and fp8_tensor_cores(x.get_device())
+    block_m, block_n, block_k, warps, stages = next(
+        tile[1:] for tile in (NATIVE_TILES if native else PORTABLE_TILES) if tile[0] is None or m <= tile[0]
+    )
     grid = (-(-m // block_m), -(-n // block_n))
     kernels.fp8_linear_kernel[grid](
         x,
@@ -170,7 +178,7 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
         out.stride(0),
         # Triton's interpreter cannot multiply bfloat16 matrices: there, products in float32.
         DOT_IN_FP32=x.dtype == torch.float32 or interpreting,
-        NATIVE_FP8=not interpreting and fp8_tensor_cores(x.get_device()),
+        NATIVE_FP8=native,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
