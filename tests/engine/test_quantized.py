@@ -293,6 +293,35 @@ def test_the_product_equals_the_dequantized_product(
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_product_gives_the_same_bits_on_one_thread_and_on_two(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    fmt: str,
+    dtype: torch.dtype,
+) -> None:
+    """A batch-1 decode projection is split over the threads (163 x 1024: 11 groups of 16 rows, the last
+    partial; enough work for two threads at one row): each output is the same bits on one thread and on
+    two, for 1, 3 and 17 rows of x, in every build."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
+    monkeypatch.setattr(quantized, "KERNEL_MAX_ROWS", 64)  # the kernel at every row count here
+    gen = torch.Generator().manual_seed(7)
+    weight = quantize(torch.randn(163, 1024, generator=gen), fmt)
+    bias = torch.randn(163, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, 1024, generator=gen).to(dtype)
+            torch.set_num_threads(1)
+            one = quantized_linear(x, weight, bias)
+            torch.set_num_threads(2)
+            two = quantized_linear(x, weight, bias)
+            assert torch.equal(one, two), f"{rows} rows"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_interleaving_keeps_the_matrix_and_refuses_row_changes(fmt: str) -> None:
     """The kernels' layout (groups of 16 rows, 83 rows: a partial group) holds the same matrix, and
     loading-time row operations are refused once a matrix is in it."""

@@ -54,9 +54,13 @@ _Static_assert(QBLOCK == 32 && QGROUP == 16,
 enum { QDTYPE_FLOAT32 = 0, QDTYPE_BFLOAT16 = 1 };
 /* Activation rows and weight rows per micro-tile of the float product. */
 enum { QTILE_N = 4, QTILE_M = 4 };
-/* Multiply-adds (rows x n x k) per OpenMP thread of quant_linear: a decoder layer's projections at batch
- * 1 (0.3-1.8 M: 10-40 us on one core) run on one thread, an LM head (28 M for SmolLM2) on several. */
-#define QWORK_PER_THREAD ((int64_t)1 << 22)
+/* Multiply-adds (rows x n x k) per OpenMP thread of quant_linear: a decoder layer's projections at batch 1
+ * (SmolLM2's 0.3-1.8 M) are split over the threads as the LM head is: one thread reads the weights at ~15
+ * GB/s, two at 25-30 (docs/models.md). Below 64 K (a 64 KB product: a few microseconds) one thread. */
+#define QWORK_PER_THREAD ((int64_t)1 << 16)
+/* The VNNI product prefetches the weights into L2 this many bytes ahead of the block it reads: a group's
+ * blocks, and the groups one after another, lie in one stream (see the top of the file). */
+#define QPREFETCH_BYTES 8192
 
 /* A format argument's layout (QFORMAT_S8 or QFORMAT_U4) and whether its scales are float16. */
 static inline int qkind(int format) { return format & ~QSCALES_F16; }
@@ -277,16 +281,22 @@ static Q_INLINE __m512i broadcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* out[i] (16 lanes: the group's rows) = dot(x row i, W's group) for `mt` (1..4) quantized rows of x. */
+/* out[i] (16 lanes: the group's rows) = dot(x row i, W's group) for `mt` (1..4) quantized rows of x; with
+ * `prefetch`, each block's weight lines also prefetched into L2 QPREFETCH_BYTES ahead (for the first tile
+ * of x's rows: the later ones find the group in cache). */
 static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
                                 const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const void *dw,
-                                const void *mw, int kind, int half, int64_t blocks, __m512 out[QTILE_M]) {
+                                const void *mw, int kind, int half, int64_t blocks, int prefetch,
+                                __m512 out[QTILE_M]) {
     const int64_t group_block = QGROUP * qblock_bytes(kind);
     __m512 acc[QTILE_M];
 #pragma GCC unroll 4
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *qb = q + b * group_block;
+        if (prefetch)
+            for (int64_t line = 0; line < group_block; line += 64)
+                _mm_prefetch((const char *)qb + line + QPREFETCH_BYTES, _MM_HINT_T1);
         __m512i w[8];
         if (kind == QFORMAT_S8) {
 #pragma GCC unroll 8
@@ -329,13 +339,13 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
 /* vnni_group with `mt`, the layout and the scale type constants in each copy. */
 static void vnni_groups(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
                         const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const void *dw,
-                        const void *mw, int format, int64_t blocks, __m512 out[QTILE_M]) {
-#define VNNI_CASES(KIND, HALF)                                                               \
-    switch (mt) {                                                                            \
-    case 1: vnni_group(qx, dx, sq, 1, q, dw, mw, KIND, HALF, blocks, out); break;            \
-    case 2: vnni_group(qx, dx, sq, 2, q, dw, mw, KIND, HALF, blocks, out); break;            \
-    case 3: vnni_group(qx, dx, sq, 3, q, dw, mw, KIND, HALF, blocks, out); break;            \
-    default: vnni_group(qx, dx, sq, 4, q, dw, mw, KIND, HALF, blocks, out); break;           \
+                        const void *mw, int format, int64_t blocks, int prefetch, __m512 out[QTILE_M]) {
+#define VNNI_CASES(KIND, HALF)                                                                     \
+    switch (mt) {                                                                                  \
+    case 1: vnni_group(qx, dx, sq, 1, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
+    case 2: vnni_group(qx, dx, sq, 2, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
+    case 3: vnni_group(qx, dx, sq, 3, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
+    default: vnni_group(qx, dx, sq, 4, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;       \
     }
     if (qkind(format) == QFORMAT_S8) {
         if (qhalf(format)) {
@@ -391,7 +401,8 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
     }
     const int64_t groups = (n + QGROUP - 1) / QGROUP, blocks = k / QBLOCK;
     /* A thread per QWORK_PER_THREAD products (at least one), at most num_threads and never more than
-     * groups: waking a thread for less costs more than it saves (docs/models.md). */
+     * groups. Each group's sums are the same whichever thread computes them: the outputs do not depend on
+     * the thread count. */
     const int64_t by_work = rows * n * k / QWORK_PER_THREAD;
     const int64_t wanted = by_work < 1 ? 1 : by_work < num_threads ? by_work : num_threads;
     const int threads = (int)(groups < wanted ? groups : wanted);
@@ -423,7 +434,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
                 vnni_groups(qrows, drows, srows, mt, qweight + g * group_bytes,
                             scales_from(scales, g * group_scales, qhalf(format)),
                             mins == NULL ? NULL : scales_from(mins, g * group_scales, qhalf(format)), format,
-                            blocks, values);
+                            blocks, m0 == 0, values);
                 for (int i = 0; i < mt; i++) {
                     float lanes[QGROUP];
                     _mm512_storeu_ps(lanes, values[i]);

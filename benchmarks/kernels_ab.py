@@ -1,0 +1,107 @@
+"""In one process, a model's decode step with the C kernels of another commit against this checkout's:
+both libraries loaded, the engine's library swapped between them every ROUND_TOKENS tokens for ROUNDS
+rounds (so the machine's drift falls on both alike); prints each one's median decode step (steps with
+all ROWS sequences decoding) and whether both generated the same greedy tokens. Python code is this
+checkout's for both: only engine/cpu's C files (kernels.c, quant_kernels.c, decode_layer.c and their
+headers) come from REV.
+
+    flock /tmp/bench.lock env GOMP_SPINCOUNT=3000 PYTHONPATH=. .venv/bin/python benchmarks/kernels_ab.py \\
+        MODEL ROWS REV
+
+MODEL: a GGUF file or `builtin:smollm2`; ROWS: sequences decoding together; REV: a git revision.
+GOMP_SPINCOUNT: what the `inflight` command sets (inflight/cli/__init__.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.quantized_decode_step import PROMPT_TOKENS
+from benchmarks.quantized_scales_ab import ROUND_TOKENS, ROUNDS, timed_steps
+from inflight.checkpoints.resolve import resolve_model
+from inflight.engine.cpu import kernels
+from inflight.engine.llm import LLM
+from inflight.engine.sequence import SamplingParams
+
+
+def library_at(rev: str, folder: Path) -> ctypes.CDLL:
+    """The kernels built from `rev`'s engine/cpu C files (written into `folder`)."""
+    cpu = kernels.SOURCE.parent
+    root = Path(
+        subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True, cwd=cpu
+        ).stdout.strip()
+    )
+    relative = cpu.relative_to(root)
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, f"{relative}/"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+    ).stdout.split()
+    sources = folder / "src"
+    sources.mkdir()
+    for name in listed:
+        if name.endswith((".c", ".h")):
+            text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, check=True, cwd=root)
+            (sources / Path(name).name).write_bytes(text.stdout)
+    saved = (kernels.SOURCE, kernels.QUANT_SOURCE, kernels.DECODE_LAYER_SOURCE)
+    kernels.SOURCE = sources / kernels.SOURCE.name
+    kernels.QUANT_SOURCE = sources / kernels.QUANT_SOURCE.name
+    kernels.DECODE_LAYER_SOURCE = sources / kernels.DECODE_LAYER_SOURCE.name
+    try:
+        return kernels.load_library(kernels.build_library(out_dir=folder / "build"))
+    finally:
+        kernels.SOURCE, kernels.QUANT_SOURCE, kernels.DECODE_LAYER_SOURCE = saved
+
+
+def main() -> None:
+    path = resolve_model(sys.argv[1])
+    rows = int(sys.argv[2])
+    rev = sys.argv[3]
+    torch.set_num_threads(2)
+    llm = LLM(path, max_slots=rows, dtype="bfloat16")
+    current = kernels.library()
+    assert current is not None, kernels.unavailable_reason()
+    with tempfile.TemporaryDirectory() as tmp:
+        libraries = {rev: library_at(rev, Path(tmp)), "this checkout": current}
+        gen = torch.Generator().manual_seed(0)
+        vocab = llm.tokenizer.vocab_size
+        prompts = [
+            torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)
+        ]
+        params = SamplingParams(temperature=0.0, max_tokens=ROUND_TOKENS, ignore_eos=True)
+        steps = timed_steps(llm, rows)
+        times: dict[str, list[float]] = {name: [] for name in libraries}
+        outputs: dict[str, list[list[int]]] = {}
+        load_before = os.getloadavg()[0]
+        for round_ in range(ROUNDS + 1):  # round 0: warm-up, not counted
+            for name, library in libraries.items():
+                kernels._LIBRARY.library = library
+                steps.clear()
+                generated = llm.generate(prompts, params)
+                if round_ > 0:
+                    times[name] += steps
+                    outputs[name] = [list(o.outputs[0].token_ids) for o in generated]
+        kernels._LIBRARY.library = current
+    same = len({repr(tokens) for tokens in outputs.values()}) == 1
+    print(
+        f"{path.name} rows={rows}, {ROUNDS} rounds of {ROUND_TOKENS} tokens alternated, same tokens: {same}, "
+        f"load average {load_before:.2f}-{os.getloadavg()[0]:.2f}"
+    )
+    for name, seconds in times.items():
+        median = statistics.median(seconds) * 1e3
+        print(f"  {name}: median decode step {median:.2f} ms over {len(seconds)} steps")
+
+
+if __name__ == "__main__":
+    main()
