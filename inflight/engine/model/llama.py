@@ -274,6 +274,38 @@ class DecoderLayer(nn.Module):
 
 
 @dataclass(frozen=True)
+class OneCallPlan:
+    """Each layer's fused() and what they were built from, checked once a step (Links.current) instead of
+    once per layer through its modules' attributes. `head`: the layer list's entries (and the one past its
+    end: a layer appended) and the layers up to the first one-call layer, whose rules decide whether the
+    step runs one call per layer (DecodeStep.start); `rest`: the layers after it, checked only where the
+    step does (a step of more rows than the layers take checks only the head)."""
+
+    layers: tuple[FusedLayer | None, ...]
+    head: Links
+    rest: Links
+
+    @property
+    def first(self) -> FusedLayer | None:
+        return next((fused for fused in self.layers if fused is not None), None)
+
+    @staticmethod
+    def of(model: LlamaForCausalLM) -> OneCallPlan:
+        layers = model.layers
+        found = [cast(DecoderLayer, layer).fused_and_links() for layer in layers]
+        entries = Links.of(
+            [slot(model, "layers"), *((layers._modules, str(i)) for i in range(len(layers) + 1))], ()
+        )
+        fused = tuple(f for f, _ in found)
+        split = next((i + 1 for i, f in enumerate(fused) if f is not None), len(found))
+        return OneCallPlan(
+            fused,
+            Links.joined([entries, *(links for _, links in found[:split])]),
+            Links.joined([links for _, links in found[split:]]),
+        )
+
+
+@dataclass(frozen=True)
 class WeightTarget:
     """Where a checkpoint tensor goes.
 
@@ -314,8 +346,8 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, layout.vocab_rows, bias=False)
         )
-        # Each layer's one-call form, and what they were built from (_one_call_layers).
-        self._one_call: tuple[tuple[FusedLayer | None, ...], Links] | None = None
+        # Each layer's one-call form, and what they were built from (_one_call_plan).
+        self._one_call: OneCallPlan | None = None
 
     def forward(
         self,
@@ -339,9 +371,13 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.layers) - 1
         # A decode step runs each layer as one C call where it can, by the rules (rows, KV dtype) of the
         # first layer that can (a GGUF file's first layers may hold a type the kernels do not keep).
-        one_call = self._one_call_layers() if kv_caches and attn_metadata.is_decode_only else ()
-        first = next((fused for fused in one_call if fused is not None), None)
+        plan = self._one_call_plan() if kv_caches and attn_metadata.is_decode_only else None
+        first = None if plan is None else plan.first
         step = DecodeStep.start(first, hidden, attn_metadata, rope, kv_caches[0][0]) if kv_caches else None
+        if step is not None and plan is not None and not plan.rest.current():
+            # A later layer changed: rebuilt, with the same first layer (its links are current).
+            plan = self._one_call = OneCallPlan.of(self)
+        one_call = plan.layers if step is not None and plan is not None else ()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer_keep = keep if i == last else None
             fused = one_call[i] if step is not None and layer_keep is None else None
@@ -354,21 +390,12 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.norm(hidden, residual)
         return normed
 
-    def _one_call_layers(self) -> tuple[FusedLayer | None, ...]:
-        """Each layer's fused(), kept while the layers and what each was built from are the same: one
-        check a step (Links.current) instead of one per layer through its modules' attributes."""
-        if self._one_call is None or not self._one_call[1].current():
-            layers = self.layers
-            found = [cast(DecoderLayer, layer).fused_and_links() for layer in layers]
-            # The layer list's entries, and the one past its end (a layer appended).
-            own = Links.of(
-                [slot(self, "layers"), *((layers._modules, str(i)) for i in range(len(layers) + 1))], ()
-            )
-            self._one_call = (
-                tuple(fused for fused, _ in found),
-                Links.joined([own, *(links for _, links in found)]),
-            )
-        return self._one_call[0]
+    def _one_call_plan(self) -> OneCallPlan:
+        """The layers' one-call forms, rebuilt where the layer list or the layers up to the first one-call
+        layer changed (`OneCallPlan.head`); the caller checks the rest where the step runs one call."""
+        if self._one_call is None or not self._one_call.head.current():
+            self._one_call = OneCallPlan.of(self)
+        return self._one_call
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         layout = self.layout
