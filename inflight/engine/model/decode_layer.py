@@ -154,9 +154,9 @@ class Links:
     tensors. `current()`: every slot still holds its object and every tensor is at its address (a module's
     `.to()` keeps its tensors but moves their data), so what was built from them still stands.
 
-    It is one pass of C-level maps over dicts, no nn.Module.__getattr__: a decode step checks every
-    layer's one-call form this way (about 1 us a layer, where reading the modules through their attributes
-    cost about 15)."""
+    It is one pass of C-level maps over dicts, no nn.Module.__getattr__: a decode step checks its layers'
+    one-call forms this way (about 1.5 us a layer in a hot loop, where reading the modules through their
+    attributes cost about 15; docs/benchmarks.md)."""
 
     def __init__(
         self,
