@@ -240,3 +240,54 @@ def test_the_quantized_lm_head_gives_the_kernels_float32_sums(quantization: str)
     assert logits.dtype == torch.float32
     assert torch.equal(logits.to(torch.bfloat16), quantized_linear(hidden, head))
     assert not torch.equal(logits, logits.to(torch.bfloat16).float())  # not bfloat16 values widened
+
+
+def test_a_change_between_steps_rebuilds_the_one_call_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers' one-call forms are kept between steps and checked once a step (Links): a module, a
+    quantized weight or one of its tensors replaced, a tensor moved (`.data`, as `.to()` moves it), the
+    attention backend swapped or the layers reordered after a step all make the next step run what the
+    modules now hold, bit for bit the per-op path (stale pointers would run the old weights)."""
+    library = cpu_kernels.library()
+    assert library is not None
+    spy = _Spy(library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    model = _model("q8_0", torch.float32, False, None)
+    float_model = LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu"))
+    meta, positions = _decode_step(3, random.Random(4))
+    ids = torch.tensor([5, 17, 42])
+    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+
+    def one_call_layers() -> int:
+        """A step one call a layer where it can, against the per-op path; how many layers ran as one call."""
+        per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode():
+            spy.calls.clear()
+            fused = model(ids, positions, caches, meta)
+            count = spy.calls.count("decode_layer")
+            with monkeypatch.context() as patch:
+                patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
+                per_op = model(ids, positions, per_op_caches, meta)
+        assert torch.equal(fused, per_op)
+        for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        return count
+
+    assert one_call_layers() == 2
+    layer = model.layers[1]
+    weight = layer.mlp.down_proj.weight
+    layer.self_attn.o_proj.weight = model.layers[0].self_attn.o_proj.weight
+    assert one_call_layers() == 2
+    weight.scales = weight.scales * 2
+    assert one_call_layers() == 2
+    norm = layer.post_attention_layernorm.weight
+    norm.data = norm.detach() * 1.5
+    assert one_call_layers() == 2
+    model.layers[0], model.layers[1] = model.layers[1], model.layers[0]
+    assert one_call_layers() == 2
+    held = layer.mlp.down_proj
+    layer.mlp.down_proj = float_model.layers[1].mlp.down_proj
+    assert one_call_layers() == 1
+    layer.mlp.down_proj = held
+    assert one_call_layers() == 2
+    layer.self_attn.backend = TORCH_BACKEND
+    assert one_call_layers() == 1

@@ -21,7 +21,11 @@ Anything else takes the per-op path.
 from __future__ import annotations
 
 import ctypes
+import operator
 import sys
+from collections.abc import Sequence
+from itertools import repeat
+from typing import Any
 
 import torch
 from torch import nn
@@ -129,9 +133,73 @@ def _weight(norm: nn.Module) -> torch.Tensor:
 Projection = QuantizedLinear | PrepackedLinear
 
 
+# Where an object's attribute is held: the dict (a module's `_parameters`, `_buffers` or `_modules`, else the
+# object's `__dict__`) and the name in it.
+Slot = tuple[dict[str, Any], str]
+# What a slot's dict gives for a name it does not hold.
+_ABSENT = object()
+
+
+def slot(owner: object, name: str) -> Slot:
+    """Where `owner.name` is held (see Slot)."""
+    if isinstance(owner, nn.Module):
+        for held in (owner._parameters, owner._buffers, owner._modules):
+            if name in held:
+                return held, name
+    return vars(owner), name
+
+
+class Links:
+    """What something was built from: objects, each with the slot it was read from, and the addresses of
+    tensors. `current()`: every slot still holds its object and every tensor is at its address (a module's
+    `.to()` keeps its tensors but moves their data), so what was built from them still stands.
+
+    It is one pass of C-level maps over dicts, no nn.Module.__getattr__: a decode step checks its layers'
+    one-call forms this way (about 1.5 us a layer in a hot loop, where reading the modules through their
+    attributes cost about 15; docs/benchmarks.md)."""
+
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        objects: Sequence[object],
+        tensors: Sequence[torch.Tensor],
+        addresses: Sequence[int],
+    ) -> None:
+        """Use `of` or `joined`: `objects` are what `slots` held, `addresses` where `tensors` were."""
+        self._dicts = tuple(held for held, _ in slots)
+        self._names = tuple(name for _, name in slots)
+        self._objects = tuple(objects)
+        self._tensors = tuple(tensors)
+        self._addresses = list(addresses)
+
+    @staticmethod
+    def of(slots: Sequence[Slot], tensors: Sequence[torch.Tensor]) -> Links:
+        """What `slots` hold now, and where `tensors` are."""
+        return Links(slots, [held.get(name, _ABSENT) for held, name in slots], tensors, _addresses(tensors))
+
+    @staticmethod
+    def joined(parts: Sequence[Links]) -> Links:
+        """One Links for all of `parts`, with the objects and addresses they recorded."""
+        return Links(
+            [(held, name) for part in parts for held, name in zip(part._dicts, part._names, strict=True)],
+            [obj for part in parts for obj in part._objects],
+            [t for part in parts for t in part._tensors],
+            [address for part in parts for address in part._addresses],
+        )
+
+    def current(self) -> bool:
+        """Whether every slot holds the object it held and every tensor is where it was."""
+        found = map(dict.get, self._dicts, self._names, repeat(_ABSENT))
+        return all(map(operator.is_, found, self._objects)) and _addresses(self._tensors) == self._addresses
+
+
+def _addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
+    return list(map(torch.Tensor.data_ptr, tensors))
+
+
 class FusedLayer:
-    """A decoder layer's weights as decode_layer.c reads them: the pointers, and the modules and tensors
-    they come from (held, so the pointers stay valid; `current` says whether they are still the layer's)."""
+    """A decoder layer's weights as decode_layer.c reads them: the pointers, and the tensors they point
+    into (held, so the pointers stay valid). Whether they are still the layer's is the layer's `Links`."""
 
     def __init__(
         self,
@@ -147,9 +215,7 @@ class FusedLayer:
         parts = [_quantized(p) if isinstance(p, QuantizedLinear) else _dense(p) for p in projections]
         tensors = [_weight(n) for n in norms] + [p.bias for p in projections if p.bias is not None]
         tensors += [t for _, held in parts for t in held]
-        self.modules = (*norms, *projections)
-        self._weights = tuple((p, p.weight, p.bias) for p in projections)
-        self._pointers = tuple((t, t.data_ptr()) for t in tensors)
+        self._tensors = tuple(tensors)
         self.dtype = _weight(norms[0]).dtype
         self.kv_shape = (num_kv_heads, head_dim)
         self.product = QUANTIZED if isinstance(qkv, QuantizedLinear) else DENSE
@@ -208,15 +274,6 @@ class FusedLayer:
     def takes_rows(self, rows: int, library: ctypes.CDLL) -> bool:
         """Whether every product of the layer multiplies `rows` rows in C here."""
         return rows <= self.max_rows and (self.product == DENSE or kernel_takes(rows, library))
-
-    def current(self, modules: tuple[nn.Module, ...]) -> bool:
-        """Whether the layer's modules are still `modules` (norms, then qkv, o, gate_up, down), with the
-        same weights and biases where they were (a replaced weight or a tensor moved by `.to()` is not)."""
-        return (
-            all(a is b for a, b in zip(modules, self.modules, strict=True))
-            and all(p.weight is w and p.bias is b for p, w, b in self._weights)
-            and all(t.data_ptr() == ptr for t, ptr in self._pointers)
-        )
 
 
 class DecodeStep:

@@ -30,7 +30,7 @@ from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.decode_layer import DENSE, DecodeStep, FusedLayer
+from inflight.engine.model.decode_layer import DENSE, DecodeStep, FusedLayer, Links, slot
 from inflight.engine.model.shard_layout import ShardLayout
 
 
@@ -171,6 +171,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layout)
         self._fused: FusedLayer | None = None
+        self._links: Links | None = None  # what `_fused` was built from
 
     def _parts(
         self,
@@ -195,13 +196,56 @@ class DecoderLayer(nn.Module):
     def fused(self) -> FusedLayer | None:
         """This layer as one C call of a decode step (model/decode_layer.py), where its projections are
         kept quantized or are float weights multiplied in C, on one rank, with the C attention kernels;
-        else None. Built once, kept while the layer's modules and weights are the same."""
-        if not self._one_call_capable():
-            return None
-        norms, projections, attention = self._parts()
-        if self._fused is None or not self._fused.current((*norms, *projections)):
-            self._fused = FusedLayer.of(norms, self.input_layernorm.eps, projections, attention)
-        return self._fused
+        else None. Built once, kept while what it was built from is the same (`fused_and_links`)."""
+        return self.fused_and_links()[0]
+
+    def fused_and_links(self) -> tuple[FusedLayer | None, Links]:
+        """fused(), and the Links of what it was built from: the submodules, the attention's settings,
+        the norms' and projections' weights and biases (a quantized weight's tensors too) and where their
+        tensors are. Rebuilt where any of them changed."""
+        if self._links is None or not self._links.current():
+            norms, projections, attention = self._parts()
+            capable = self._one_call_capable()
+            self._fused = (
+                FusedLayer.of(norms, self.input_layernorm.eps, projections, attention) if capable else None
+            )
+            # Read after FusedLayer.of: interleave_ gives a quantized weight new tensors.
+            self._links = self._links_of(norms, projections)
+        return self._fused, self._links
+
+    def _links_of(
+        self,
+        norms: tuple[nn.Module, nn.Module],
+        projections: tuple[nn.Module, nn.Module, nn.Module, nn.Module],
+    ) -> Links:
+        attn, mlp = self.self_attn, self.mlp
+        slots = [
+            slot(self, name) for name in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+        ]
+        slots += [
+            slot(attn, name)
+            for name in (
+                "qkv_proj",
+                "o_proj",
+                "backend",
+                "tp_size",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "scale",
+            )
+        ]
+        slots += [slot(mlp, name) for name in ("gate_up_proj", "down_proj")]
+        slots += [slot(norm, name) for norm in norms for name in ("weight", "eps")]
+        slots += [slot(p, name) for p in projections for name in ("weight", "bias")]
+        held: list[object] = [norm.weight for norm in norms]
+        for p in projections:
+            held += [p.weight, p.bias]
+            if isinstance(p.weight, QuantizedTensor):
+                fields = ("format", "qweight", "scales", "mins", "interleaved_rows")
+                slots += [slot(p.weight, name) for name in fields]
+                held += [getattr(p.weight, name) for name in fields]
+        return Links.of(slots, [t for t in held if isinstance(t, torch.Tensor)])
 
     def dense(self) -> FusedLayer | None:
         """fused(), where its products are dense_linear's (float weights); else None."""
@@ -227,6 +271,38 @@ class DecoderLayer(nn.Module):
             residual = residual[keep[0]]
         normed, residual = self.post_attention_layernorm.forward(attended, residual)
         return self.mlp.forward(normed), residual
+
+
+@dataclass(frozen=True)
+class OneCallPlan:
+    """Each layer's fused() and what they were built from, checked once a step (Links.current) instead of
+    once per layer through its modules' attributes. `head`: the layer list's entries (and the one past its
+    end: a layer appended) and the layers up to the first one-call layer, whose rules decide whether the
+    step runs one call per layer (DecodeStep.start); `rest`: the layers after it, checked only where the
+    step does (a step of more rows than the layers take checks only the head)."""
+
+    layers: tuple[FusedLayer | None, ...]
+    head: Links
+    rest: Links
+
+    @property
+    def first(self) -> FusedLayer | None:
+        return next((fused for fused in self.layers if fused is not None), None)
+
+    @staticmethod
+    def of(model: LlamaForCausalLM) -> OneCallPlan:
+        layers = model.layers
+        found = [cast(DecoderLayer, layer).fused_and_links() for layer in layers]
+        entries = Links.of(
+            [slot(model, "layers"), *((layers._modules, str(i)) for i in range(len(layers) + 1))], ()
+        )
+        fused = tuple(f for f, _ in found)
+        split = next((i + 1 for i, f in enumerate(fused) if f is not None), len(found))
+        return OneCallPlan(
+            fused,
+            Links.joined([entries, *(links for _, links in found[:split])]),
+            Links.joined([links for _, links in found[split:]]),
+        )
 
 
 @dataclass(frozen=True)
@@ -270,6 +346,8 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, layout.vocab_rows, bias=False)
         )
+        # Each layer's one-call form, and what they were built from (_one_call_plan).
+        self._one_call: OneCallPlan | None = None
 
     def forward(
         self,
@@ -293,20 +371,16 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.layers) - 1
         # A decode step runs each layer as one C call where it can, by the rules (rows, KV dtype) of the
         # first layer that can (a GGUF file's first layers may hold a type the kernels do not keep).
-        # `looked_up`: the layers' fused() up to that first one, each looked up once a step.
-        looked_up: list[FusedLayer | None] = []
-        if kv_caches and attn_metadata.is_decode_only:
-            for layer in self.layers:
-                looked_up.append(cast(DecoderLayer, layer).fused())
-                if looked_up[-1] is not None:
-                    break
-        first = looked_up[-1] if looked_up else None
+        plan = self._one_call_plan() if kv_caches and attn_metadata.is_decode_only else None
+        first = None if plan is None else plan.first
         step = DecodeStep.start(first, hidden, attn_metadata, rope, kv_caches[0][0]) if kv_caches else None
+        if step is not None and plan is not None and not plan.rest.current():
+            # A later layer changed: rebuilt, with the same first layer (its links are current).
+            plan = self._one_call = OneCallPlan.of(self)
+        one_call = plan.layers if step is not None and plan is not None else ()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer_keep = keep if i == last else None
-            fused = None
-            if step is not None and layer_keep is None:
-                fused = looked_up[i] if i < len(looked_up) else cast(DecoderLayer, layer).fused()
+            fused = one_call[i] if step is not None and layer_keep is None else None
             if fused is not None and step is not None and step.takes(fused, k_cache, v_cache):
                 hidden, residual = step.run(fused, hidden, residual, k_cache, v_cache)
                 continue
@@ -315,6 +389,13 @@ class LlamaForCausalLM(nn.Module):
             )
         normed, _ = self.norm(hidden, residual)
         return normed
+
+    def _one_call_plan(self) -> OneCallPlan:
+        """The layers' one-call forms, rebuilt where the layer list or the layers up to the first one-call
+        layer changed (`OneCallPlan.head`); the caller checks the rest where the step runs one call."""
+        if self._one_call is None or not self._one_call.head.current():
+            self._one_call = OneCallPlan.of(self)
+        return self._one_call
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         layout = self.layout
