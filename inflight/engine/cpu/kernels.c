@@ -962,13 +962,14 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
  * The new rows of prompts (prefill, chunked prefill): each attends causally to its sequence's keys up to
  * its own position. A work item is PREFILL_ROWS consecutive rows of one prompt and one KV head. The item
  * goes over the keys its rows attend PREFILL_KEYS at a time (flash-attention style): each block of keys is
- * converted once into tiles, K transposed ([head_dim][keys]) and V as rows, and every query head of the KV
- * head's group, for every row of the item, scores and weighs against those tiles: the scores are rank-1
- * updates over 16 keys at a time (no horizontal sums), the weighted sums rank-1 updates over 16 dimensions,
- * added to each vector's running sum. The softmax is online: each vector keeps its largest score so far
- * and the sum of its weights, and a block with a larger score rescales both and the running sum first;
- * an item whose keys fit in one block computes exactly the two-pass softmax. Query vectors are ordered row
- * by row, each row's group heads together.
+ * converted once into tiles, K transposed ([head_dim][keys]) and V as rows (float32 V rows are read where
+ * they lie in the cache), and every query head of the KV head's group, for every row of the item, scores
+ * and weighs against those tiles: the scores are rank-1 updates over 16 keys at a time (no horizontal
+ * sums), the weighted sums rank-1 updates over 16 dimensions, added to each vector's running sum. The
+ * softmax is online: each vector keeps its largest score so far and the sum of its weights, and a block
+ * with a larger score rescales both and the running sum first; an item whose keys fit in one block
+ * computes exactly the two-pass softmax. Query vectors are ordered row by row, each row's group heads
+ * together.
  * 32 rows: the keys of a long prompt are converted once per 32 rows instead of once per 16 (1.2-1.5x the
  * 16-row items' speed on a 2048-token step of SmolLM2 prompts; 64 rows measured the same as 32). Blocks of
  * keys keep an item's tiles and scores in L2 however long the prompt (they took 3 MB per item at 4096
