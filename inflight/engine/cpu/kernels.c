@@ -962,13 +962,14 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
  * The new rows of prompts (prefill, chunked prefill): each attends causally to its sequence's keys up to
  * its own position. A work item is PREFILL_ROWS consecutive rows of one prompt and one KV head. The item
  * goes over the keys its rows attend PREFILL_KEYS at a time (flash-attention style): each block of keys is
- * converted once into tiles, K transposed ([head_dim][keys]) and V as rows, and every query head of the KV
- * head's group, for every row of the item, scores and weighs against those tiles: the scores are rank-1
- * updates over 16 keys at a time (no horizontal sums), the weighted sums rank-1 updates over 16 dimensions,
- * added to each vector's running sum. The softmax is online: each vector keeps its largest score so far
- * and the sum of its weights, and a block with a larger score rescales both and the running sum first;
- * an item whose keys fit in one block computes exactly the two-pass softmax. Query vectors are ordered row
- * by row, each row's group heads together.
+ * converted once into tiles, K transposed ([head_dim][keys]) and V as rows (float32 V rows are read where
+ * they lie in the cache), and every query head of the KV head's group, for every row of the item, scores
+ * and weighs against those tiles: the scores are rank-1 updates over 16 keys at a time (no horizontal
+ * sums), the weighted sums rank-1 updates over 16 dimensions, added to each vector's running sum. The
+ * softmax is online: each vector keeps its largest score so far and the sum of its weights, and a block
+ * with a larger score rescales both and the running sum first; an item whose keys fit in one block
+ * computes exactly the two-pass softmax. Query vectors are ordered row by row, each row's group heads
+ * together.
  * 32 rows: the keys of a long prompt are converted once per 32 rows instead of once per 16 (1.2-1.5x the
  * 16-row items' speed on a 2048-token step of SmolLM2 prompts; 64 rows measured the same as 32). Blocks of
  * keys keep an item's tiles and scores in L2 however long the prompt (they took 3 MB per item at 4096
@@ -984,10 +985,13 @@ enum { PROMPT_FIELDS = 4 };
 struct prefill_tiles {
     float *kt;      /* [head_dim][PREFILL_KEYS]: the block's keys, zero past the last */
     float *v;       /* [PREFILL_KEYS][head_dim]; bfloat16 weighted sums: [PREFILL_KEYS / 2][head_dim] pairs */
+    const float *vrows[PREFILL_KEYS]; /* float weighted sums: each key's V row (in the cache for float32) */
     float *queries; /* [vectors][head_dim], scaled; bfloat16 dot products: [vectors][head_dim / 2] pairs */
     float *scores;  /* [vectors][PREFILL_KEYS]: scores, then weights (zero outside each row's keys) */
     float *acc;     /* [vectors][head_dim]: running weighted sums */
     float *peak;    /* [vectors]: largest score so far (-inf before the first) */
+    float *block_peak; /* [vectors]: largest score in the block, where the score kernel took exactly the
+                        * vector's keys of the block (NaN where the softmax must find it) */
     float *sum;     /* [vectors]: sum of the weights so far */
     float *row;     /* [head_dim]: a key row converted to float */
 };
@@ -998,14 +1002,25 @@ static inline int64_t padded_vectors(int64_t rows, int64_t group) { return (rows
 
 static size_t prefill_scratch_floats(int64_t group, int64_t head_dim) {
     const int64_t vectors = padded_vectors(PREFILL_ROWS, group);
-    return (size_t)(2 * head_dim * PREFILL_KEYS + vectors * (2 * head_dim + PREFILL_KEYS + 2) + head_dim);
+    return (size_t)(2 * head_dim * PREFILL_KEYS + vectors * (2 * head_dim + PREFILL_KEYS + 3) + head_dim);
 }
 
 #if defined(__AVX512F__)
+/* Each of 8 vectors' largest score (NaN ignored, -inf for none) from its running maxima m[i], into peaks
+ * unless it is NULL. */
+static ALWAYS_INLINE void store_peaks8(const __m512 m[8], float *peaks) {
+    if (peaks != NULL)
+        for (int i = 0; i < 8; i++) peaks[i] = _mm512_reduce_max_ps(m[i]);
+}
+
 /* Scores of 8 query vectors against keys [0, keys) of the transposed tile (keys a multiple of 16):
- * 8 x 32 running sums in registers, two K loads per 16 broadcast multiply-adds. */
+ * 8 x 32 running sums in registers, two K loads per 16 broadcast multiply-adds. Each vector's largest
+ * score goes to peaks unless NULL (the softmax's first pass, done while the scores are in registers:
+ * float32 attention 1.02-1.05x). */
 static ALWAYS_INLINE void prefill_scores8(const float *queries, const float *kt, int64_t stride, int64_t keys,
-                                          int64_t head_dim, float *scores) {
+                                          int64_t head_dim, float *scores, float *peaks) {
+    __m512 m[8];
+    for (int i = 0; i < 8; i++) m[i] = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < keys; j += 32) {
         const int two = j + 16 < keys;
         __m512 a[8][2];
@@ -1020,15 +1035,20 @@ static ALWAYS_INLINE void prefill_scores8(const float *queries, const float *kt,
             }
         }
         for (int i = 0; i < 8; i++) {
+            /* Without a second 16 keys, a[i][1] repeats a[i][0]. */
+            m[i] = _mm512_max_ps(a[i][1], _mm512_max_ps(a[i][0], m[i]));
             _mm512_storeu_ps(scores + i * stride + j, a[i][0]);
             if (two) _mm512_storeu_ps(scores + i * stride + j + 16, a[i][1]);
         }
     }
+    store_peaks8(m, peaks);
 }
 
-/* out[i] += sum over keys [from, to) of weights[i][j] * v row j for 4 vectors, 64 dimensions at a time
- * (head_dim a multiple of 64): 4 x 64 running sums in registers, four V loads per 16 multiply-adds. */
-static ALWAYS_INLINE void prefill_weigh4(const float *weights, int64_t stride, const float *v, int64_t from,
+/* out[i] += sum over keys [from, to) of weights[i][j] * V row j (at rows[j]) for 4 vectors, 64 dimensions at a time
+ * (head_dim a multiple of 64): 4 x 64 running sums in registers, four V loads per 16 multiply-adds. The
+ * empty asm keeps each V load in a register: without it gcc folds the load into all four multiply-adds
+ * that use it (16 loads per key from L2 instead of 4: float32 attention 1.2x slower). */
+static ALWAYS_INLINE void prefill_weigh4(const float *weights, int64_t stride, const float *const *rows, int64_t from,
                                          int64_t to, int64_t head_dim, float *out) {
     for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
         __m512 a[4][4];
@@ -1036,7 +1056,10 @@ static ALWAYS_INLINE void prefill_weigh4(const float *weights, int64_t stride, c
             for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(out + i * head_dim + d0 + 16 * c);
         for (int64_t j = from; j < to; j++) {
             __m512 x[4];
-            for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(v + j * head_dim + d0 + 16 * c);
+            for (int c = 0; c < 4; c++) {
+                x[c] = _mm512_loadu_ps(rows[j] + d0 + 16 * c);
+                __asm__("" : "+v"(x[c]));
+            }
             for (int i = 0; i < 4; i++) {
                 const __m512 p = _mm512_set1_ps(weights[i * stride + j]);
                 for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(p, x[c], a[i][c]);
@@ -1054,8 +1077,10 @@ static ALWAYS_INLINE void prefill_weigh4(const float *weights, int64_t stride, c
  * vector its own pairs, so each step multiplies two dimensions of 16 keys; products exact, sums in float32;
  * the scores are scaled at the end. */
 static ALWAYS_INLINE void prefill_scores8_bf16(const uint32_t *queries, const uint32_t *kt2, int64_t stride,
-                                               int64_t keys, int64_t pairs, float scale, float *scores) {
+                                               int64_t keys, int64_t pairs, float scale, float *scores, float *peaks) {
     const __m512 factor = _mm512_set1_ps(scale);
+    __m512 m[8];
+    for (int i = 0; i < 8; i++) m[i] = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < keys; j += 32) {
         const int two = j + 16 < keys;
         __m512 a[8][2];
@@ -1070,10 +1095,13 @@ static ALWAYS_INLINE void prefill_scores8_bf16(const uint32_t *queries, const ui
             }
         }
         for (int i = 0; i < 8; i++) {
-            _mm512_storeu_ps(scores + i * stride + j, _mm512_mul_ps(a[i][0], factor));
-            if (two) _mm512_storeu_ps(scores + i * stride + j + 16, _mm512_mul_ps(a[i][1], factor));
+            const __m512 s0 = _mm512_mul_ps(a[i][0], factor), s1 = _mm512_mul_ps(a[i][1], factor);
+            m[i] = _mm512_max_ps(s1, _mm512_max_ps(s0, m[i]));
+            _mm512_storeu_ps(scores + i * stride + j, s0);
+            if (two) _mm512_storeu_ps(scores + i * stride + j + 16, s1);
         }
     }
+    store_peaks8(m, peaks);
 }
 
 /* prefill_weigh4 for bfloat16 weights and values, with the AVX512-BF16 dot product over pairs of keys:
@@ -1124,14 +1152,14 @@ static void prefill_scores_c(const float *queries, int64_t m, const float *kt, i
     }
 }
 
-static void prefill_weigh_c(const float *weights, int64_t m, int64_t stride, const float *v, int64_t from, int64_t to,
-                            int64_t head_dim, float *out) {
+static void prefill_weigh_c(const float *weights, int64_t m, int64_t stride, const float *const *rows, int64_t from,
+                            int64_t to, int64_t head_dim, float *out) {
     for (int64_t i = 0; i < m; i++) {
         float *o = out + i * head_dim;
         for (int64_t j = from; j < to; j++) {
             const float p = weights[i * stride + j];
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[j * head_dim + d];
+            for (int64_t d = 0; d < head_dim; d++) o[d] += p * rows[j][d];
         }
     }
 }
@@ -1176,7 +1204,7 @@ static ALWAYS_INLINE void transpose16x16(__m512 r[16]) {
  * pair partner too (its weight is zero, and 0 * garbage may be NaN). */
 static void prefill_load_keys(const void *k_cache, const void *v_cache, const int32_t *table, int64_t klo, int64_t kb,
                               int64_t count, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
-                              int64_t block_size, int kv_dtype, int pairs, int value_pairs, const struct prefill_tiles *t) {
+                              int64_t block_size, int kv_dtype, int pairs, int value_pairs, struct prefill_tiles *t) {
     uint32_t *kt2 = (uint32_t *)t->kt, *v2 = (uint32_t *)t->v;
     const int64_t first = klo + kb;
     int64_t j = 0;
@@ -1228,9 +1256,10 @@ static void prefill_load_keys(const void *k_cache, const void *v_cache, const in
     }
 #endif
     if (!value_pairs)
-        for (j = 0; j < count; j++)
-            load_as_float(v_cache, key_offset(table, first + j, block_size, num_kv_heads, kv_head, head_dim), head_dim,
-                          kv_dtype, t->v + j * head_dim);
+        for (j = 0; j < count; j++) {
+            const int64_t offset = key_offset(table, first + j, block_size, num_kv_heads, kv_head, head_dim);
+            t->vrows[j] = row_as_float(v_cache, offset, head_dim, kv_dtype, t->v + j * head_dim);
+        }
     /* 0.0f and a zero bfloat16 pair are the same 32 bits. */
     const int64_t kt_rows = pairs ? pairs : head_dim, padded = (count + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
     for (int64_t r = 0; r < kt_rows; r++) memset(t->kt + r * PREFILL_KEYS + count, 0, sizeof(float) * (size_t)(padded - count));
@@ -1254,7 +1283,8 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
     t.acc = t.scores + padded * PREFILL_KEYS;
     t.peak = t.acc + padded * head_dim;
     t.sum = t.peak + padded;
-    t.row = t.sum + padded;
+    t.block_peak = t.sum + padded;
+    t.row = t.block_peak + padded;
     /* bfloat16 scores by dot product (prefill_scores8_bf16): keys and queries stay bfloat16, in pairs; and
      * weighted sums by dot product over pairs of keys (prefill_weigh4_bf16). */
 #if defined(__AVX512BF16__)
@@ -1297,16 +1327,25 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
             const int64_t end = ctx + r0 + last / group + 1 - klo;
             if (end <= kb) continue;
             const int64_t keys = ((end < kb + count ? end : kb + count) - kb + 15) / 16 * 16;
-            float *scores = t.scores + i0 * PREFILL_KEYS;
+            float *scores = t.scores + i0 * PREFILL_KEYS, *peaks = t.block_peak + i0;
+            /* The kernel's peaks are the softmax's where it scores exactly each vector's keys of the block:
+             * all of them, for every row of the 8 (the first row attends to the block's end, the last row
+             * from its start), and no padding. */
+            const int64_t first_end = ctx + r0 + i0 / group + 1 - klo;
+            const int64_t last_begin = window_start(ctx + r0 + last / group + 1, window) - klo;
+            const int whole = first_end >= kb + count && last_begin <= kb && keys == count;
+            for (int i = 0; i < 8; i++) peaks[i] = NAN;
+            if (!whole) peaks = NULL;
 #if defined(__AVX512BF16__)
             if (pairs) {
-                prefill_scores8_bf16(q2 + i0 * pairs, (const uint32_t *)t.kt, PREFILL_KEYS, keys, pairs, scale, scores);
+                prefill_scores8_bf16(q2 + i0 * pairs, (const uint32_t *)t.kt, PREFILL_KEYS, keys, pairs, scale, scores,
+                                     peaks);
                 continue;
             }
 #endif
 #if defined(__AVX512F__)
             if (head_dim % 16 == 0) {
-                prefill_scores8(t.queries + i0 * head_dim, t.kt, PREFILL_KEYS, keys, head_dim, scores);
+                prefill_scores8(t.queries + i0 * head_dim, t.kt, PREFILL_KEYS, keys, head_dim, scores, peaks);
                 continue;
             }
 #endif
@@ -1323,9 +1362,12 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
                 memset(s, 0, sizeof(float) * (size_t)count_padded);
                 continue;
             }
-            float peak = -INFINITY;
+            float peak = t.block_peak[i];
+            if (isnan(peak)) {
+                peak = -INFINITY;
 #pragma omp simd reduction(max : peak)
-            for (int64_t j = lo; j < hi; j++) peak = s[j] > peak ? s[j] : peak;
+                for (int64_t j = lo; j < hi; j++) peak = s[j] > peak ? s[j] : peak;
+            }
             if (peak > t.peak[i]) {
                 if (t.peak[i] > -INFINITY) {
                     const float factor = exp_approx(t.peak[i] - peak);
@@ -1366,11 +1408,11 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
 #endif
 #if defined(__AVX512F__)
             if (head_dim % 64 == 0) {
-                prefill_weigh4(weights, PREFILL_KEYS, t.v, from, to, head_dim, acc);
+                prefill_weigh4(weights, PREFILL_KEYS, t.vrows, from, to, head_dim, acc);
                 continue;
             }
 #endif
-            prefill_weigh_c(weights, last - i0 + 1, PREFILL_KEYS, t.v, from, to, head_dim, acc);
+            prefill_weigh_c(weights, last - i0 + 1, PREFILL_KEYS, t.vrows, from, to, head_dim, acc);
         }
     }
     for (int64_t r = r0; r < r1; r++)

@@ -113,6 +113,25 @@ def test_prompt_keys_in_blocks_with_larger_scores_late(dtype: torch.dtype, torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_last_keys_large_score_leaves_the_rows_before_it_alone(dtype: torch.dtype) -> None:
+    # The prefill kernel scores 8 query vectors at a time (here rows 397-399's, the last 8 of each prompt)
+    # over the keys of their last row, and takes each vector's largest score from the score kernel only
+    # where it scored exactly that vector's keys. The last key scores about +-300: a row before it that
+    # took that score as its largest would weigh its own keys e^-300 = 0 and divide by zero. (The last
+    # row itself, which attends that key, is left out: float32 scores of 300 are 3e-5 apart.)
+    query_lens = [400, 700]
+    case = make_case([400, 1000], query_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=9)
+    block_size = case.k_cache.shape[1]
+    for seq, seq_len in enumerate(case.meta.seq_lens_list):
+        block = int(case.meta.block_tables[seq, (seq_len - 1) // block_size])
+        case.k_cache[block, (seq_len - 1) % block_size] *= 300
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    before_last = torch.ones(sum(query_lens), dtype=torch.bool)
+    before_last[torch.tensor(query_lens).cumsum(0) - 1] = False
+    assert_close(out[before_last], dense_reference(case)[before_last], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sliding_window_longer_than_a_block_of_keys(dtype: torch.dtype) -> None:
     # A 300-key window spans two of the prefill kernel's 256-key blocks, starting inside the first.
     case = make_case(
