@@ -200,6 +200,31 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     assert model.layers[0].fused() is None
 
 
+def _step_against_per_op(
+    model: LlamaForCausalLM,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    meta: AttentionMetadata,
+    spy: _Spy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> int:
+    """A decode step one call a layer where it can, asserted bit for bit the per-op path's output and
+    caches (run on copies of the caches); how many layers ran as one call."""
+    per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        spy.calls.clear()
+        fused = model(ids, positions, caches, meta)
+        count = spy.calls.count("decode_layer")
+        with monkeypatch.context() as patch:
+            patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
+            per_op = model(ids, positions, per_op_caches, meta)
+    assert torch.equal(fused, per_op)
+    for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    return count
+
+
 def test_layers_after_one_the_kernels_cannot_take_still_run_as_one_call(
     any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
     monkeypatch: pytest.MonkeyPatch,
@@ -215,17 +240,7 @@ def test_layers_after_one_the_kernels_cannot_take_still_run_as_one_call(
     meta, positions = _decode_step(3, random.Random(3))
     ids = torch.tensor([5, 17, 42])
     caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
-    per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
-    with torch.inference_mode():
-        spy.calls.clear()
-        fused = model(ids, positions, caches, meta)
-        assert spy.calls.count("decode_layer") == 1
-        with monkeypatch.context() as patch:
-            patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
-            per_op = model(ids, positions, per_op_caches, meta)
-    assert torch.equal(fused, per_op)
-    for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    assert _step_against_per_op(model, ids, positions, caches, meta, spy, monkeypatch) == 1
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])
@@ -258,19 +273,7 @@ def test_a_change_between_steps_rebuilds_the_one_call_layers(monkeypatch: pytest
     caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
 
     def one_call_layers() -> int:
-        """A step one call a layer where it can, against the per-op path; how many layers ran as one call."""
-        per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
-        with torch.inference_mode():
-            spy.calls.clear()
-            fused = model(ids, positions, caches, meta)
-            count = spy.calls.count("decode_layer")
-            with monkeypatch.context() as patch:
-                patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
-                per_op = model(ids, positions, per_op_caches, meta)
-        assert torch.equal(fused, per_op)
-        for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
-            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
-        return count
+        return _step_against_per_op(model, ids, positions, caches, meta, spy, monkeypatch)
 
     assert one_call_layers() == 2
     layer = model.layers[1]
