@@ -20,7 +20,8 @@ from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.model import decode_layer
-from inflight.engine.model.llama import LlamaForCausalLM
+from inflight.engine.model.decode_layer import DENSE, FusedLayer
+from inflight.engine.model.llama import DecoderLayer, LlamaForCausalLM
 from inflight.engine.runner import allocate_kv_caches
 
 BLOCK_SIZE = 8
@@ -30,6 +31,13 @@ pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None or not can_prepack(torch.device("cpu"), torch.float32),
     reason="needs the CPU kernels and oneDNN",
 )
+
+
+def _dense(layer: object) -> FusedLayer | None:
+    """The layer's one-call form where its products are dense_linear's (float weights); else None."""
+    assert isinstance(layer, DecoderLayer)
+    fused = layer.fused()
+    return fused if fused is not None and fused.product == DENSE else None
 
 
 def _float_model(dtype: torch.dtype, bias: bool, window: int | None) -> LlamaForCausalLM:
@@ -80,7 +88,7 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
             one = model(ids, positions, caches, meta)
             assert spy.calls.count("decode_layer") == (2 if one_call else 0)
             if one_call:  # and each call's products dense_linear's
-                assert all(layer.dense() is not None for layer in model.layers)
+                assert all(_dense(layer) is not None for layer in model.layers)
             with monkeypatch.context() as patch:
                 patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
                 spy.calls.clear()
@@ -96,9 +104,9 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     """A prefill row, more rows than dense_linear takes, a float8 KV cache, weights kept quantized or not
     prepacked, or the torch attention backend: no one-call step or layer."""
     model = _float_model(torch.float32, False, None)
-    layer = model.layers[0].dense()
+    layer = _dense(model.layers[0])
     assert layer is not None and layer.max_rows == 4
-    assert model.layers[0].dense() is layer  # built once
+    assert _dense(model.layers[0]) is layer  # built once
     rng = random.Random(2)
     caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
     fp8_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float8_e4m3fn, "cpu")[0][0]
@@ -116,15 +124,15 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
         if step is not None:
             assert step.takes(layer, *caches[1])
             assert not step.takes(layer, fp8_cache, fp8_cache)
-    assert _model("q4_1", torch.float32, False, None).layers[0].dense() is None
-    assert LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu")).layers[0].dense() is None
+    assert _dense(_model("q4_1", torch.float32, False, None).layers[0]) is None
+    assert _dense(LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu")).layers[0]) is None
     model.layers[0].self_attn.backend = TORCH_BACKEND
-    assert model.layers[0].dense() is None
+    assert _dense(model.layers[0]) is None
     model.layers[0].self_attn.backend = CPU_KERNEL_BACKEND
     held = model.layers[0].mlp.down_proj
     model.layers[0].mlp.down_proj = model.layers[1].mlp.down_proj
-    rebuilt = model.layers[0].dense()
+    rebuilt = _dense(model.layers[0])
     assert rebuilt is not None and rebuilt is not layer  # a module replaced: not the cached pointers
     model.layers[0].mlp.down_proj = held
     model.layers[0].input_layernorm.to(torch.float64)  # its weight moved (and no kernel dtype)
-    assert model.layers[0].dense() is None
+    assert _dense(model.layers[0]) is None

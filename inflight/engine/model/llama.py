@@ -30,7 +30,7 @@ from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.decode_layer import DENSE, DecodeStep, FusedLayer, Links, slot
+from inflight.engine.model.decode_layer import DecodeStep, FusedLayer, Links, slot
 from inflight.engine.model.shard_layout import ShardLayout
 
 
@@ -246,11 +246,6 @@ class DecoderLayer(nn.Module):
                 slots += [slot(p.weight, name) for name in fields]
                 held += [getattr(p.weight, name) for name in fields]
         return Links.of(slots, [t for t in held if isinstance(t, torch.Tensor)])
-
-    def dense(self) -> FusedLayer | None:
-        """fused(), where its products are dense_linear's (float weights); else None."""
-        layer = self.fused()
-        return layer if layer is not None and layer.product == DENSE else None
 
     def forward(
         self,
