@@ -54,14 +54,7 @@ def library_at(rev: str, folder: Path) -> ctypes.CDLL:
         if name.endswith((".c", ".h")):
             text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, check=True, cwd=root)
             (sources / Path(name).name).write_bytes(text.stdout)
-    saved = (kernels.SOURCE, kernels.QUANT_SOURCE, kernels.DECODE_LAYER_SOURCE)
-    kernels.SOURCE = sources / kernels.SOURCE.name
-    kernels.QUANT_SOURCE = sources / kernels.QUANT_SOURCE.name
-    kernels.DECODE_LAYER_SOURCE = sources / kernels.DECODE_LAYER_SOURCE.name
-    try:
-        return kernels.load_library(kernels.build_library(out_dir=folder / "build"))
-    finally:
-        kernels.SOURCE, kernels.QUANT_SOURCE, kernels.DECODE_LAYER_SOURCE = saved
+    return kernels.load_library(kernels.build_library(out_dir=folder / "build", source_dir=sources))
 
 
 def main() -> None:

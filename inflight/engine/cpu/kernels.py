@@ -124,13 +124,16 @@ def build_library(
     compiler: str | None = None,
     out_dir: Path | None = None,
     flags: tuple[str, ...] = COMPILE_FLAGS,
-    kernels_source: Path = SOURCE,
+    kernels_source: Path | None = None,
+    source_dir: Path = SOURCE.parent,
 ) -> Path:
     """Compile kernels.c, quant_kernels.c and decode_layer.c into one library (once per
     source, compiler, flags and CPU) and return its path.
 
     `flags` other than the default are for tests (e.g. without -march=native: the portable C path);
-    `kernels_source`, another kernels.c in place of this one, for benchmarks comparing an older one."""
+    `source_dir`, a folder holding another version of all the C files, and `kernels_source`, another
+    kernels.c in place of the folder's, for benchmarks comparing older ones."""
+    kernels_source = kernels_source or source_dir / SOURCE.name
     compiler = compiler or os.environ.get("CC") or "cc"
     compiler_path = shutil.which(compiler)
     if compiler_path is None:
@@ -138,7 +141,8 @@ def build_library(
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=False).stdout
     # Every C file beside the source (headers included) and the compiler's path: a change to any of them
     # is a different library, never a stale one from the cache.
-    sources = [kernels_source, *sorted(path for path in SOURCE.parent.glob("*.[ch]") if path != SOURCE)]
+    others = sorted(path for path in source_dir.glob("*.[ch]") if path.name != SOURCE.name)
+    sources = [kernels_source, *others]
     inputs = [
         *(path.read_bytes() for path in sources),
         compiler_path,
@@ -156,13 +160,13 @@ def build_library(
     # Build into a temporary name and rename: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
-        compiled = (kernels_source, QUANT_SOURCE, DECODE_LAYER_SOURCE)
+        compiled = (kernels_source, source_dir / QUANT_SOURCE.name, source_dir / DECODE_LAYER_SOURCE.name)
         # -I: kernels.h for a kernels.c outside this folder; -D: the quantized layout (quant_layout.py).
         command = [
             compiler_path,
             *flags,
             *quant_layout.compile_definitions(),
-            f"-I{SOURCE.parent}",
+            f"-I{source_dir}",
             *map(str, compiled),
             "-o",
             str(partial),

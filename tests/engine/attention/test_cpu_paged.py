@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import shutil
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,20 @@ def test_another_kernels_c_builds_its_own_library_with_the_engines_other_sources
     theirs = cpu_kernels.build_library(out_dir=tmp_path / "out", kernels_source=other)
     assert theirs != ours
     assert cpu_kernels.load_library(theirs).quant_linear_int8_activations() in (0, 1)
+
+
+def test_a_folder_of_other_c_files_builds_from_every_file_in_it(tmp_path: Path) -> None:
+    """`source_dir` (kernels_ab.py's older commit): each compiled file comes from that folder, not only
+    kernels.c (a quant_kernels.c that cannot compile there fails the build, naming itself)."""
+    folder = tmp_path / "older"
+    folder.mkdir()
+    for path in cpu_kernels.SOURCE.parent.glob("*.[ch]"):
+        shutil.copy(path, folder / path.name)
+    ours = cpu_kernels.build_library(out_dir=tmp_path / "out")
+    assert cpu_kernels.build_library(out_dir=tmp_path / "out", source_dir=folder) == ours  # the same bytes
+    (folder / cpu_kernels.QUANT_SOURCE.name).write_text('#error "the folder\'s quant_kernels.c"\n')
+    with pytest.raises(cpu_kernels.KernelBuildError, match=r"the folder's quant_kernels\.c"):
+        cpu_kernels.build_library(out_dir=tmp_path / "out", source_dir=folder)
 
 
 def test_compile_errors_are_reported_with_the_compiler_output(tmp_path: Path) -> None:
