@@ -25,6 +25,7 @@ from inflight.engine.config import EngineConfig
 from inflight.engine.constraints import TokenConstraints
 from inflight.engine.contiguous_kv import build_kv_allocator
 from inflight.engine.cpu.allocator import retain_freed_memory
+from inflight.engine.cpu.cpu_limit import fit_threads_to_cpu_limit
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepare_linears
 from inflight.engine.draft import DraftProposer, check_same_vocabulary
@@ -74,6 +75,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             logger.info("CPU %s; running in %s", cpu_isa().describe(), str(self.dtype).removeprefix("torch."))
             retain_freed_memory()
+            fit_threads_to_cpu_limit()
         # Ranks 1..N-1 of a tensor-parallel engine (see parallel/group.py); None without.
         self.workers = (
             TensorParallelGroup.start(self.model_dir, config, self.dtype, self.device)

@@ -22,7 +22,6 @@ triton or torch at runtime (the engine reads tokenizers without transformers); i
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -33,6 +32,7 @@ import llguidance
 import torch
 
 from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu.cpu_limit import usable_cpus
 from inflight.engine.errors import ConstraintFailure, GrammarError
 from inflight.engine.sequence import GuidedDecoding
 from inflight.engine.tokenizer import Tokenizer
@@ -225,10 +225,10 @@ class GrammarMatchers:
 
 
 def mask_threads() -> int:
-    """llguidance's mask threads: the cores torch's threads leave free, at least one. The masks run while
-    the forward pass does (engine/constraints.py), so more threads than free cores only take turns with
-    the forward's."""
-    return max(1, len(os.sched_getaffinity(0)) - torch.get_num_threads())
+    """llguidance's mask threads: the usable CPUs (cpu/cpu_limit.py) that torch's threads leave free, at
+    least one. The masks run while the forward pass does (engine/constraints.py), so more threads than free
+    cores only take turns with the forward's."""
+    return max(1, usable_cpus() - torch.get_num_threads())
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

@@ -1,0 +1,106 @@
+"""The CPU time a container may use (its cgroup's CPU limit), and the engine's threads fitted to it.
+
+torch starts one OpenMP thread per core it can see, and a Kubernetes pod (or `docker run --cpus`) sees
+every core of its node while its CPU limit lets it run only a few of them at a time: 32 threads under a
+4-CPU limit spend most of each step waiting at the barriers of parallel regions for threads the kernel
+has throttled. Linux states the limit in the process's cgroup: cgroup v2's `cpu.max` ("QUOTA PERIOD",
+or "max PERIOD" for none), cgroup v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1: none); an
+ancestor's limit binds too, so the smallest along the path counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("inflight.engine")
+
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _v2_limit(directory: Path) -> float | None:
+    """CPUs allowed by `cpu.max` in a cgroup v2 directory; None where the file is absent or says max."""
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" or int(period) <= 0 else int(quota) / int(period)
+
+
+def _v1_limit(directory: Path) -> float | None:
+    """CPUs allowed by a cgroup v1 cpu directory's CFS quota; None where absent or -1."""
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def _smallest_along(mount: Path, cgroup_path: str, read: Callable[[Path], float | None]) -> float | None:
+    """The smallest limit `read` finds in the process's cgroup directory under `mount` and its ancestors,
+    and in `mount` itself (a container's own cgroup where the host's path is not visible in it)."""
+    directories = [mount]
+    relative = Path(cgroup_path.lstrip("/"))
+    if relative.parts and (mount / relative).is_dir():
+        directories += [mount / relative, *(mount / p for p in relative.parents if p != Path("."))]
+    limits = [limit for d in directories if (limit := read(d)) is not None]
+    return min(limits) if limits else None
+
+
+def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float | None:
+    """The CPUs this process's cgroup lets it use at once (2.5 for a "2500m" limit), or None: no limit,
+    or no cgroup information (not Linux, cgroups not mounted)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            found = _smallest_along(root, path, _v2_limit)
+        elif "cpu" in controllers.split(","):
+            mount = root / controllers if (root / controllers).is_dir() else root / "cpu"
+            found = _smallest_along(mount, path, _v1_limit)
+        else:
+            continue
+        if found is not None:
+            limits.append(found)
+    return min(limits) if limits else None
+
+
+def threads_for_limit(limit: float) -> int:
+    """Threads that a CPU limit runs at once: whole CPUs only (a thread more than the limit waits at every
+    barrier for its throttled share), at least one."""
+    return max(1, math.floor(limit))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process can keep busy: those it may run on, fewer where its cgroup's limit is lower."""
+    cpus = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    return cpus if limit is None else min(cpus, threads_for_limit(limit))
+
+
+def fit_threads_to_cpu_limit() -> None:
+    """Lower torch's CPU threads to the CPUs the process can keep busy where they are fewer (a cgroup CPU
+    limit below the cores it sees), unless the user chose a count with OMP_NUM_THREADS (theirs wins)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = usable_cpus()
+    if torch.get_num_threads() > threads:
+        logger.info(
+            "CPU limit (cgroup) of %d CPUs is below torch's %d threads: running %d (OMP_NUM_THREADS chooses)",
+            threads,
+            torch.get_num_threads(),
+            threads,
+        )
+        torch.set_num_threads(threads)
