@@ -33,36 +33,29 @@ def tree(tmp_path: Path, proc: str, files: dict[str, str]) -> tuple[Path, Path]:
     return tmp_path / "proc-cgroup", root
 
 
-def test_v2_limit_of_the_process_cgroup(tmp_path: Path) -> None:
-    proc, root = tree(
-        tmp_path,
+CASES = {
+    "v2: the process's cgroup": (
         "0::/kubepods/pod1/ctr\n",
         {"kubepods/pod1/ctr/cpu.max": "250000 100000\n", "kubepods/pod1/cpu.max": "max 100000\n"},
-    )
-    assert cgroup_cpu_limit(proc, root) == 2.5
-
-
-def test_v2_an_ancestor_limit_binds(tmp_path: Path) -> None:
-    proc, root = tree(
-        tmp_path,
+        2.5,
+    ),
+    "v2: an ancestor's limit binds": (
         "0::/kubepods/pod1/ctr\n",
         {"kubepods/pod1/ctr/cpu.max": "max 100000\n", "kubepods/pod1/cpu.max": "150000 100000\n"},
-    )
-    assert cgroup_cpu_limit(proc, root) == 1.5
-
-
-def test_v2_container_with_its_own_cgroup_namespace(tmp_path: Path) -> None:
-    proc, root = tree(tmp_path, "0::/\n", {"cpu.max": "400000 100000\n"})
-    assert cgroup_cpu_limit(proc, root) == 4.0
-
-
-def test_v1_quota_where_the_host_path_is_not_visible(tmp_path: Path) -> None:
-    proc, root = tree(
-        tmp_path,
+        1.5,
+    ),
+    "v2: a container with its own cgroup namespace": ("0::/\n", {"cpu.max": "400000 100000\n"}, 4.0),
+    "v1: the host's path not visible in the container": (
         "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n",
         {"cpu,cpuacct/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
-    )
-    assert cgroup_cpu_limit(proc, root) == 0.5
+        0.5,
+    ),
+}
+
+
+@pytest.mark.parametrize(("proc", "files", "cpus"), CASES.values(), ids=CASES.keys())
+def test_limit(tmp_path: Path, proc: str, files: dict[str, str], cpus: float) -> None:
+    assert cgroup_cpu_limit(*tree(tmp_path, proc, files)) == cpus
 
 
 def test_no_limit(tmp_path: Path) -> None:
