@@ -10,8 +10,8 @@ One scheduler, two admission policies (`AdmissionPolicy` objects; `ContinuousSch
   `max_merged_prefill_tokens` (the first always starts). A finished sequence's slot is refilled on the
   very next step.
 
-Requests added between two `schedule()` calls queue shortest prompt first among themselves, behind those
-queued before (both policies).
+With the continuous policy, requests added between two `schedule()` calls queue shortest prompt first
+among themselves, behind those queued before.
 - static (`STATIC`): admits up to `max_num_seqs` requests only when nothing is running; the batch runs
   until its longest member finishes (members that finish early leave their slot idle).
 
@@ -232,9 +232,10 @@ class Scheduler:
             return
         seq.status = SequenceStatus.WAITING
         # Requests added between two steps arrived together as far as the engine can tell: among them the
-        # shortest prompt goes first (ties keep their order), behind everything queued before them.
+        # shortest prompt goes first (ties keep their order), behind everything queued before them. A
+        # static batch waits for its longest member anyway: it keeps the order of arrival.
         position = len(self.waiting)
-        first = max(0, position - self._num_arrived)
+        first = position if self.admission.only_when_idle else max(0, position - self._num_arrived)
         while position > first and self.waiting[position - 1].num_prompt_tokens > seq.num_prompt_tokens:
             position -= 1
         self.waiting.insert(position, seq)

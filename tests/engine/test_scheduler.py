@@ -277,3 +277,10 @@ def test_a_long_queue_merges_prompts_up_to_the_budget_and_staggers_only_its_last
 
     assert admitted_per_step() == [4, 1, 1, 1, 1, 1, 1, 1, 1]
     assert admitted_per_step(max_merged_prefill_tokens=0) == [12]
+
+
+def test_static_batches_keep_the_order_of_arrival() -> None:
+    sched = make("static", num_blocks=256, max_num_seqs=1, caching=False)
+    sched.add(request("long", 40, 2))
+    sched.add(request("short", 4, 2))
+    assert admissions(run_all(sched)) == [(0, ("long",)), (2, ("short",))]
