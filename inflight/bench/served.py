@@ -331,6 +331,7 @@ def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_
         "--served-model-name", "bench", "--dtype", args.dtype, "--max-slots", str(args.max_slots),
         "--num-kv-blocks", str(num_kv_blocks), "--block-size", str(BLOCK_SIZE),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--scheduler", args.scheduler,
+        "--max-merged-prefill-tokens", str(args.max_merged_prefill_tokens),
         "--max-queue", str(args.num_requests), "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--quantization", args.quantization, "--log-level", "warning",
     ]  # fmt: skip
@@ -733,6 +734,7 @@ def _run_load(
             "block_size": BLOCK_SIZE,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "scheduler": args.scheduler,
+            "max_merged_prefill_tokens": args.max_merged_prefill_tokens,
             "enable_prefix_caching": args.enable_prefix_caching,
             "threads": args.threads or "torch default",
         },

@@ -53,6 +53,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="prompt + output cap (default: the model's)",
     )
     engine.add_argument("--scheduler", choices=("continuous", "static"), default=_default("scheduler"))
+    merged = _default("max_merged_prefill_tokens")
+    engine.add_argument(
+        "--max-merged-prefill-tokens",
+        type=int,
+        default=merged,
+        help=f"{EngineConfig.model_fields['max_merged_prefill_tokens'].description} (default: {merged})",
+    )
     engine.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -154,6 +161,7 @@ FLAG_DESTS = {
     "block_size": "block_size",
     "max_model_len": "max_model_len",
     "scheduler": "scheduler",
+    "max_merged_prefill_tokens": "max_merged_prefill_tokens",
     "enable_prefix_caching": "enable_prefix_caching",
     "dtype": "dtype",
     "kv_cache_dtype": "kv_cache_dtype",

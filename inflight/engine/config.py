@@ -12,6 +12,11 @@ from inflight.engine.quantization import Quantization
 SchedulerPolicy = Literal["continuous", "static"]
 SpeculativeMethod = Literal["ngram", "draft"]
 KVAllocatorKind = Literal["paged", "contiguous"]
+# A step starts a further waiting prompt's prefill only while it holds fewer prompt tokens than this...
+MAX_MERGED_PREFILL_TOKENS = 64
+# ...or while more requests wait than this: prompts started one a step end the batch up to one step
+# later each, which a short queue costs little and a long one (a burst, an offline batch) too much.
+STAGGERED_PREFILL_MAX_WAITING = 8
 ContiguousReserve = Literal["max_model_len", "prompt_plus_max_tokens"]
 
 
@@ -28,6 +33,14 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1, description="slots: sequences that may run in one step")
     max_num_batched_tokens: int = Field(
         default=2048, ge=1, description="token budget per step (prefill chunks + decodes)"
+    )
+    max_merged_prefill_tokens: int = Field(
+        default=MAX_MERGED_PREFILL_TOKENS,
+        ge=0,
+        description="a step starts a further waiting request's prefill only while the prompt tokens already "
+        "in it are fewer than this (the first always starts) while at most 8 requests wait, so prompts "
+        "that arrive together get their first tokens one after another, shortest first, instead of all "
+        "after the last; 0 = start them all while the token budget lasts",
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV cache blocks; None = derive")
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")

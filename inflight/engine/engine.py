@@ -137,6 +137,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            max_merged_prefill_tokens=config.max_merged_prefill_tokens,
             proposer=self._proposer(self.draft_model),
         )
         kv_caches = allocate_kv_caches(

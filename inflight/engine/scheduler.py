@@ -5,8 +5,13 @@ One scheduler, two admission policies (`AdmissionPolicy` objects; `ContinuousSch
 
 - continuous (`CONTINUOUS`): every step, the running sequences first (one decode token each, or the next
   chunk of an unfinished prefill), then waiting requests are admitted into free slots while the token
-  budget lasts (prefill, chunked when it exceeds the budget). A finished sequence's slot is refilled on
-  the very next step.
+  budget lasts (prefill, chunked when it exceeds the budget) and, while at most
+  `STAGGERED_PREFILL_MAX_WAITING` requests wait, the step's prompt tokens are fewer than
+  `max_merged_prefill_tokens` (the first always starts). A finished sequence's slot is refilled on the
+  very next step.
+
+With the continuous policy, requests added between two `schedule()` calls queue shortest prompt first
+among themselves, behind those queued before.
 - static (`STATIC`): admits up to `max_num_seqs` requests only when nothing is running; the batch runs
   until its longest member finishes (members that finish early leave their slot idle).
 
@@ -33,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from inflight.engine.config import SchedulerPolicy
+from inflight.engine.config import MAX_MERGED_PREFILL_TOKENS, STAGGERED_PREFILL_MAX_WAITING, SchedulerPolicy
 from inflight.engine.kv_cache import KVAllocator
 from inflight.engine.sequence import Sequence, SequenceStatus
 from inflight.engine.speculative import Proposal, Proposer
@@ -143,19 +148,26 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_merged_prefill_tokens: int = MAX_MERGED_PREFILL_TOKENS,
         on_step: Callable[[StepRecord], None] | None = None,
         proposer: Proposer | None = None,
     ) -> None:
-        """`proposer`: speculative decoding's (None: off)."""
+        """`max_merged_prefill_tokens`: EngineConfig's (0: no limit); `proposer`: speculative
+        decoding's (None: off)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must all be >= 1")
+        if max_merged_prefill_tokens < 0:
+            raise ValueError("max_merged_prefill_tokens must be >= 0")
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_merged_prefill_tokens = max_merged_prefill_tokens
         self.on_step = on_step
         self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
+        # How many of the last sequences in `waiting` were added since the last `schedule()`.
+        self._num_arrived = 0
         # In admission order: the last one is the first to be preempted.
         self.running: list[Sequence] = []
         self._failed: list[Sequence] = []
@@ -219,7 +231,15 @@ class Scheduler:
             self._failed.append(seq)
             return
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        # Requests added between two steps arrived together as far as the engine can tell: among them the
+        # shortest prompt goes first (ties keep their order), behind everything queued before them. A
+        # static batch waits for its longest member anyway: it keeps the order of arrival.
+        position = len(self.waiting)
+        first = position if self.admission.only_when_idle else max(0, position - self._num_arrived)
+        while position > first and self.waiting[position - 1].num_prompt_tokens > seq.num_prompt_tokens:
+            position -= 1
+        self.waiting.insert(position, seq)
+        self._num_arrived += 1
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Stop every sequence of the request, free its blocks; returns the sequences it stopped."""
@@ -245,6 +265,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
+            if self.waiting.index(seq) >= len(self.waiting) - self._num_arrived:
+                self._num_arrived -= 1
             self.waiting.remove(seq)
         self.kv_cache.free(seq.seq_id)
 
@@ -273,7 +295,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.num_steps, scheduled=[], failed=self._failed)
         self._failed = []
+        self._num_arrived = 0
         budget = self.max_num_batched_tokens
+        # Prompt tokens (prefill chunks, not decodes) this step computes so far.
+        prefill_tokens = 0
         scheduled_ids: set[str] = set()
 
         # 1. Running sequences, oldest first: next prefill chunk or one decode token each (plus proposals).
@@ -306,15 +331,20 @@ class Scheduler:
                 out.scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
                 scheduled_ids.add(seq.seq_id)
                 budget -= num_new
+                if seq.num_tokens - seq.num_computed_tokens > 1:
+                    prefill_tokens += num_new
                 i += 1
 
-        # 2. Admit waiting requests into free slots (none after a preemption: blocks are short).
+        # 2. Admit waiting requests into free slots (none after a preemption: blocks are short). Once the
+        # step computes `max_merged_prefill_tokens` prompt tokens, it is bound by computing, not by reading
+        # the weights: a further prompt in it would add its time to every token the step gives, so, unless
+        # the queue is long, it waits for the next step.
         if not out.preempted and self.admission.may_admit(len(self.running)):
             while self.waiting:
                 seq = self.waiting[0]
                 if self._slots_used() + seq.slots_needed > self.max_num_seqs:
                     break
-                if budget <= 0 and self.admission.within_budget:
+                if self.admission.within_budget and (budget <= 0 or self._staggers_prefill(prefill_tokens)):
                     break
                 if not self.kv_cache.holds(seq.seq_id):
                     self._match_prefix(seq)
@@ -330,12 +360,20 @@ class Scheduler:
                 if num_new > 0:
                     out.scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
                     budget -= num_new
+                    prefill_tokens += num_new
 
         for item in out.scheduled:
             item.block_table = list(self.kv_cache.block_table(item.seq.seq_id))
         out.block_copies = self.kv_cache.take_pending_copies()
         self.num_steps += 1
         return out
+
+    def _staggers_prefill(self, prefill_tokens: int) -> bool:
+        """Whether the next waiting prompt waits for the next step, with `prefill_tokens` in this one."""
+        return (
+            0 < self.max_merged_prefill_tokens <= prefill_tokens
+            and len(self.waiting) <= STAGGERED_PREFILL_MAX_WAITING
+        )
 
     def _draft(self, seq: Sequence, proposal: Proposal, budget: int) -> ScheduledSequence | None:
         """The sequence's step with the proposals that fit the step's token budget and the free KV blocks
@@ -459,6 +497,7 @@ def create_scheduler(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int,
+    max_merged_prefill_tokens: int = MAX_MERGED_PREFILL_TOKENS,
     proposer: Proposer | None = None,
 ) -> Scheduler:
     return SCHEDULERS[policy](
@@ -466,5 +505,6 @@ def create_scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        max_merged_prefill_tokens=max_merged_prefill_tokens,
         proposer=proposer,
     )

@@ -227,3 +227,60 @@ def test_every_request_finishes_or_fails_with_a_reason(
         else:
             assert seq.finish_reason == "abort" and seq.request_id == "r0"
     assert kv.num_free_blocks == num_blocks
+
+
+def admissions(trace: list[StepRecord]) -> list[tuple[int, tuple[str, ...]]]:
+    return [(r.step, r.admitted) for r in trace if r.admitted]
+
+
+def test_prompts_that_arrive_together_start_shortest_first_one_step_apart() -> None:
+    # Merged into one step, each of these prompts would get its first token after all four prefills.
+    sched = make(num_blocks=256, max_num_seqs=8, budget=2048, caching=False)
+    for rid, prompt_len in (("a", 100), ("b", 80), ("c", 10), ("d", 70)):
+        sched.add(request(rid, prompt_len, 3))
+    trace = run_all(sched)
+    # c (10 tokens) leaves the step under 64 prompt tokens, so d joins it; b and a get a step each.
+    assert admissions(trace) == [(0, ("c", "d")), (1, ("b",)), (2, ("a",))]
+    assert dict(trace[1].scheduled) == {"c": 1, "d": 1, "b": 80}
+
+
+def test_later_arrivals_queue_behind_earlier_ones_whatever_their_length() -> None:
+    sched = make(num_blocks=256, max_num_seqs=8, budget=2048, caching=False)
+    sched.add(request("a", 100, 3))
+    sched.add(request("b", 80, 3))
+    run_step(sched)
+    sched.add(request("e", 5, 3))
+    assert admissions(run_all(sched)) == [(1, ("a",)), (2, ("e",))]
+
+
+def test_an_aborted_arrival_leaves_the_order_of_the_queue_before_it() -> None:
+    sched = make(num_blocks=256, max_num_seqs=1, budget=2048, caching=False)
+    sched.add(request("p", 10, 20))
+    run_step(sched)
+    sched.add(request("q", 100, 3))
+    run_step(sched)  # no free slot: q waits
+    sched.add(request("r", 50, 3))
+    sched.abort("r")
+    sched.add(request("s", 30, 3))
+    assert [seq.seq_id for seq in sched.waiting] == ["q", "s"]
+
+
+def test_a_long_queue_merges_prompts_up_to_the_budget_and_staggers_only_its_last_eight() -> None:
+    def admitted_per_step(**merged: int) -> list[int]:
+        kv = KVCacheManager(512, 4, enable_prefix_caching=False)
+        sched = ContinuousScheduler(
+            kv, max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=256, **merged
+        )
+        for i in range(12):
+            sched.add(request(f"r{i}", 70, 12))
+        return [len(r.admitted) for r in run_all(sched) if r.admitted]
+
+    assert admitted_per_step() == [4, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert admitted_per_step(max_merged_prefill_tokens=0) == [12]
+
+
+def test_static_batches_keep_the_order_of_arrival() -> None:
+    sched = make("static", num_blocks=256, max_num_seqs=1, caching=False)
+    sched.add(request("long", 40, 2))
+    sched.add(request("short", 4, 2))
+    assert admissions(run_all(sched)) == [(0, ("long",)), (2, ("short",))]

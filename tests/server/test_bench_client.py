@@ -123,6 +123,16 @@ def test_bench_serve_hands_speculative_decoding_to_the_server(tmp_path: Path) ->
     assert "--speculative ngram --num-speculative-tokens 3 --ngram-min 2" in command
 
 
+def test_bench_serve_hands_the_prefill_merge_limit_to_the_server(tmp_path: Path) -> None:
+    from inflight.cli import build_parser
+    from inflight.engine.cli_args import engine_config_from_args
+
+    args = build_parser().parse_args(["bench", "serve", "--max-merged-prefill-tokens", "0"])
+    command = _inflight_command(args, tmp_path, 8000, 100)
+    served = build_parser().parse_args(command[command.index("serve") :])
+    assert engine_config_from_args(served).max_merged_prefill_tokens == 0
+
+
 BURN_THEN_WAIT = """
 import sys, time
 while time.process_time() < 0.3:

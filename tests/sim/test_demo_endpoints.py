@@ -49,8 +49,19 @@ def test_simulate_returns_both_policies_with_timelines_and_the_ratio(demo_server
 def test_simulate_changes_with_slots_and_one_slot_makes_the_policies_equal(demo_server: DemoServer) -> None:
     one = httpx.get(f"{demo_server.url}/v1/demo/simulate?slots=1").json()
     four = httpx.get(f"{demo_server.url}/v1/demo/simulate?slots=4").json()
-    assert one["static"]["requests"] == one["continuous"]["requests"]
+    # One at a time either way: the same steps; static in order of arrival, continuous shortest prompt first.
+    assert one["static"]["steps"] == one["continuous"]["steps"]
     assert one["throughput_ratio"] == pytest.approx(1.0)
+    by_admission = {
+        policy: sorted(one[policy]["requests"], key=lambda r: r["admit_s"])
+        for policy in ("static", "continuous")
+    }
+    assert [r["request_id"] for r in by_admission["static"]] == [
+        r["request_id"] for r in one["static"]["requests"]
+    ]
+    assert [r["prompt_tokens"] for r in by_admission["continuous"]] == sorted(
+        r["prompt_tokens"] for r in one["continuous"]["requests"]
+    )
     assert four["continuous"]["throughput_tokens_per_s"] > one["continuous"]["throughput_tokens_per_s"]
     assert four["throughput_ratio"] > 1.5
 
