@@ -38,9 +38,9 @@ class EngineConfig(BaseModel):
         default=MAX_MERGED_PREFILL_TOKENS,
         ge=0,
         description="a step starts a further waiting request's prefill only while the prompt tokens already "
-        "in it are fewer than this (the first always starts) while at most 8 requests wait, so prompts "
-        "that arrive together get their first tokens one after another, shortest first, instead of all "
-        "after the last; 0 = start them all while the token budget lasts",
+        f"in it are fewer than this (the first always starts) while at most {STAGGERED_PREFILL_MAX_WAITING} "
+        "requests wait, so prompts that arrive together get their first tokens one after another, "
+        "shortest first, instead of all after the last; 0 = start them all while the token budget lasts",
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV cache blocks; None = derive")
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")

@@ -3,9 +3,9 @@
 torch starts one OpenMP thread per core it can see, and a Kubernetes pod (or `docker run --cpus`) sees
 every core of its node while its CPU limit lets it use only a few CPUs' time: 32 busy threads under a
 4-CPU limit use up each period's quota in an eighth of it, and the whole container then waits for the
-next period (CFS throttling). Linux states the limit in the process's cgroup: cgroup v2's `cpu.max` ("QUOTA PERIOD",
-or "max PERIOD" for none), cgroup v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1: none); an
-ancestor's limit binds too, so the smallest along the path counts.
+next period (CFS throttling). Linux states the limit in the process's cgroup: cgroup v2's `cpu.max`
+("QUOTA PERIOD", or "max PERIOD" for none), cgroup v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1:
+none); an ancestor's limit binds too, so the smallest along the path counts.
 """
 
 from __future__ import annotations
