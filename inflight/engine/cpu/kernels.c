@@ -1673,9 +1673,7 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_MAX_ROWS (a decode step of one to a few sequences),
  * W [n, k] float32 or bfloat16 as the checkpoint holds it (row-major, one row per output). oneDNN's GEMM
  * runs these shapes at about half of the memory's speed (docs/benchmarks.md); here each weight row is read
- * from memory once, four rows at a time, and multiplied into up to four x rows while it is in registers;
- * more x rows (up to DENSE_MAX_ROWS) take the same tile of weight rows again, four x rows at a time, from
- * L1 or L2.
+ * once, four rows at a time, and multiplied into every x row while it is in registers.
  *
  * The arithmetic is fixed, whatever the thread count or the number of rows, so a row's output does not
  * depend on the other rows of the batch. Each output sums in float32 over 16 lanes, then adds the lanes in
@@ -1687,10 +1685,7 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * past k count as 0 * 0. The AVX-512 path is bit-identical to the plain C one
  * (tests/engine/test_dense_linear.py); the engine runs only the AVX-512 one (dense_linear_max_rows). */
 
-/* DENSE_GROUP x rows times DENSE_TILE weight rows: the register tile. Up to 8 rows this runs llama-1b's
- * products faster than oneDNN (float32 and bfloat16); at 16 the tile's arithmetic (a bfloat16 dot product
- * per 32 weights per x row) holds it to ~15 GB/s, below oneDNN's 17-19 (docs/benchmarks.md). */
-enum { DENSE_MAX_ROWS = 8, DENSE_GROUP = 4, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
+enum { DENSE_MAX_ROWS = 4, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
 
 /* s[0] + ... + s[15] in the tree the vector path adds them in: lanes i and i + 8, then i + 4, i + 2, i + 1. */
 static inline float lanes_sum(float s[16]) {
@@ -1751,7 +1746,7 @@ static ALWAYS_INLINE float dense_reduce(__m512 v) {
  * on two cores that read 25-30). */
 static ALWAYS_INLINE void dense_tile16(const void *x, const int rows, int64_t k, const void *w, const int bf16,
                                       int64_t n0, const int outs, float *sums) {
-    __m512 acc[DENSE_GROUP][DENSE_TILE];
+    __m512 acc[DENSE_MAX_ROWS][DENSE_TILE];
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < outs; t++) acc[r][t] = _mm512_setzero_ps();
     const int64_t elem = bf16 ? 2 : 4, tile_bytes = DENSE_TILE * k * elem;
@@ -1790,7 +1785,7 @@ static ALWAYS_INLINE void dense_tile16(const void *x, const int rows, int64_t k,
 #define DENSE_TILE_CASE(ROWS)                                                                  \
     case ROWS:                                                                                 \
         for (int64_t t = 0; t < outs; t += outs == DENSE_TILE ? DENSE_TILE : 1) {              \
-            float one[DENSE_GROUP * DENSE_TILE];                                               \
+            float one[DENSE_MAX_ROWS * DENSE_TILE];                                            \
             if (outs == DENSE_TILE && bf16) dense_tile16(x, ROWS, k, w, 1, n0, DENSE_TILE, one);  \
             else if (outs == DENSE_TILE) dense_tile16(x, ROWS, k, w, 0, n0, DENSE_TILE, one);  \
             else if (bf16) dense_tile16(x, ROWS, k, w, 1, n0 + t, 1, one);                     \
@@ -1802,10 +1797,9 @@ static ALWAYS_INLINE void dense_tile16(const void *x, const int rows, int64_t k,
         return;
 #endif
 
-/* The products of one tile of outputs, n0 .. n0 + outs - 1 (outs <= DENSE_TILE), for rows <= DENSE_GROUP
- * rows. */
-static void dense_group(const void *x, int64_t rows, int64_t k, const void *w, int bf16, int64_t n0, int64_t outs,
-                        float *sums) {
+/* The products of one tile of outputs, n0 .. n0 + outs - 1 (outs <= DENSE_TILE), for every row. */
+static void dense_tile(const void *x, int64_t rows, int64_t k, const void *w, int bf16, int64_t n0, int64_t outs,
+                       float *sums) {
 #if defined(DENSE_FLOAT32_VECTOR)
 #if !defined(DENSE_BFLOAT16_VECTOR)
     if (!bf16)
@@ -1818,16 +1812,6 @@ static void dense_group(const void *x, int64_t rows, int64_t k, const void *w, i
         }
 #endif
     dense_tile_plain(x, rows, k, w, bf16, n0, outs, sums);
-}
-
-/* The products of one tile of outputs for every row, DENSE_GROUP rows at a time (the tile's weight rows
- * come from memory for the first group, from L1 or L2 for the others). */
-static void dense_tile(const void *x, int64_t rows, int64_t k, const void *w, int bf16, int64_t n0, int64_t outs,
-                       float *sums) {
-    const int64_t row_bytes = k * (bf16 ? 2 : 4);
-    for (int64_t r0 = 0; r0 < rows; r0 += DENSE_GROUP)
-        dense_group((const char *)x + r0 * row_bytes, rows - r0 < DENSE_GROUP ? rows - r0 : DENSE_GROUP, k, w,
-                    bf16, n0, outs, sums + r0 * DENSE_TILE);
 }
 
 /* How many rows dense_linear takes for weights of `dtype` on this build: DENSE_MAX_ROWS where it runs
