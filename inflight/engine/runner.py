@@ -105,7 +105,8 @@ def run_model(
             hidden = model(input_ids, positions, kv_caches, meta)
             if not inputs.logit_rows:
                 return None
-            hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.long, device=device)]
+            if inputs.logit_rows != list(range(hidden.shape[0])):  # else every row, in order: no copy
+                hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.long, device=device)]
         return model.compute_logits(hidden)
 
 

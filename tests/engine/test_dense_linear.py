@@ -59,6 +59,8 @@ def test_every_build_and_thread_count_gives_the_plain_c_bits(
             torch.set_num_threads(with_threads)
             actual = dense_linear(x, weight, b, any_library)
             assert torch.equal(actual, expected), f"{shape}, bias {b is not None}"
+            widened = dense_linear(x, weight, b, any_library, out_dtype=torch.float32)
+            assert widened.dtype == torch.float32 and torch.equal(widened, expected.float())
             exact = nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
             torch.testing.assert_close(actual.double(), exact, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
@@ -97,9 +99,17 @@ def test_products_and_values_below_the_normal_range(
 def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL) -> None:
     x, weight, bias = case(torch.float32, 5, (8, 16))
     out = torch.empty(5, 8)
-    args = (weight.data_ptr(), 8, bias.data_ptr(), 0, out.data_ptr(), 1)
+    args = (weight.data_ptr(), 8, bias.data_ptr(), 0, out.data_ptr(), 0, 1)
     assert any_library.dense_linear(x.data_ptr(), 5, 16, *args) == -1
     assert any_library.dense_linear(x.data_ptr(), 0, 16, *args) == -1
+    assert any_library.dense_linear(x.data_ptr(), 4, 16, *args) == 0
+
+
+def test_a_float32_product_into_bfloat16_is_refused(any_library: ctypes.CDLL) -> None:
+    """The output dtype is the inputs' or float32 (the bfloat16 result widened), never narrower."""
+    x, weight, bias = case(torch.float32, 2, (8, 16))
+    with pytest.raises(ValueError, match=r"into torch\.bfloat16"):
+        dense_linear(x, weight, bias, any_library, out_dtype=torch.bfloat16)
 
 
 def native_dtypes() -> list[torch.dtype]:
@@ -120,6 +130,8 @@ def test_prepacked_linear_multiplies_up_to_four_rows_in_c_and_more_with_onednn(
     with torch.inference_mode():
         for rows in range(1, 10):
             actual = packed(x[:rows])
+            widened = packed.widened(x[:rows])
+            assert widened.dtype == torch.float32 and torch.equal(widened, actual.float())
             if rows <= packed.dense_rows:
                 assert torch.equal(actual, dense_linear(x[:rows], linear.weight, linear.bias))
                 assert torch.equal(actual[-1:], packed(x[rows - 1 : rows]))

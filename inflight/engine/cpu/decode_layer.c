@@ -112,7 +112,7 @@ static void write_kv_fp8(const void *k, const void *v, int64_t row_stride, int64
 static int product(int64_t kind, const struct matrix *m, const void *x, int64_t rows, int64_t k, int dtype,
                    void *out, int num_threads) {
     if (kind == PRODUCT_DENSE)
-        return dense_linear(x, rows, k, m->weight, m->rows, m->bias, dtype, out, num_threads);
+        return dense_linear(x, rows, k, m->weight, m->rows, m->bias, dtype, out, dtype, num_threads);
     return quant_linear(x, rows, k, m->weight, m->scales, m->mins, (int)m->format, m->rows, m->bias, dtype, out,
                         dtype, num_threads);
 }

@@ -1829,12 +1829,14 @@ int dense_linear_max_rows(int dtype) {
 #endif
 }
 
-/* out [rows, n] = x [rows, k] W^T (+ bias [n]), all of `dtype` (float32 or bfloat16), 1 <= rows <=
- * DENSE_MAX_ROWS (see the top of this section). Returns 0, or -1 for another number of rows. */
+/* out [rows, n] = x [rows, k] W^T (+ bias [n]), x, W and bias of `dtype` (float32 or bfloat16), 1 <= rows <=
+ * DENSE_MAX_ROWS (see the top of this section). `out` is of `out_dtype`: `dtype`, or float32 holding the
+ * result rounded to `dtype` (for bfloat16, what widening the bfloat16 output would give: the LM head's
+ * logits without a separate pass). Returns 0, or -1 for another number of rows or output dtype. */
 int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int dtype,
-                 void *out, int num_threads) {
-    if (rows < 1 || rows > DENSE_MAX_ROWS) return -1;
-    const int bf16 = dtype == DTYPE_BFLOAT16;
+                 void *out, int out_dtype, int num_threads) {
+    if (rows < 1 || rows > DENSE_MAX_ROWS || (out_dtype != dtype && out_dtype != DTYPE_FLOAT32)) return -1;
+    const int bf16 = dtype == DTYPE_BFLOAT16, out_bf16 = out_dtype == DTYPE_BFLOAT16;
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
 #pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {
@@ -1846,8 +1848,8 @@ int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t 
                 float v = sums[r * DENSE_TILE + t];
                 if (bias != NULL)
                     v += bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + t]) : ((const float *)bias)[n0 + t];
-                if (bf16) ((uint16_t *)out)[r * n + n0 + t] = float_to_bf16(v);
-                else ((float *)out)[r * n + n0 + t] = v;
+                if (out_bf16) ((uint16_t *)out)[r * n + n0 + t] = float_to_bf16(v);
+                else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;
             }
     }
     return 0;

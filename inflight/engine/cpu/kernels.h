@@ -19,7 +19,7 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
 void write_kv(const void *k, const void *v, int64_t row_stride, void *k_cache, void *v_cache, const int64_t *slots,
               int64_t rows, int64_t row_bytes);
 int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int dtype,
-                 void *out, int num_threads);
+                 void *out, int out_dtype, int num_threads);
 int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight, const void *scales,
                  const void *mins, int format, int64_t n, const void *bias, int dtype, void *out, int out_dtype,
                  int num_threads);

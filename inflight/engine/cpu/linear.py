@@ -57,18 +57,28 @@ class PrepackedLinear(nn.Module):
         self.dense_rows = dense_rows(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if (
-            0 < rows <= self.dense_rows
-            and x.dim() == 2
-            and x.dtype == self.weight.dtype
-            and x.is_contiguous()
-        ):
+        if self._takes(x):
             return dense_linear(x, self.weight, self.bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed_weight, self.bias, "none", [], ""
         )
         return out
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward(x).float()` (the LM head's logits): where dense_linear takes x, it writes the float32
+        values itself, without a bfloat16 output and a second pass over it."""
+        if self._takes(x):
+            return dense_linear(x, self.weight, self.bias, out_dtype=torch.float32)
+        return self.forward(x).float()
+
+    def _takes(self, x: torch.Tensor) -> bool:
+        """Whether dense_linear multiplies x here."""
+        return (
+            0 < x.shape[0] <= self.dense_rows
+            and x.dim() == 2
+            and x.dtype == self.weight.dtype
+            and x.is_contiguous()
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -88,16 +98,20 @@ def dense_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
 
 
 def dense_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, library: ctypes.CDLL | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    library: ctypes.CDLL | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b) by cpu/kernels.c's `dense_linear`, for x [rows, in] contiguous with rows at most
-    `dense_rows(weight, bias)`, all of one dtype. `library`: another build of the kernels than this
-    process's (for tests)."""
+    `dense_rows(weight, bias)`, all of one dtype. `out_dtype`: x's (None), or float32: x's result widened.
+    `library`: another build of the kernels than this process's (for tests)."""
     if library is None:
         library = cpu_kernels.library()
     assert library is not None
     rows, k = x.shape
-    out = x.new_empty((rows, weight.shape[0]))
+    out = x.new_empty((rows, weight.shape[0]), dtype=out_dtype)
     status = library.dense_linear(
         x.data_ptr(),
         rows,
@@ -107,10 +121,14 @@ def dense_linear(
         None if bias is None else bias.data_ptr(),
         cpu_kernels.DTYPE_CODES[x.dtype],
         out.data_ptr(),
+        cpu_kernels.DTYPE_CODES[out.dtype],
         torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"dense_linear takes 1 to {dense_rows(weight, bias)} rows, not {rows}")
+        raise ValueError(
+            f"dense_linear takes 1 to {dense_rows(weight, bias)} rows of {x.dtype} into {x.dtype} or "
+            f"torch.float32, not {rows} into {out.dtype}"
+        )
     return out
 
 

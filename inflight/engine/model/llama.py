@@ -25,6 +25,7 @@ from torch import nn
 
 from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, AttentionBackend
 from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.cpu.linear import PrepackedLinear
 from inflight.engine.cpu.quantized import QuantizedTensor, quantized_linear
 from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
@@ -434,6 +435,9 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(head, QuantizedTensor):
             # float32 straight from the kernel's sums: no bfloat16 rounding of the logits.
             logits: torch.Tensor = quantized_linear(hidden, head, out_dtype=torch.float32)
+        elif isinstance(self.lm_head, PrepackedLinear) and self.layout.size == 1:
+            # On CPU the engine swapped in a prepacked projection: at a few rows it writes float32 itself.
+            return self.lm_head.widened(hidden)
         elif self.lm_head is not None:
             # Through the module: on CPU the engine may have swapped in a prepacked projection.
             logits = self.lm_head(hidden)
