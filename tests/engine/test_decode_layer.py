@@ -33,7 +33,7 @@ NUM_BLOCKS = 48
 
 
 def _config(bias: bool, window: int | None) -> ModelConfig:
-    """The two-layer model of these tests and of test_dense_layer.py."""
+    """The two-layer model of these tests, of test_dense_layer.py and of model/test_mlp_blocks.py."""
     return ModelConfig(
         architecture="MistralForCausalLM" if window else "LlamaForCausalLM",
         vocab_size=64,

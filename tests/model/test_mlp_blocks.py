@@ -5,29 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine.test_decode_layer import _config
 
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.model import llama
-from inflight.engine.model.config import ModelConfig
 
 CPU = torch.device("cpu")
-
-
-def _config() -> ModelConfig:
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        torch_dtype="float32",
-    )
 
 
 def test_blocks_keep_each_product_within_the_budget() -> None:
@@ -50,7 +33,7 @@ def test_blocks_give_the_whole_product(
 ) -> None:
     if prepacked and not can_prepack(CPU, dtype):
         pytest.skip(f"no oneDNN prepacking for {dtype} here")
-    config = _config()
+    config = _config(bias=False, window=None)  # the decode-layer tests' small model: its MLP
     torch.manual_seed(0)
     mlp = llama.MLP(config, llama.shard_layout(config)).to(dtype)
     if prepacked:

@@ -90,7 +90,7 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "argmax_rows": ([_ptr, _i64, _i64, _ptr, _int], None),
     # logits (float32), row_stride, rows (int64), bitmask (int32), n, words, vocab, num_threads
     "apply_token_bitmask": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int], None),
-    # x, rows, k, weight, n, bias (or NULL), dtype, out, num_threads: a few rows times float weights
+    # x, rows, k, weight, n, bias (or NULL), dtype, out, out_dtype, num_threads: a few rows x float weights
     "dense_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _int, _int], _int),
     # dtype: how many rows dense_linear takes on this build (0: not vectorized, use oneDNN)
     "dense_linear_max_rows": ([_int], _int),
