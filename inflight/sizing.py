@@ -6,6 +6,7 @@ Per tensor-parallel shard (one GPU):
     kv_bytes_per_token = 2 * layers * kv_heads_per_gpu * head_dim * kv_dtype_bytes
     block_bytes        = block_size * kv_bytes_per_token
     usable             = gpu_mem * gpu_memory_utilization - weight_bytes_per_gpu - activation_reserve
+                         (- packed_weight_bytes on CPU)
     kv_blocks          = floor(usable / block_bytes)
     slots              = min(max_slots, floor(kv_blocks * block_size / expected_tokens_per_seq))
 
@@ -15,6 +16,10 @@ smallest GPU count (tensor parallel, on one node) and the smallest catalog GPU t
 The operator plans with the engine's own formulas (engine/kv_budget.py's `kv_token_bytes`, the
 torch-free modules of the engine); the engine re-measures free memory at start and takes the smaller of
 the two plans.
+
+On CPU a float32 or bfloat16 engine holds its linear layers and LM head twice (`packed_weight_bytes`): the
+plain matrices, for the C product of one to a few rows, and oneDNN's packed copy for larger products
+(engine/cpu/linear.py). The plan counts both.
 
 Bytes come from two tables: the weight format (`quantization`: engine/quantization.py, the bytes per
 weight the engine holds, from the kernels' block layout, for the matrices the format quantizes; the rest
@@ -31,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from inflight.engine.dtypes import DTYPE_BYTES, DTYPE_CHOICES, kv_cache_dtype_name
+from inflight.engine.dtypes import CPU_PREPACKED_DTYPES, DTYPE_BYTES, DTYPE_CHOICES, kv_cache_dtype_name
 from inflight.engine.kv_budget import kv_token_bytes
 from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
 from inflight.engine.model.shard_layout import degree_error, valid_degrees
@@ -351,6 +356,7 @@ class SizingPlan:
     parameter_count: int
     weight_bytes_total: int
     weight_bytes_per_gpu: int
+    packed_weight_bytes: int
     activation_reserve_bytes: int
     kv_bytes_per_token: int
     block_size: int
@@ -403,6 +409,21 @@ def weight_bytes_per_gpu(
     return sharded + replicated * DTYPE_BYTES[dtype]
 
 
+def packed_weight_bytes(shape: ModelShape, dtype: str, quantization: str = "none") -> int:
+    """The second copy of the weights a CPU engine keeps: every matrix a float32 or bfloat16 engine holds in
+    its dtype among the linear layers and the LM head (tied or not) is also packed in oneDNN's layout
+    (engine/cpu/linear.py's prepack_linears); quantized matrices are not. bfloat16 is packed only where
+    the CPU runs it natively, which a plan cannot see: it counts the copy."""
+    if dtype not in CPU_PREPACKED_DTYPES:
+        return 0
+    matrices = [(features, count, False) for features, count in shape.linear_matrices()]
+    matrices.append((shape.hidden_size, shape.vocab_size * shape.hidden_size, True))
+    float_weights = sum(
+        count for features, count, lm_head in matrices if not holds_quantized(quantization, features, lm_head)
+    )
+    return float_weights * DTYPE_BYTES[dtype]
+
+
 def activation_reserve_bytes(
     shape: ModelShape, dtype: str, tensor_parallel: int, limits: EngineLimits
 ) -> int:
@@ -443,12 +464,14 @@ def _plan_one(
 ) -> SizingPlan:
     dtype = formats.dtype
     weights = weight_bytes_per_gpu(shape, dtype, tensor_parallel, formats.quantization)
+    packed = 0 if on_gpu else packed_weight_bytes(shape, dtype, formats.quantization)
     overhead = CUDA_CONTEXT_BYTES if on_gpu else CPU_RUNTIME_BYTES
     reserve = activation_reserve_bytes(shape, dtype, tensor_parallel, limits) + overhead
     kv_dtype = kv_cache_dtype_name(formats.kv_cache_dtype, dtype)
     per_token = kv_bytes_per_token(shape, kv_dtype, tensor_parallel)
     block_bytes = limits.block_size * per_token
-    usable = math.floor(gpu_memory_bytes * limits.gpu_memory_utilization) - weights - reserve
+    usable = math.floor(gpu_memory_bytes * limits.gpu_memory_utilization) - weights - packed - reserve
+    packed_text = f" + {packed / GIB:.1f} GiB packed for oneDNN" if packed else ""
     kv_blocks = max(0, usable // block_bytes)
     kv_tokens = kv_blocks * limits.block_size
     slots = min(limits.max_slots, kv_tokens // min(limits.expected_tokens_per_seq, limits.max_model_len))
@@ -468,8 +491,8 @@ def _plan_one(
     elif usable <= 0:
         fits = False
         reason = (
-            f"weights ({weights / GIB:.1f} GiB per GPU) plus activation reserve ({reserve / GIB:.1f} GiB) "
-            f"exceed {budget}"
+            f"weights ({weights / GIB:.1f} GiB{' per GPU' if on_gpu else packed_text}) plus activation "
+            f"reserve ({reserve / GIB:.1f} GiB) exceed {budget}"
         )
     elif kv_tokens < limits.max_model_len:
         fits = False
@@ -481,7 +504,7 @@ def _plan_one(
         fits = True
         reason = (
             f"{kv_blocks} KV blocks ({kv_tokens} tokens) {'per GPU' if on_gpu else 'on CPU'} after "
-            f"{weights / GIB:.1f} GiB of weights within {budget}; {slots} slots"
+            f"{weights / GIB:.1f} GiB of weights{packed_text} within {budget}; {slots} slots"
         )
     return SizingPlan(
         model=shape.name,
@@ -494,6 +517,7 @@ def _plan_one(
         parameter_count=shape.parameter_count(),
         weight_bytes_total=weight_bytes_per_gpu(shape, dtype, 1, formats.quantization),
         weight_bytes_per_gpu=weights,
+        packed_weight_bytes=packed,
         activation_reserve_bytes=reserve,
         kv_bytes_per_token=per_token,
         block_size=limits.block_size,

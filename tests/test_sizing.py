@@ -294,6 +294,28 @@ def test_cpu_formats_are_counted_in_the_bytes_the_engine_holds() -> None:
     assert q4_k == round(linear * 24 / 32) + (embeddings + rest) * 2
 
 
+def test_a_cpu_plan_counts_the_packed_copy_of_float_weights() -> None:
+    """A float32 or bfloat16 engine on CPU keeps oneDNN's packed copy of every float linear layer and of
+    the tied LM head besides the plain matrices (tests/engine/test_quantized.py checks it against a loaded
+    model): Llama-3.2-1B in float32 needs 16 GiB, not 8. A GPU plan, float16 and Q4_1 (its matrices and
+    LM head quantized) hold one copy."""
+    llama_1b = find_model("builtin:llama-1b")
+    assert llama_1b is not None
+    float_matrices = llama_1b.linear_parameter_count() + 128256 * 2048
+    on_8 = plan(llama_1b, gpu_memory_bytes=8 * GIB, gpus=0)
+    assert on_8.packed_weight_bytes == 4 * float_matrices
+    assert not on_8.fits and "(4.6 GiB + 4.6 GiB packed for oneDNN)" in on_8.reason
+    on_16 = plan(llama_1b, gpu_memory_bytes=16 * GIB, gpus=0)
+    unpacked = plan(llama_1b, gpu_memory_bytes=16 * GIB, gpus=0, dtype="float16")
+    assert on_16.fits and unpacked.fits and unpacked.packed_weight_bytes == 0
+    assert on_16.kv_blocks * on_16.block_bytes < 16 * GIB * 0.9 - 2 * on_16.weight_bytes_per_gpu
+    assert plan(llama_1b, gpu_memory_bytes=16 * GIB, gpus=0, dtype="bfloat16").packed_weight_bytes == (
+        2 * float_matrices
+    )
+    assert plan(llama_1b, gpu_memory_bytes=16 * GIB, gpus=0, quantization="q4_1").packed_weight_bytes == 0
+    assert plan(llama_1b, gpu_memory_bytes=80 * GIB, gpus=1).packed_weight_bytes == 0
+
+
 def test_a_matrix_without_whole_blocks_is_planned_in_the_dtype() -> None:
     """The engine quantizes a matrix only with a multiple of 32 input features: an intermediate size of
     360 leaves each down projection (360 inputs) in the dtype, and with a hidden size of 120 every matrix."""

@@ -180,6 +180,8 @@ def _run_size(args: argparse.Namespace) -> int:
         print(f"{shape.name} ({result.parameter_count / 1e9:.2f}B parameters, {formats}) on {where}")
         print(f"  fits:                 {'yes' if result.fits else 'no'}")
         print(f"  weights per GPU:      {result.weight_bytes_per_gpu / sizing.GIB:.2f} GiB")
+        if result.packed_weight_bytes:
+            print(f"  oneDNN packed copy:   {result.packed_weight_bytes / sizing.GIB:.2f} GiB (CPU)")
         print(f"  KV bytes per token:   {result.kv_bytes_per_token} (per GPU, {result.kv_cache_dtype})")
         print(f"  KV blocks:            {result.kv_blocks} x {result.block_size} tokens")
         print(f"  KV tokens:            {result.kv_tokens}")

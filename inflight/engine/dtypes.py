@@ -16,6 +16,9 @@ DTYPE_NAMES: tuple[DTypeName, ...] = get_args(DTypeName)
 DTYPE_CHOICES: tuple[str, ...] = ("auto", *DTYPE_NAMES)
 # Bytes per element: the engine dtypes, and float8_e4m3fn for an FP8 KV cache (below).
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+# The dtypes whose linear layers a CPU engine also keeps in oneDNN's packed layout (engine/cpu/linear.py;
+# bfloat16 where the CPU runs it natively), so that sizing plans that second copy.
+CPU_PREPACKED_DTYPES: tuple[DTypeName, ...] = ("float32", "bfloat16")
 
 
 def resolve_dtype_name(dtype: str, on_cuda: bool, *, native_cpu_bfloat16: bool) -> DTypeName:

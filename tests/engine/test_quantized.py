@@ -26,6 +26,7 @@ from inflight.engine import runner
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu import quantized
+from inflight.engine.cpu.linear import PrepackedLinear, can_prepack, prepack_linears
 from inflight.engine.cpu.quant_layout import Layout
 from inflight.engine.cpu.quantized import (
     QuantizedEmbedding,
@@ -38,6 +39,7 @@ from inflight.engine.engine import LLMEngine
 from inflight.engine.gguf.dequant import dequantize
 from inflight.engine.gguf.repack import from_gguf_blocks, quantize
 from inflight.engine.loader import _quantized_formats, load_model
+from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.quantization import CPU_LAYOUTS, LOAD_TIME_FORMATS, QUANTIZED_WEIGHT_BYTES
 from inflight.engine.sequence import SamplingParams
@@ -139,8 +141,33 @@ def test_sizing_plans_the_weight_bytes_a_loaded_model_holds(arch: str, quantizat
     quantized matrices (the linear layers, the embedding and the LM head) in their layout's bytes, the
     norms and Qwen2's q/k/v biases in the dtype."""
     model = load_model(cached_model("tiny", arch), quantization=quantization)
-    config = model.config
-    shape = sizing.ModelShape(
+    held = sum(t.nbytes for t in model.weight_tensors().values())
+    planned = sizing.weight_bytes_per_gpu(_shape(model.config), model.config.torch_dtype, 1, quantization)
+    assert planned == held
+    if quantization != "none":
+        assert isinstance(model.embed_tokens, QuantizedEmbedding)
+
+
+@pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("quantization", ["none", *LOAD_TIME_FORMATS])
+def test_sizing_plans_the_packed_copy_a_cpu_engine_keeps(arch: str, quantization: str) -> None:
+    """On CPU a float32 engine also packs every float matrix among the linear layers and the (tied) LM head
+    for oneDNN: sizing.packed_weight_bytes is, byte for byte, what the packed copies hold (tiny's matrices
+    need no padding in oneDNN's blocks), none for the matrices a format quantized."""
+    model = load_model(cached_model("tiny", arch), quantization=quantization)
+    assert model.config.torch_dtype == "float32"
+    packed_count = prepack_linears(model, batch_size_hint=8)
+    packed = [m.packed_weight for m in model.modules() if isinstance(m, PrepackedLinear)]
+    assert len(packed) == packed_count
+    held = sum(torch.ops.mkldnn._nbytes(weight) for weight in packed)
+    assert sizing.packed_weight_bytes(_shape(model.config), "float32", quantization) == held
+    assert (held > 0) == (quantization == "none")
+
+
+def _shape(config: ModelConfig) -> sizing.ModelShape:
+    """The sizing shape of a loaded model's config."""
+    return sizing.ModelShape(
         "tiny",
         config.num_hidden_layers,
         config.hidden_size,
@@ -153,10 +180,6 @@ def test_sizing_plans_the_weight_bytes_a_loaded_model_holds(arch: str, quantizat
         attention_bias=config.attention_bias,
         architecture=config.architecture,
     )
-    held = sum(t.nbytes for t in model.weight_tensors().values())
-    assert sizing.weight_bytes_per_gpu(shape, config.torch_dtype, 1, quantization) == held
-    if quantization != "none":
-        assert isinstance(model.embed_tokens, QuantizedEmbedding)
 
 
 def _float32_scales(weight: QuantizedTensor) -> QuantizedTensor:

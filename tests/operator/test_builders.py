@@ -320,7 +320,7 @@ def test_every_builtin_model_the_server_makes_is_a_source_the_operator_serves(na
     catalog and passed to `inflight serve --model` as it is."""
     source = f"builtin:{name}"
     model = {"name": "t", "source": source, "maxModelLen": 512}
-    spec = {"model": model, "resources": {"gpu": {"count": 0}, "memory": "8Gi"}}
+    spec = {"model": model, "resources": {"gpu": {"count": 0}, "memory": "16Gi"}}
     crd_schema = render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     body = {
         "apiVersion": "inflight.dev/v1alpha1",

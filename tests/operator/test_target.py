@@ -18,7 +18,7 @@ def spec(gpu: str | None = "H100-80GB", count: int = 4, **target: Any) -> ModelS
             "model": {"name": "llama", "source": "hf://meta-llama/Llama-3.1-70B-Instruct"},
             "resources": {"gpu": {"count": count, "type": gpu}}
             if gpu
-            else {"gpu": {"count": 0}, "memory": "512Gi"},
+            else {"gpu": {"count": 0}, "memory": "1024Gi"},
             "target": {"maxReplicas": 10, **target},
         }
     )

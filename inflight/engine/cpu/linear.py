@@ -9,7 +9,8 @@ swaps the decoder layers' projections after loading; CUDA and other dtypes are l
 At one to four rows (a decode step of that many sequences) oneDNN streams the weights at about half of
 the memory's speed, while a step of a small model is nearly all weight reads: there the product runs in
 C instead (`dense_linear` in cpu/kernels.c) on the plain weight, which the module keeps anyway; each row's
-result is then the same whatever the other rows of the batch.
+result is then the same whatever the other rows of the batch. So the float weights are held twice, plain
+and packed: sizing.packed_weight_bytes plans that copy (the operator's CPU plans).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.isa import cpu_isa
+from inflight.engine.dtypes import CPU_PREPACKED_DTYPES
 
 logger = logging.getLogger("inflight.engine")
 
@@ -35,7 +37,8 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """True where oneDNN prepacking is available and pays: float32 on CPU, bfloat16 where it is native."""
     return (
         device.type == "cpu"
-        and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_isa().native_bfloat16))
+        and str(dtype).removeprefix("torch.") in CPU_PREPACKED_DTYPES
+        and (dtype != torch.bfloat16 or cpu_isa().native_bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
