@@ -1670,10 +1670,13 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
 }
 
 /* ---- products of a few rows with float weights -------------------------------------------------------
- * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_MAX_ROWS (a decode step of one to a few sequences),
+ * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_WIDE_ROWS (a decode step of one to a few sequences),
  * W [n, k] float32 or bfloat16 as the checkpoint holds it (row-major, one row per output). oneDNN's GEMM
  * runs these shapes at about half of the memory's speed (docs/benchmarks.md); here each weight row is read
- * once, four rows at a time, and multiplied into every x row while it is in registers.
+ * from memory once, four rows at a time, and multiplied into up to DENSE_MAX_ROWS x rows while it is in
+ * registers. More x rows, up to DENSE_WIDE_ROWS, take their own loop (dense_linear_wide): the same tile
+ * of weight rows for the first four x rows, then again from L1 or L2 for the others, so that the code of
+ * the one-to-four-row loop (batch 1's) stays what it was.
  *
  * The arithmetic is fixed, whatever the thread count or the number of rows, so a row's output does not
  * depend on the other rows of the batch. Each output sums in float32 over 16 lanes, then adds the lanes in
@@ -1685,7 +1688,11 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * past k count as 0 * 0. The AVX-512 path is bit-identical to the plain C one
  * (tests/engine/test_dense_linear.py); the engine runs only the AVX-512 one (dense_linear_max_rows). */
 
-enum { DENSE_MAX_ROWS = 4, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
+/* DENSE_MAX_ROWS x rows times DENSE_TILE weight rows: the register tile. Up to DENSE_WIDE_ROWS rows this
+ * runs llama-1b's products faster than oneDNN (float32 and bfloat16); at 16 the tile's arithmetic (a
+ * bfloat16 dot product per 32 weights per x row) holds it to ~15 GB/s, below oneDNN's 17-19
+ * (docs/benchmarks.md). */
+enum { DENSE_MAX_ROWS = 4, DENSE_WIDE_ROWS = 8, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
 
 /* s[0] + ... + s[15] in the tree the vector path adds them in: lanes i and i + 8, then i + 4, i + 2, i + 1. */
 static inline float lanes_sum(float s[16]) {
@@ -1814,43 +1821,70 @@ static void dense_tile(const void *x, int64_t rows, int64_t k, const void *w, in
     dense_tile_plain(x, rows, k, w, bf16, n0, outs, sums);
 }
 
-/* How many rows dense_linear takes for weights of `dtype` on this build: DENSE_MAX_ROWS where it runs
+/* How many rows dense_linear takes for weights of `dtype` on this build: DENSE_WIDE_ROWS where it runs
  * vectorized (AVX-512; AVX512-BF16 for bfloat16), else 0: the plain C version is slower than oneDNN, so
  * the engine keeps oneDNN there (tests still call dense_linear on such builds). */
 int dense_linear_max_rows(int dtype) {
 #if defined(DENSE_BFLOAT16_VECTOR)
     (void)dtype;
-    return DENSE_MAX_ROWS;
+    return DENSE_WIDE_ROWS;
 #elif defined(DENSE_FLOAT32_VECTOR)
-    return dtype == DTYPE_FLOAT32 ? DENSE_MAX_ROWS : 0;
+    return dtype == DTYPE_FLOAT32 ? DENSE_WIDE_ROWS : 0;
 #else
     (void)dtype;
     return 0;
 #endif
 }
 
+/* Rows r < rows, outputs n0 .. n0 + outs - 1 of out [rows, n]: sums[r * DENSE_TILE + t] plus the bias, in
+ * out's dtype (see dense_linear). A macro, not a function: inlined as a function it changed the code
+ * generated for the one-to-four-row loop. */
+#define DENSE_STORE(sums)                                                                                      \
+    for (int64_t r = 0; r < rows; r++)                                                                         \
+        for (int64_t t = 0; t < outs; t++) {                                                                   \
+            float v = (sums)[r * DENSE_TILE + t];                                                              \
+            if (bias != NULL)                                                                                  \
+                v += bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + t]) : ((const float *)bias)[n0 + t];    \
+            if (out_bf16) ((uint16_t *)out)[r * n + n0 + t] = float_to_bf16(v);                                \
+            else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;                  \
+        }
+
+/* dense_linear for DENSE_MAX_ROWS < rows <= DENSE_WIDE_ROWS: each tile of weight rows multiplied into the
+ * first DENSE_MAX_ROWS x rows (read from memory), then into the others (from L1 or L2). Its own loop and
+ * buffer, so that the one-to-four-row loop's code is the same as without it. */
+static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias,
+                              int bf16, void *out, int out_bf16, int num_threads) {
+    const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
+    const void *rest = (const char *)x + DENSE_MAX_ROWS * k * (bf16 ? 2 : 4);
+#pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
+        float sums[DENSE_WIDE_ROWS * DENSE_TILE];
+        dense_tile(x, DENSE_MAX_ROWS, k, w, bf16, n0, outs, sums);
+        dense_tile(rest, rows - DENSE_MAX_ROWS, k, w, bf16, n0, outs, sums + DENSE_MAX_ROWS * DENSE_TILE);
+        DENSE_STORE(sums)
+    }
+}
+
 /* out [rows, n] = x [rows, k] W^T (+ bias [n]), x, W and bias of `dtype` (float32 or bfloat16), 1 <= rows <=
- * DENSE_MAX_ROWS (see the top of this section). `out` is of `out_dtype`: `dtype`, or float32 holding the
+ * DENSE_WIDE_ROWS (see the top of this section). `out` is of `out_dtype`: `dtype`, or float32 holding the
  * result rounded to `dtype` (for bfloat16, what widening the bfloat16 output would give: the LM head's
  * logits without a separate pass). Returns 0, or -1 for another number of rows or output dtype. */
 int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int dtype,
                  void *out, int out_dtype, int num_threads) {
-    if (rows < 1 || rows > DENSE_MAX_ROWS || (out_dtype != dtype && out_dtype != DTYPE_FLOAT32)) return -1;
+    if (rows < 1 || rows > DENSE_WIDE_ROWS || (out_dtype != dtype && out_dtype != DTYPE_FLOAT32)) return -1;
     const int bf16 = dtype == DTYPE_BFLOAT16, out_bf16 = out_dtype == DTYPE_BFLOAT16;
+    if (rows > DENSE_MAX_ROWS) {
+        dense_linear_wide(x, rows, k, w, n, bias, bf16, out, out_bf16, num_threads);
+        return 0;
+    }
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
 #pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {
         const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
         float sums[DENSE_MAX_ROWS * DENSE_TILE];
         dense_tile(x, rows, k, w, bf16, n0, outs, sums);
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t t = 0; t < outs; t++) {
-                float v = sums[r * DENSE_TILE + t];
-                if (bias != NULL)
-                    v += bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + t]) : ((const float *)bias)[n0 + t];
-                if (out_bf16) ((uint16_t *)out)[r * n + n0 + t] = float_to_bf16(v);
-                else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;
-            }
+        DENSE_STORE(sums)
     }
     return 0;
 }
