@@ -48,7 +48,7 @@ def plain_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_build_and_thread_count_gives_the_plain_c_bits(
     any_library: ctypes.CDLL, plain_library: ctypes.CDLL, dtype: torch.dtype, rows: int, torch_threads: int
 ) -> None:

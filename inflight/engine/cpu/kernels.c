@@ -1692,7 +1692,7 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * runs llama-1b's products faster than oneDNN (float32 and bfloat16); at 16 the tile's arithmetic (a
  * bfloat16 dot product per 32 weights per x row) holds it to ~15 GB/s, below oneDNN's 17-19
  * (docs/benchmarks.md). */
-enum { DENSE_MAX_ROWS = 4, DENSE_WIDE_ROWS = 8, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
+enum { DENSE_MAX_ROWS = 4, DENSE_PASS_ROWS = 6, DENSE_WIDE_ROWS = 8, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
 
 /* s[0] + ... + s[15] in the tree the vector path adds them in: lanes i and i + 8, then i + 4, i + 2, i + 1. */
 static inline float lanes_sum(float s[16]) {
@@ -1747,46 +1747,16 @@ static ALWAYS_INLINE float dense_reduce(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-/* dense_tile_plain with AVX-512: ROWS x OUTS accumulators in registers (constants after inlining), each
- * weight row also prefetched into L2 at the same column of a tile of rows DENSE_PREFETCH_BYTES or more
- * ahead (the hardware prefetcher alone, over four interleaved row streams, left the products at ~17 GB/s
- * on two cores that read 25-30). */
-static ALWAYS_INLINE void dense_tile16(const void *x, const int rows, int64_t k, const void *w, const int bf16,
-                                      int64_t n0, const int outs, float *sums) {
-    __m512 acc[DENSE_MAX_ROWS][DENSE_TILE];
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < outs; t++) acc[r][t] = _mm512_setzero_ps();
-    const int64_t elem = bf16 ? 2 : 4, tile_bytes = DENSE_TILE * k * elem;
-    const int64_t ahead = (DENSE_PREFETCH_BYTES + tile_bytes - 1) / tile_bytes * tile_bytes;
-    const int64_t step = bf16 ? 32 : 16; /* columns per 64 bytes */
-    for (int64_t i = 0; i < k; i += step) {
-        const int64_t left = k - i;
-        for (int t = 0; t < outs; t++)
-            _mm_prefetch((const char *)w + ((n0 + t) * k + i) * elem + ahead, _MM_HINT_T1);
-#if defined(DENSE_BFLOAT16_VECTOR)
-        if (bf16) {
-            const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
-            __m512bh wv[DENSE_TILE];
-            for (int t = 0; t < outs; t++)
-                wv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)w + (n0 + t) * k + i);
-            for (int r = 0; r < rows; r++) {
-                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)x + r * k + i);
-                for (int t = 0; t < outs; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, wv[t]);
-            }
-            continue;
-        }
-#endif
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        __m512 wv[DENSE_TILE];
-        for (int t = 0; t < outs; t++) wv[t] = _mm512_maskz_loadu_ps(mask, (const float *)w + (n0 + t) * k + i);
-        for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mask, (const float *)x + r * k + i);
-            for (int t = 0; t < outs; t++) acc[r][t] = _mm512_fmadd_ps(xv, wv[t], acc[r][t]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce(acc[r][t]);
-}
+#define DENSE_TILE16 dense_tile16
+#define DENSE_TILE16_ROWS DENSE_MAX_ROWS
+#include "dense_tile16.h"
+#undef DENSE_TILE16
+#undef DENSE_TILE16_ROWS
+#define DENSE_TILE16 dense_tile16_wide
+#define DENSE_TILE16_ROWS DENSE_PASS_ROWS
+#include "dense_tile16.h"
+#undef DENSE_TILE16
+#undef DENSE_TILE16_ROWS
 
 /* dense_tile16 for ROWS rows, the dtype and the tile's width made constants. */
 #define DENSE_TILE_CASE(ROWS)                                                                  \
@@ -1802,6 +1772,18 @@ static ALWAYS_INLINE void dense_tile16(const void *x, const int rows, int64_t k,
                     sums[r * DENSE_TILE + t + j] = one[r * DENSE_TILE + j];                    \
         }                                                                                      \
         return;
+
+/* dense_tile16_wide for ROWS rows (DENSE_MAX_ROWS < ROWS <= DENSE_PASS_ROWS), the dtype and the tile's
+ * width made constants. */
+#define DENSE_PASS_CASE(ROWS)                                                                  \
+    case ROWS:                                                                                 \
+        for (int64_t t = 0; t < outs; t += outs == DENSE_TILE ? DENSE_TILE : 1) {              \
+            if (outs == DENSE_TILE && bf16) dense_tile16_wide(x, ROWS, k, w, 1, n0, DENSE_TILE, sums); \
+            else if (outs == DENSE_TILE) dense_tile16_wide(x, ROWS, k, w, 0, n0, DENSE_TILE, sums); \
+            else if (bf16) dense_tile16_wide(x, ROWS, k, w, 1, n0 + t, 1, sums + t);           \
+            else dense_tile16_wide(x, ROWS, k, w, 0, n0 + t, 1, sums + t);                     \
+        }                                                                                      \
+        return 1;
 #endif
 
 /* The products of one tile of outputs, n0 .. n0 + outs - 1 (outs <= DENSE_TILE), for every row. */
@@ -1819,6 +1801,41 @@ static void dense_tile(const void *x, int64_t rows, int64_t k, const void *w, in
         }
 #endif
     dense_tile_plain(x, rows, k, w, bf16, n0, outs, sums);
+}
+
+/* The products of one tile of outputs for DENSE_MAX_ROWS < rows <= DENSE_PASS_ROWS in one pass over the
+ * weights (rows x DENSE_TILE accumulators, 24 of the 32 vector registers at most): 1, or 0 where this build
+ * does not vectorize the dtype. */
+static ALWAYS_INLINE int dense_tile_pass(const void *x, int64_t rows, int64_t k, const void *w, int bf16,
+                                         int64_t n0, int64_t outs, float *sums) {
+#if defined(DENSE_FLOAT32_VECTOR)
+#if !defined(DENSE_BFLOAT16_VECTOR)
+    if (!bf16)
+#endif
+        switch (rows) {
+            DENSE_PASS_CASE(5)
+            DENSE_PASS_CASE(6)
+        }
+#else
+    (void)x, (void)rows, (void)k, (void)w, (void)bf16, (void)n0, (void)outs, (void)sums;
+#endif
+    return 0;
+}
+
+/* dense_tile for DENSE_MAX_ROWS < rows <= DENSE_WIDE_ROWS: the first DENSE_PASS_ROWS rows or fewer in one
+ * pass over the tile's weight rows (from memory), the rest by dense_tile (the weight rows from L1 or L2).
+ * Not vectorized, dense_tile DENSE_MAX_ROWS rows at a time (dense_tile_plain called here too would no
+ * longer be inlined into dense_tile, changing the one-to-four-row code). */
+static void dense_tile_wide(const void *x, int64_t rows, int64_t k, const void *w, int bf16, int64_t n0,
+                            int64_t outs, float *sums) {
+    const int64_t row_bytes = k * (bf16 ? 2 : 4);
+    int64_t done = rows < DENSE_PASS_ROWS ? rows : DENSE_PASS_ROWS;
+    if (!dense_tile_pass(x, done, k, w, bf16, n0, outs, sums)) {
+        done = DENSE_MAX_ROWS;
+        dense_tile(x, done, k, w, bf16, n0, outs, sums);
+    }
+    if (done < rows)
+        dense_tile((const char *)x + done * row_bytes, rows - done, k, w, bf16, n0, outs, sums + done * DENSE_TILE);
 }
 
 /* How many rows dense_linear takes for weights of `dtype` on this build: DENSE_WIDE_ROWS where it runs
@@ -1855,13 +1872,11 @@ int dense_linear_max_rows(int dtype) {
 static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias,
                               int bf16, void *out, int out_bf16, int num_threads) {
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
-    const void *rest = (const char *)x + DENSE_MAX_ROWS * k * (bf16 ? 2 : 4);
 #pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {
         const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
         float sums[DENSE_WIDE_ROWS * DENSE_TILE];
-        dense_tile(x, DENSE_MAX_ROWS, k, w, bf16, n0, outs, sums);
-        dense_tile(rest, rows - DENSE_MAX_ROWS, k, w, bf16, n0, outs, sums + DENSE_MAX_ROWS * DENSE_TILE);
+        dense_tile_wide(x, rows, k, w, bf16, n0, outs, sums);
         DENSE_STORE(sums)
     }
 }
