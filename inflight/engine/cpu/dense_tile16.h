@@ -1,7 +1,9 @@
 /* dense_tile16 (kernels.c's products of a few rows with float weights), written once and included there
  * once per size of its accumulator array: DENSE_TILE16, the function's name, for at most DENSE_TILE16_ROWS
  * rows. The size is the instance's own because it changes the code generated: with an array for 8 rows
- * the one-to-four-row instance's (batch 1's) code was not the same. */
+ * the one-to-four-row instance's (batch 1's) code was not the same. The unroll pragmas keep the wide
+ * instance's accumulators in registers (without them the loops over 5-6 rows were not unrolled and the
+ * accumulators went through memory every step); the 1-4 row code is the same with or without them. */
 
 /* dense_tile_plain with AVX-512: ROWS x OUTS accumulators in registers (constants after inlining), each
  * weight row also prefetched into L2 at the same column of a tile of rows DENSE_PREFETCH_BYTES or more

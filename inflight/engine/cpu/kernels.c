@@ -1674,9 +1674,9 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * W [n, k] float32 or bfloat16 as the checkpoint holds it (row-major, one row per output). oneDNN's GEMM
  * runs these shapes at about half of the memory's speed (docs/benchmarks.md); here each weight row is read
  * from memory once, four rows at a time, and multiplied into up to DENSE_MAX_ROWS x rows while it is in
- * registers. More x rows, up to DENSE_WIDE_ROWS, take their own loop (dense_linear_wide): the same tile
- * of weight rows for the first four x rows, then again from L1 or L2 for the others, so that the code of
- * the one-to-four-row loop (batch 1's) stays what it was.
+ * registers. More x rows, up to DENSE_WIDE_ROWS, take their own loop (dense_linear_wide), so that the
+ * code of the one-to-four-row loop (batch 1's) stays what it was: up to DENSE_PASS_ROWS x rows in one pass
+ * over each tile of weight rows, the rest over the same tile again from L1 or L2.
  *
  * The arithmetic is fixed, whatever the thread count or the number of rows, so a row's output does not
  * depend on the other rows of the batch. Each output sums in float32 over 16 lanes, then adds the lanes in
@@ -1688,10 +1688,9 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * past k count as 0 * 0. The AVX-512 path is bit-identical to the plain C one
  * (tests/engine/test_dense_linear.py); the engine runs only the AVX-512 one (dense_linear_max_rows). */
 
-/* DENSE_MAX_ROWS x rows times DENSE_TILE weight rows: the register tile. Up to DENSE_WIDE_ROWS rows this
- * runs llama-1b's products faster than oneDNN (float32 and bfloat16); at 16 the tile's arithmetic (a
- * bfloat16 dot product per 32 weights per x row) holds it to ~15 GB/s, below oneDNN's 17-19
- * (docs/benchmarks.md). */
+/* DENSE_MAX_ROWS (DENSE_PASS_ROWS in the wide loop) x rows times DENSE_TILE weight rows: the register tile.
+ * Up to DENSE_WIDE_ROWS rows this runs most of llama-1b's products faster than oneDNN (float32 and
+ * bfloat16); from 10 rows it is level or behind (docs/benchmarks.md, "Decode steps of 5-8 rows in C"). */
 enum { DENSE_MAX_ROWS = 4, DENSE_PASS_ROWS = 6, DENSE_WIDE_ROWS = 8, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
 
 /* s[0] + ... + s[15] in the tree the vector path adds them in: lanes i and i + 8, then i + 4, i + 2, i + 1. */
