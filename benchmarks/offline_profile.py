@@ -25,7 +25,7 @@ from inflight.engine.model import llama
 
 TIMES: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
-ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048)
+ROW_BUCKETS = (1, 4, 8, 16, 64, 256, 1024, 2048)
 
 
 def bucket(rows: int) -> str:

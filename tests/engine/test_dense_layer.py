@@ -1,6 +1,6 @@
 """A decode step's layers in one C call each over float weights (model/decode_layer.py, cpu/decode_layer.c)
 against the per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden
-states, residual stream and KV cache bytes, bit for bit, at 1..4 rows, float32 and (where oneDNN prepacks
+states, residual stream and KV cache bytes, bit for bit, at 1..8 rows, float32 and (where oneDNN prepacks
 it) bfloat16, with and without biases, with a sliding window, on 1 and 2 threads; for the native build and
 each portable one this CPU runs (those without AVX-512 multiply in oneDNN: no one-call layer there).
 """
@@ -67,14 +67,14 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
     window: int | None,
     torch_threads: int,
 ) -> None:
-    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work); 1..5 rows (5: more than
-    dense_linear takes, the per-op path both times, with oneDNN's products)."""
+    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work); 1..9 rows (9:
+    more than dense_linear takes, the per-op path both times, with oneDNN's products)."""
     spy = _Spy(any_library)
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
     model = _float_model(dtype, bias, window)  # prepacked with this build's dense_linear_max_rows
     max_rows = any_library.dense_linear_max_rows(cpu_kernels.DTYPE_CODES[dtype])
     rng = random.Random(1)
-    for rows in range(1, 6):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9):
         one_call = rows <= max_rows
         meta, positions = _decode_step(rows, rng)
         ids = torch.tensor([rng.randrange(64) for _ in range(rows)])
@@ -105,13 +105,14 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     prepacked, or the torch attention backend: no one-call step or layer."""
     model = _float_model(torch.float32, False, None)
     layer = _dense(model.layers[0])
-    assert layer is not None and layer.max_rows == 4
+    max_rows = cpu_kernels.library().dense_linear_max_rows(cpu_kernels.DTYPE_CODES[torch.float32])
+    assert layer is not None and layer.max_rows == max_rows
     assert _dense(model.layers[0]) is layer  # built once
     rng = random.Random(2)
     caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
     fp8_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float8_e4m3fn, "cpu")[0][0]
     start = decode_layer.DecodeStep.start
-    for rows in (2, 5):
+    for rows in (2, max_rows + 1):
         meta, _ = _decode_step(rows, rng)
         rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
         hidden = torch.zeros(rows, 64)
@@ -120,7 +121,7 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
         assert start(layer, hidden, meta, rope, fp8_cache) is None
         assert start(None, hidden, meta, rope, caches[0][0]) is None
         step = start(layer, hidden, meta, rope, caches[0][0])
-        assert (step is not None) == (rows <= 4)
+        assert (step is not None) == (rows <= max_rows)
         if step is not None:
             assert step.takes(layer, *caches[1])
             assert not step.takes(layer, fp8_cache, fp8_cache)

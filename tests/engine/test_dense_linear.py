@@ -1,4 +1,4 @@
-"""cpu/kernels.c's dense_linear (one to four rows times float weights) and PrepackedLinear's use of it.
+"""cpu/kernels.c's dense_linear (one to eight rows times float weights) and PrepackedLinear's use of it.
 
 The plain C version (the portable build) defines the result bit for bit: every other build gives the
 same bits, whatever the thread count and whatever the other rows of the batch are."""
@@ -26,6 +26,8 @@ pytestmark = pytest.mark.skipif(
 SHAPES = [(7, 5), (37, 70), (130, 96), (33, 1537), (960, 576), (576, 1536)]
 # float32 sums of up to 1537 products against float64; bfloat16 adds one rounding of the result.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2**-8}
+# The most rows dense_linear takes (DENSE_WIDE_ROWS in kernels.c): two groups of four.
+MAX_ROWS = 8
 
 
 def case(
@@ -46,7 +48,7 @@ def plain_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_build_and_thread_count_gives_the_plain_c_bits(
     any_library: ctypes.CDLL, plain_library: ctypes.CDLL, dtype: torch.dtype, rows: int, torch_threads: int
 ) -> None:
@@ -70,11 +72,13 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(
     any_library: ctypes.CDLL, dtype: torch.dtype
 ) -> None:
     for shape in SHAPES:
-        x, weight, bias = case(dtype, 4, shape)
+        x, weight, bias = case(dtype, MAX_ROWS, shape)
         together = dense_linear(x, weight, bias, any_library)
-        for r in range(4):
+        for r in range(MAX_ROWS):
             assert torch.equal(together[r : r + 1], dense_linear(x[r : r + 1], weight, bias, any_library))
-        assert torch.equal(together[1:3], dense_linear(x[1:3].contiguous(), weight, bias, any_library))
+        for first, end in ((1, 3), (3, 7), (5, 8)):
+            part = dense_linear(x[first:end].contiguous(), weight, bias, any_library)
+            assert torch.equal(together[first:end], part)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -97,12 +101,12 @@ def test_products_and_values_below_the_normal_range(
 
 
 def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL) -> None:
-    x, weight, bias = case(torch.float32, 5, (8, 16))
-    out = torch.empty(5, 8)
+    x, weight, bias = case(torch.float32, MAX_ROWS + 1, (8, 16))
+    out = torch.empty(MAX_ROWS + 1, 8)
     args = (weight.data_ptr(), 8, bias.data_ptr(), 0, out.data_ptr(), 0, 1)
-    assert any_library.dense_linear(x.data_ptr(), 5, 16, *args) == -1
+    assert any_library.dense_linear(x.data_ptr(), MAX_ROWS + 1, 16, *args) == -1
     assert any_library.dense_linear(x.data_ptr(), 0, 16, *args) == -1
-    assert any_library.dense_linear(x.data_ptr(), 4, 16, *args) == 0
+    assert any_library.dense_linear(x.data_ptr(), MAX_ROWS, 16, *args) == 0
 
 
 def test_a_float32_product_into_bfloat16_is_refused(any_library: ctypes.CDLL) -> None:
@@ -118,17 +122,17 @@ def native_dtypes() -> list[torch.dtype]:
 
 @pytest.mark.parametrize("dtype", native_dtypes())
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_multiplies_up_to_four_rows_in_c_and_more_with_onednn(
+def test_prepacked_linear_multiplies_a_few_rows_in_c_and_more_with_onednn(
     dtype: torch.dtype, bias: bool
 ) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(96, 80, bias=bias).to(dtype)
     packed = PrepackedLinear(linear, batch_size_hint=64)
     assert packed.dense_rows == dense_rows(linear.weight, linear.bias)
-    assert packed.dense_rows in (0, 4)
-    x = torch.randn(9, 96).to(dtype)
+    assert packed.dense_rows in (0, MAX_ROWS)
+    x = torch.randn(MAX_ROWS + 1, 96).to(dtype)
     with torch.inference_mode():
-        for rows in range(1, 10):
+        for rows in range(1, MAX_ROWS + 2):
             actual = packed(x[:rows])
             widened = packed.widened(x[:rows])
             assert widened.dtype == torch.float32 and torch.equal(widened, actual.float())

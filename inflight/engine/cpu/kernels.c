@@ -1670,10 +1670,13 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
 }
 
 /* ---- products of a few rows with float weights -------------------------------------------------------
- * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_MAX_ROWS (a decode step of one to a few sequences),
+ * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_WIDE_ROWS (a decode step of one to a few sequences),
  * W [n, k] float32 or bfloat16 as the checkpoint holds it (row-major, one row per output). oneDNN's GEMM
  * runs these shapes at about half of the memory's speed (docs/benchmarks.md); here each weight row is read
- * once, four rows at a time, and multiplied into every x row while it is in registers.
+ * from memory once, four rows at a time, and multiplied into up to DENSE_MAX_ROWS x rows while it is in
+ * registers. More x rows, up to DENSE_WIDE_ROWS, take their own loop (dense_linear_wide), so that the
+ * code of the one-to-four-row loop (batch 1's) stays what it was: up to DENSE_PASS_ROWS x rows in one pass
+ * over each tile of weight rows, the rest over the same tile again from L1 or L2.
  *
  * The arithmetic is fixed, whatever the thread count or the number of rows, so a row's output does not
  * depend on the other rows of the batch. Each output sums in float32 over 16 lanes, then adds the lanes in
@@ -1685,7 +1688,10 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * past k count as 0 * 0. The AVX-512 path is bit-identical to the plain C one
  * (tests/engine/test_dense_linear.py); the engine runs only the AVX-512 one (dense_linear_max_rows). */
 
-enum { DENSE_MAX_ROWS = 4, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
+/* DENSE_MAX_ROWS (DENSE_PASS_ROWS in the wide loop) x rows times DENSE_TILE weight rows: the register tile.
+ * Up to DENSE_WIDE_ROWS rows this runs most of llama-1b's products faster than oneDNN (float32 and
+ * bfloat16); from 10 rows it is level or behind (docs/benchmarks.md, "Decode steps of 5-8 rows in C"). */
+enum { DENSE_MAX_ROWS = 4, DENSE_PASS_ROWS = 6, DENSE_WIDE_ROWS = 8, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
 
 /* s[0] + ... + s[15] in the tree the vector path adds them in: lanes i and i + 8, then i + 4, i + 2, i + 1. */
 static inline float lanes_sum(float s[16]) {
@@ -1740,46 +1746,16 @@ static ALWAYS_INLINE float dense_reduce(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-/* dense_tile_plain with AVX-512: ROWS x OUTS accumulators in registers (constants after inlining), each
- * weight row also prefetched into L2 at the same column of a tile of rows DENSE_PREFETCH_BYTES or more
- * ahead (the hardware prefetcher alone, over four interleaved row streams, left the products at ~17 GB/s
- * on two cores that read 25-30). */
-static ALWAYS_INLINE void dense_tile16(const void *x, const int rows, int64_t k, const void *w, const int bf16,
-                                      int64_t n0, const int outs, float *sums) {
-    __m512 acc[DENSE_MAX_ROWS][DENSE_TILE];
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < outs; t++) acc[r][t] = _mm512_setzero_ps();
-    const int64_t elem = bf16 ? 2 : 4, tile_bytes = DENSE_TILE * k * elem;
-    const int64_t ahead = (DENSE_PREFETCH_BYTES + tile_bytes - 1) / tile_bytes * tile_bytes;
-    const int64_t step = bf16 ? 32 : 16; /* columns per 64 bytes */
-    for (int64_t i = 0; i < k; i += step) {
-        const int64_t left = k - i;
-        for (int t = 0; t < outs; t++)
-            _mm_prefetch((const char *)w + ((n0 + t) * k + i) * elem + ahead, _MM_HINT_T1);
-#if defined(DENSE_BFLOAT16_VECTOR)
-        if (bf16) {
-            const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
-            __m512bh wv[DENSE_TILE];
-            for (int t = 0; t < outs; t++)
-                wv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)w + (n0 + t) * k + i);
-            for (int r = 0; r < rows; r++) {
-                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)x + r * k + i);
-                for (int t = 0; t < outs; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, wv[t]);
-            }
-            continue;
-        }
-#endif
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        __m512 wv[DENSE_TILE];
-        for (int t = 0; t < outs; t++) wv[t] = _mm512_maskz_loadu_ps(mask, (const float *)w + (n0 + t) * k + i);
-        for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mask, (const float *)x + r * k + i);
-            for (int t = 0; t < outs; t++) acc[r][t] = _mm512_fmadd_ps(xv, wv[t], acc[r][t]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce(acc[r][t]);
-}
+#define DENSE_TILE16 dense_tile16
+#define DENSE_TILE16_ROWS DENSE_MAX_ROWS
+#include "dense_tile16.h"
+#undef DENSE_TILE16
+#undef DENSE_TILE16_ROWS
+#define DENSE_TILE16 dense_tile16_wide
+#define DENSE_TILE16_ROWS DENSE_PASS_ROWS
+#include "dense_tile16.h"
+#undef DENSE_TILE16
+#undef DENSE_TILE16_ROWS
 
 /* dense_tile16 for ROWS rows, the dtype and the tile's width made constants. */
 #define DENSE_TILE_CASE(ROWS)                                                                  \
@@ -1795,6 +1771,18 @@ static ALWAYS_INLINE void dense_tile16(const void *x, const int rows, int64_t k,
                     sums[r * DENSE_TILE + t + j] = one[r * DENSE_TILE + j];                    \
         }                                                                                      \
         return;
+
+/* dense_tile16_wide for ROWS rows (DENSE_MAX_ROWS < ROWS <= DENSE_PASS_ROWS), the dtype and the tile's
+ * width made constants. */
+#define DENSE_PASS_CASE(ROWS)                                                                  \
+    case ROWS:                                                                                 \
+        for (int64_t t = 0; t < outs; t += outs == DENSE_TILE ? DENSE_TILE : 1) {              \
+            if (outs == DENSE_TILE && bf16) dense_tile16_wide(x, ROWS, k, w, 1, n0, DENSE_TILE, sums); \
+            else if (outs == DENSE_TILE) dense_tile16_wide(x, ROWS, k, w, 0, n0, DENSE_TILE, sums); \
+            else if (bf16) dense_tile16_wide(x, ROWS, k, w, 1, n0 + t, 1, sums + t);           \
+            else dense_tile16_wide(x, ROWS, k, w, 0, n0 + t, 1, sums + t);                     \
+        }                                                                                      \
+        return 1;
 #endif
 
 /* The products of one tile of outputs, n0 .. n0 + outs - 1 (outs <= DENSE_TILE), for every row. */
@@ -1814,43 +1802,103 @@ static void dense_tile(const void *x, int64_t rows, int64_t k, const void *w, in
     dense_tile_plain(x, rows, k, w, bf16, n0, outs, sums);
 }
 
-/* How many rows dense_linear takes for weights of `dtype` on this build: DENSE_MAX_ROWS where it runs
+/* The products of one tile of outputs for DENSE_MAX_ROWS < rows <= DENSE_PASS_ROWS in one pass over the
+ * weights (rows x DENSE_TILE accumulators, 24 of the 32 vector registers at most): 1, or 0 where this build
+ * does not vectorize the dtype. */
+static ALWAYS_INLINE int dense_tile_pass(const void *x, int64_t rows, int64_t k, const void *w, int bf16,
+                                         int64_t n0, int64_t outs, float *sums) {
+#if defined(DENSE_FLOAT32_VECTOR)
+#if !defined(DENSE_BFLOAT16_VECTOR)
+    if (!bf16)
+#endif
+        switch (rows) {
+            DENSE_PASS_CASE(5)
+            DENSE_PASS_CASE(6)
+        }
+#else
+    (void)x, (void)rows, (void)k, (void)w, (void)bf16, (void)n0, (void)outs, (void)sums;
+#endif
+    return 0;
+}
+
+/* dense_tile for DENSE_MAX_ROWS < rows <= DENSE_WIDE_ROWS: the first DENSE_PASS_ROWS rows or fewer in one
+ * pass over the tile's weight rows (from memory), the rest by dense_tile (the weight rows from L1 or L2).
+ * Not vectorized, dense_tile DENSE_MAX_ROWS rows at a time (dense_tile_plain called here too would no
+ * longer be inlined into dense_tile, changing the one-to-four-row code). */
+static void dense_tile_wide(const void *x, int64_t rows, int64_t k, const void *w, int bf16, int64_t n0,
+                            int64_t outs, float *sums) {
+    const int64_t row_bytes = k * (bf16 ? 2 : 4);
+    int64_t done = rows < DENSE_PASS_ROWS ? rows : DENSE_PASS_ROWS;
+    if (!dense_tile_pass(x, done, k, w, bf16, n0, outs, sums)) {
+        done = DENSE_MAX_ROWS;
+        dense_tile(x, done, k, w, bf16, n0, outs, sums);
+    }
+    if (done < rows)
+        dense_tile((const char *)x + done * row_bytes, rows - done, k, w, bf16, n0, outs, sums + done * DENSE_TILE);
+}
+
+/* How many rows dense_linear takes for weights of `dtype` on this build: DENSE_WIDE_ROWS where it runs
  * vectorized (AVX-512; AVX512-BF16 for bfloat16), else 0: the plain C version is slower than oneDNN, so
  * the engine keeps oneDNN there (tests still call dense_linear on such builds). */
 int dense_linear_max_rows(int dtype) {
 #if defined(DENSE_BFLOAT16_VECTOR)
     (void)dtype;
-    return DENSE_MAX_ROWS;
+    return DENSE_WIDE_ROWS;
 #elif defined(DENSE_FLOAT32_VECTOR)
-    return dtype == DTYPE_FLOAT32 ? DENSE_MAX_ROWS : 0;
+    return dtype == DTYPE_FLOAT32 ? DENSE_WIDE_ROWS : 0;
 #else
     (void)dtype;
     return 0;
 #endif
 }
 
+/* Rows r < rows, outputs n0 .. n0 + outs - 1 of out [rows, n]: sums[r * DENSE_TILE + t] plus the bias, in
+ * out's dtype (see dense_linear). A macro, not a function: inlined as a function it changed the code
+ * generated for the one-to-four-row loop. */
+#define DENSE_STORE(sums)                                                                                      \
+    for (int64_t r = 0; r < rows; r++)                                                                         \
+        for (int64_t t = 0; t < outs; t++) {                                                                   \
+            float v = (sums)[r * DENSE_TILE + t];                                                              \
+            if (bias != NULL)                                                                                  \
+                v += bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + t]) : ((const float *)bias)[n0 + t];    \
+            if (out_bf16) ((uint16_t *)out)[r * n + n0 + t] = float_to_bf16(v);                                \
+            else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;                  \
+        }
+
+/* dense_linear for DENSE_MAX_ROWS < rows <= DENSE_WIDE_ROWS: each tile of weight rows multiplied into the
+ * first DENSE_MAX_ROWS x rows (read from memory), then into the others (from L1 or L2). Its own loop and
+ * buffer, so that the one-to-four-row loop's code is the same as without it. */
+static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias,
+                              int bf16, void *out, int out_bf16, int num_threads) {
+    const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
+#pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
+        float sums[DENSE_WIDE_ROWS * DENSE_TILE];
+        dense_tile_wide(x, rows, k, w, bf16, n0, outs, sums);
+        DENSE_STORE(sums)
+    }
+}
+
 /* out [rows, n] = x [rows, k] W^T (+ bias [n]), x, W and bias of `dtype` (float32 or bfloat16), 1 <= rows <=
- * DENSE_MAX_ROWS (see the top of this section). `out` is of `out_dtype`: `dtype`, or float32 holding the
+ * DENSE_WIDE_ROWS (see the top of this section). `out` is of `out_dtype`: `dtype`, or float32 holding the
  * result rounded to `dtype` (for bfloat16, what widening the bfloat16 output would give: the LM head's
  * logits without a separate pass). Returns 0, or -1 for another number of rows or output dtype. */
 int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int dtype,
                  void *out, int out_dtype, int num_threads) {
-    if (rows < 1 || rows > DENSE_MAX_ROWS || (out_dtype != dtype && out_dtype != DTYPE_FLOAT32)) return -1;
+    if (rows < 1 || rows > DENSE_WIDE_ROWS || (out_dtype != dtype && out_dtype != DTYPE_FLOAT32)) return -1;
     const int bf16 = dtype == DTYPE_BFLOAT16, out_bf16 = out_dtype == DTYPE_BFLOAT16;
+    if (rows > DENSE_MAX_ROWS) {
+        dense_linear_wide(x, rows, k, w, n, bias, bf16, out, out_bf16, num_threads);
+        return 0;
+    }
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
 #pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {
         const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
         float sums[DENSE_MAX_ROWS * DENSE_TILE];
         dense_tile(x, rows, k, w, bf16, n0, outs, sums);
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t t = 0; t < outs; t++) {
-                float v = sums[r * DENSE_TILE + t];
-                if (bias != NULL)
-                    v += bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + t]) : ((const float *)bias)[n0 + t];
-                if (out_bf16) ((uint16_t *)out)[r * n + n0 + t] = float_to_bf16(v);
-                else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;
-            }
+        DENSE_STORE(sums)
     }
     return 0;
 }

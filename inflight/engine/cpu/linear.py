@@ -6,8 +6,8 @@ machine's speed; oneDNN with the weight reordered once into its blocked layout i
 (AVX512-BF16 / AMX, cpu/isa.py): oneDNN's bf16 kernels there are about 2x its float32 ones. The engine
 swaps the decoder layers' projections after loading; CUDA and other dtypes are left alone.
 
-At one to four rows (a decode step of that many sequences) oneDNN streams the weights at about half of
-the memory's speed, while a step of a small model is nearly all weight reads: there the product runs in
+At one to eight rows (a decode step of that many sequences) oneDNN streams the weights well below the
+memory's speed, while a step of a small model is nearly all weight reads: there the product runs in
 C instead (`dense_linear` in cpu/kernels.c) on the plain weight, which the module keeps anyway; each row's
 result is then the same whatever the other rows of the batch. So the float weights are held twice, plain
 and packed: sizing.packed_weight_bytes plans that copy (the operator's CPU plans).

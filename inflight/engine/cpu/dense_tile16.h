@@ -1,0 +1,49 @@
+/* dense_tile16 (kernels.c's products of a few rows with float weights), written once and included there
+ * once per size of its accumulator array: DENSE_TILE16, the function's name, for at most DENSE_TILE16_ROWS
+ * rows. The size is the instance's own because it changes the code generated: with an array for 8 rows
+ * the one-to-four-row instance's (batch 1's) code was not the same. The unroll pragmas keep the wide
+ * instance's accumulators in registers (without them the loops over 5-6 rows were not unrolled and the
+ * accumulators went through memory every step); the 1-4 row code is the same with or without them. */
+
+/* dense_tile_plain with AVX-512: ROWS x OUTS accumulators in registers (constants after inlining), each
+ * weight row also prefetched into L2 at the same column of a tile of rows DENSE_PREFETCH_BYTES or more
+ * ahead (the hardware prefetcher alone, over four interleaved row streams, left the products at ~17 GB/s
+ * on two cores that read 25-30). */
+static ALWAYS_INLINE void DENSE_TILE16(const void *x, const int rows, int64_t k, const void *w, const int bf16,
+                                      int64_t n0, const int outs, float *sums) {
+    __m512 acc[DENSE_TILE16_ROWS][DENSE_TILE];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) acc[r][t] = _mm512_setzero_ps();
+    const int64_t elem = bf16 ? 2 : 4, tile_bytes = DENSE_TILE * k * elem;
+    const int64_t ahead = (DENSE_PREFETCH_BYTES + tile_bytes - 1) / tile_bytes * tile_bytes;
+    const int64_t step = bf16 ? 32 : 16; /* columns per 64 bytes */
+    for (int64_t i = 0; i < k; i += step) {
+        const int64_t left = k - i;
+        for (int t = 0; t < outs; t++)
+            _mm_prefetch((const char *)w + ((n0 + t) * k + i) * elem + ahead, _MM_HINT_T1);
+#if defined(DENSE_BFLOAT16_VECTOR)
+        if (bf16) {
+            const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+            __m512bh wv[DENSE_TILE];
+            for (int t = 0; t < outs; t++)
+                wv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)w + (n0 + t) * k + i);
+            for (int r = 0; r < rows; r++) {
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const uint16_t *)x + r * k + i);
+                for (int t = 0; t < outs; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, wv[t]);
+            }
+            continue;
+        }
+#endif
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        __m512 wv[DENSE_TILE];
+        for (int t = 0; t < outs; t++) wv[t] = _mm512_maskz_loadu_ps(mask, (const float *)w + (n0 + t) * k + i);
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, (const float *)x + r * k + i);
+            for (int t = 0; t < outs; t++) acc[r][t] = _mm512_fmadd_ps(xv, wv[t], acc[r][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce(acc[r][t]);
+}
