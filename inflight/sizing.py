@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from inflight.engine.dtypes import CPU_PREPACKED_DTYPES, DTYPE_BYTES, DTYPE_CHOICES, kv_cache_dtype_name
-from inflight.engine.kv_budget import kv_token_bytes
+from inflight.engine.kv_budget import kv_token_bytes, step_activation_bytes
 from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
 from inflight.engine.model.shard_layout import degree_error, valid_degrees
 from inflight.engine.quantization import NEEDS_FP8_GPU, QUANTIZED_WEIGHT_BYTES, check_known, holds_quantized
@@ -427,16 +427,16 @@ def packed_weight_bytes(shape: ModelShape, dtype: str, quantization: str = "none
 def activation_reserve_bytes(
     shape: ModelShape, dtype: str, tensor_parallel: int, limits: EngineLimits
 ) -> int:
-    """Peak transient memory of one step, kept out of the KV pool.
-
-    One step of `max_batched_tokens` holds the residual stream and attention projections (~4 x hidden)
-    plus the gate/up MLP activations (2 x intermediate / tp) per token, and float32 logits for at most one
-    row per running sequence.
-    """
-    per_token = 4 * shape.hidden_size + 2 * shape.intermediate_size // tensor_parallel
-    activations = limits.max_batched_tokens * per_token * DTYPE_BYTES[dtype]
-    logits = min(limits.max_slots, limits.max_batched_tokens) * shape.vocab_size * 4
-    return activations + logits
+    """Peak transient memory of one step, kept out of the KV pool (the engine's own rule,
+    engine/kv_budget.py)."""
+    return step_activation_bytes(
+        shape.hidden_size,
+        shape.intermediate_size // tensor_parallel,
+        shape.vocab_size,
+        limits.max_batched_tokens,
+        limits.max_slots,
+        dtype,
+    )
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel: int) -> int:

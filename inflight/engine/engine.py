@@ -28,10 +28,17 @@ from inflight.engine.cpu.allocator import retain_freed_memory
 from inflight.engine.cpu.cpu_limit import fit_threads_to_cpu_limit
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.cpu.linear import can_prepack, prepare_linears
+from inflight.engine.cpu.memory_limit import blocks_within_limit
 from inflight.engine.draft import DraftProposer, check_same_vocabulary
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.guided import GrammarCompiler, GrammarMatchers
-from inflight.engine.kv_budget import choose_num_kv_blocks, kv_block_bytes, kv_budget_bytes, kv_cache_dtype
+from inflight.engine.kv_budget import (
+    choose_num_kv_blocks,
+    kv_block_bytes,
+    kv_budget_bytes,
+    kv_cache_dtype,
+    step_activation_bytes,
+)
 from inflight.engine.loader import load_model, read_config
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
@@ -226,7 +233,9 @@ class LLMEngine:
         """The KV pool size: `num_kv_blocks` if given, else what fits the memory budget.
 
         On a GPU the budget is re-measured (free memory x gpu_memory_utilization); a requested pool larger
-        than that (a plan made from node labels, say) is cut to what fits, and the log says so. With a
+        than that (a plan made from node labels, say) is cut to what fits, and the log says so. On CPU (one
+        process) a pool that the container's memory limit has no room for, beside the resident memory
+        and a step's activations, is cut the same way (cpu/memory_limit.py). With a
         draft model, a block's bytes are the target's and the draft's (its pool has as many blocks): the
         draft takes its share of the budget by its bytes per token.
         """
@@ -250,6 +259,25 @@ class LLMEngine:
             enough=self.config.max_num_seqs * math.ceil(max_len / self.config.block_size),
             measured=self.device.type == "cuda",
         )
+        if self.device.type == "cpu" and self.workers is None:
+            step_bytes = step_activation_bytes(
+                mc.hidden_size,
+                mc.intermediate_size,
+                mc.vocab_size,
+                self.config.max_num_batched_tokens,
+                self.config.max_num_seqs,
+                str(self.dtype).removeprefix("torch."),
+            )
+            within = blocks_within_limit(bytes_per_block, step_bytes)
+            if within is not None and within[0] < blocks:
+                if within[0] < 1:
+                    raise ValueError(
+                        f"no memory left for the KV cache within {within[1]} (one block needs "
+                        f"{bytes_per_block} bytes): raise the container's memory limit, or use a smaller "
+                        "model, dtype or --quantization"
+                    )
+                logger.warning("%d KV blocks do not fit %s: using %d", blocks, within[1], within[0])
+                return within[0]
         if blocks < 1:
             raise ValueError(
                 f"no memory left for the KV cache ({budget / 2**30:.2f} GiB available, one block needs "

@@ -20,6 +20,17 @@ def kv_token_bytes(num_layers: int, kv_heads_per_gpu: int, head_dim: int, dtype:
     return 2 * num_layers * kv_heads_per_gpu * head_dim * DTYPE_BYTES[dtype]
 
 
+def step_activation_bytes(
+    hidden: int, intermediate_per_rank: int, vocab: int, max_batched_tokens: int, max_slots: int, dtype: str
+) -> int:
+    """Peak transient memory of one step, kept out of the KV pool: `max_batched_tokens` rows of the
+    residual stream and attention projections (~4 x hidden) and the gate/up MLP activations (2 x the
+    rank's intermediate size) in `dtype`, and float32 logits for at most one row per running sequence."""
+    per_token = 4 * hidden + 2 * intermediate_per_rank
+    logits = min(max_slots, max_batched_tokens) * vocab * 4
+    return max_batched_tokens * per_token * DTYPE_BYTES[dtype] + logits
+
+
 def choose_num_kv_blocks(requested: int | None, fit: int, enough: int, measured: bool) -> int:
     """Blocks for the engine's KV pool: the request if given (cut to `fit` when `fit` was measured on the
     device), else what fits, capped at `enough` (every slot at full length)."""

@@ -5,7 +5,7 @@ every core of its node while its CPU limit lets it use only a few CPUs' time: 32
 4-CPU limit use up each period's quota in an eighth of it, and the whole container then waits for the
 next period (CFS throttling). Linux states the limit in the process's cgroup: cgroup v2's `cpu.max`
 ("QUOTA PERIOD", or "max PERIOD" for none), cgroup v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us` (-1:
-none); an ancestor's limit binds too, so the smallest along the path counts.
+none); an ancestor's limit binds too, so the smallest along the path counts (engine/cpu/cgroup.py).
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("inflight.engine")
+from inflight.engine.cpu.cgroup import CGROUP_ROOT, PROC_CGROUP, cgroup_limit
 
-PROC_CGROUP = Path("/proc/self/cgroup")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+logger = logging.getLogger("inflight.engine")
 
 
 def _v2_limit(directory: Path) -> float | None:
@@ -43,38 +41,10 @@ def _v1_limit(directory: Path) -> float | None:
     return None if quota <= 0 or period <= 0 else quota / period
 
 
-def _smallest_along(mount: Path, cgroup_path: str, read: Callable[[Path], float | None]) -> float | None:
-    """The smallest limit `read` finds in the process's cgroup directory under `mount` and its ancestors,
-    and in `mount` itself (a container's own cgroup where the host's path is not visible in it)."""
-    directories = [mount]
-    relative = Path(cgroup_path.lstrip("/"))
-    if relative.parts and (mount / relative).is_dir():
-        directories += [mount / relative, *(mount / p for p in relative.parents if p != Path("."))]
-    limits = [limit for d in directories if (limit := read(d)) is not None]
-    return min(limits) if limits else None
-
-
 def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float | None:
     """The CPUs this process's cgroup lets it use at once (2.5 for a "2500m" limit), or None: no limit,
     or no cgroup information (not Linux, cgroups not mounted)."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    limits: list[float] = []
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":
-            found = _smallest_along(root, path, _v2_limit)
-        elif "cpu" in controllers.split(","):
-            mount = root / controllers if (root / controllers).is_dir() else root / "cpu"
-            found = _smallest_along(mount, path, _v1_limit)
-        else:
-            continue
-        if found is not None:
-            limits.append(found)
-    return min(limits) if limits else None
+    return cgroup_limit("cpu", _v2_limit, _v1_limit, proc_cgroup, root)
 
 
 def threads_for_limit(limit: float) -> int:
