@@ -1865,9 +1865,10 @@ int dense_linear_max_rows(int dtype) {
             else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;                  \
         }
 
-/* dense_linear for DENSE_MAX_ROWS < rows <= DENSE_WIDE_ROWS: each tile of weight rows multiplied into the
- * first DENSE_MAX_ROWS x rows (read from memory), then into the others (from L1 or L2). Its own loop and
- * buffer, so that the one-to-four-row loop's code is the same as without it. */
+/* dense_linear for DENSE_MAX_ROWS < rows <= DENSE_WIDE_ROWS: each tile of weight rows multiplied into up to
+ * DENSE_PASS_ROWS x rows in one pass (read from memory), then into the others (from L1 or L2;
+ * dense_tile_wide). Its own loop and buffer, though the same as dense_linear's below, so that the
+ * one-to-four-row loop's code is the same as without it. */
 static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias,
                               int bf16, void *out, int out_bf16, int num_threads) {
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
