@@ -4,6 +4,7 @@ ended it, 408 or 499) and uvicorn's protocol with a connection cap and header/bo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from typing import Any
@@ -122,16 +123,19 @@ class EvictionWarnings:
 def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with a connection cap and header/body read deadlines."""
     warnings = EvictionWarnings(limits.max_connections)
+    # The order connections were made in, for evicting the oldest: not the loop's clock, which uvloop reads
+    # once per iteration in whole milliseconds, so connections made within one millisecond tie.
+    opened = itertools.count()
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._deadline: asyncio.TimerHandle | None = None
-            self._opened_at = 0.0
+            self._opened = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._opened_at = self.loop.time()
+            self._opened = next(opened)
             if len(self.connections) > limits.max_connections:
                 self._evict_one()
             self._arm(limits.header_timeout, "headers")
@@ -161,7 +165,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def _evict_one(self) -> None:
             idle = [c for c in self.connections if isinstance(c, GuardedHttpToolsProtocol) and not c._busy()]
-            victim = min(idle, key=lambda c: c._opened_at) if idle else self
+            victim = min(idle, key=lambda c: c._opened) if idle else self
             warnings.evicted(self.loop)
             victim.transport.close()
             victim.connections.discard(victim)
