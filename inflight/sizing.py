@@ -396,11 +396,7 @@ def weight_bytes_per_gpu(
     check_known(quantization)
     replicated = shape.replicated_parameter_count()
     format_bytes = QUANTIZED_WEIGHT_BYTES[quantization] or DTYPE_BYTES[dtype]
-    matrices = [(features, count, False) for features, count in shape.linear_matrices()]
-    matrices.append((shape.hidden_size, shape.embedding_parameter_count(), True))
-    quantized = sum(
-        count for features, count, embedding in matrices if holds_quantized(quantization, features, embedding)
-    )
+    quantized, _ = _matrix_parameters(shape, quantization, shape.embedding_parameter_count())
     other = shape.parameter_count() - replicated - quantized
     sharded = (
         math.ceil(quantized * format_bytes / tensor_parallel)
@@ -416,12 +412,19 @@ def packed_weight_bytes(shape: ModelShape, dtype: str, quantization: str = "none
     the CPU runs it natively, which a plan cannot see: it counts the copy."""
     if dtype not in CPU_PREPACKED_DTYPES:
         return 0
-    matrices = [(features, count, False) for features, count in shape.linear_matrices()]
-    matrices.append((shape.hidden_size, shape.vocab_size * shape.hidden_size, True))
-    float_weights = sum(
-        count for features, count, lm_head in matrices if not holds_quantized(quantization, features, lm_head)
-    )
+    _, float_weights = _matrix_parameters(shape, quantization, shape.vocab_size * shape.hidden_size)
     return float_weights * DTYPE_BYTES[dtype]
+
+
+def _matrix_parameters(shape: ModelShape, quantization: str, table_parameters: int) -> tuple[int, int]:
+    """(quantized, kept in the dtype) parameters of the decoder's linear layers and `table_parameters` of
+    the embedding table / LM head, by `holds_quantized`."""
+    matrices = [(features, count, False) for features, count in shape.linear_matrices()]
+    matrices.append((shape.hidden_size, table_parameters, True))
+    quantized = sum(
+        count for features, count, table in matrices if holds_quantized(quantization, features, table)
+    )
+    return quantized, sum(count for _, count, _ in matrices) - quantized
 
 
 def activation_reserve_bytes(
