@@ -233,11 +233,12 @@ class LLMEngine:
         """The KV pool size: `num_kv_blocks` if given, else what fits the memory budget.
 
         On a GPU the budget is re-measured (free memory x gpu_memory_utilization); a requested pool larger
-        than that (a plan made from node labels, say) is cut to what fits, and the log says so. On CPU (one
-        process) a pool that the container's memory limit has no room for, beside the resident memory
-        and a step's activations, is cut the same way (cpu/memory_limit.py). With a
-        draft model, a block's bytes are the target's and the draft's (its pool has as many blocks): the
-        draft takes its share of the budget by its bytes per token.
+        than that (a plan made from node labels, say) is cut to what fits, and the log says so. On CPU a
+        pool that the container's memory limit has no room for, beside the resident memory and a step's
+        activations, is cut the same way (cpu/memory_limit.py); with tensor parallelism every rank lives
+        in that container, so the resident memory and step activations are all ranks' and a block costs
+        every rank's share of it. With a draft model, a block's bytes are the target's and the draft's (its
+        pool has as many blocks): the draft takes its share of the budget by its bytes per token.
         """
         mc = self.model_config
         bytes_per_block = kv_block_bytes(
@@ -259,21 +260,36 @@ class LLMEngine:
             enough=self.config.max_num_seqs * math.ceil(max_len / self.config.block_size),
             measured=self.device.type == "cuda",
         )
-        if self.device.type == "cpu" and self.workers is None:
-            step_bytes = step_activation_bytes(
+        if self.device.type == "cpu":
+            layout = self.model.layout
+            # Every rank runs the step at once, and a rank's step is nearly the full one: the residual
+            # stream and the all-reduced attention and MLP outputs are full width on every rank (its q/k/v
+            # are its heads' share, which the formula's 4 x hidden counts whole: a little over), and
+            # gather_vocab hands every rank the whole vocabulary's logits; only the MLP's intermediate
+            # activations are the rank's share. So the formula with the rank's intermediate size, once per
+            # rank (the figure sizing.activation_reserve_bytes plans per rank).
+            step_bytes = layout.size * step_activation_bytes(
                 mc.hidden_size,
-                mc.intermediate_size,
+                layout.intermediate,
                 mc.vocab_size,
                 self.config.max_num_batched_tokens,
                 self.config.max_num_seqs,
                 str(self.dtype).removeprefix("torch."),
             )
-            within = blocks_within_limit(bytes_per_block, step_bytes)
+            # The ranks share the container: a block costs each rank's share of it (its KV heads), and
+            # every rank's resident memory counts: the lead reads its workers' (/proc/PID/statm) as it
+            # decides, after each reported its shard loaded, and only where there is a limit.
+            pool_block_bytes = bytes_per_block
+            worker_pids: list[int] = []
+            if self.workers is not None:
+                pool_block_bytes += sum(self.workers.block_bytes)
+                worker_pids = self.workers.pids
+            within = blocks_within_limit(pool_block_bytes, step_bytes, worker_pids)
             if within is not None and within[0] < blocks:
                 if within[0] < 1:
                     raise ValueError(
                         f"no memory left for the KV cache within {within[1]} (one block needs "
-                        f"{bytes_per_block} bytes): raise the container's memory limit, or use a smaller "
+                        f"{pool_block_bytes} bytes): raise the container's memory limit, or use a smaller "
                         "model, dtype or --quantization"
                     )
                 logger.warning("%d KV blocks do not fit %s: using %d", blocks, within[1], within[0])

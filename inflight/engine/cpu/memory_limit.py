@@ -12,6 +12,7 @@ none), cgroup v1's `memory.limit_in_bytes` (2^63 rounded down to a page for none
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from inflight.engine.cpu.cgroup import CGROUP_ROOT, PROC_CGROUP, cgroup_limit
@@ -49,18 +50,22 @@ def resident_bytes(statm: Path = PROC_STATM) -> int:
     return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def blocks_within_limit(block_bytes: int, step_bytes: int) -> tuple[int, str] | None:
-    """KV blocks of `block_bytes` the container's memory limit leaves room for beside this process's
-    resident memory and `step_bytes` of a step's activations, with the figures as words for a log line;
-    None where the container has no memory limit."""
+def blocks_within_limit(
+    block_bytes: int, step_bytes: int, other_pids: Sequence[int] = ()
+) -> tuple[int, str] | None:
+    """KV blocks of `block_bytes` the container's memory limit leaves room for beside the resident memory
+    of this process and of `other_pids` (a tensor-parallel engine's workers, in the same container) and
+    `step_bytes` of a step's activations, with the figures as words for a log line; None where the
+    container has no memory limit."""
     limit = cgroup_memory_limit()
     if limit is None:
         return None
-    resident = resident_bytes()
+    resident = resident_bytes() + sum(resident_bytes(Path(f"/proc/{pid}/statm")) for pid in other_pids)
     room = limit - resident - step_bytes
     gib = 2**30
+    processes = f" in the engine's {1 + len(other_pids)} processes" if other_pids else ""
     words = (
-        f"the container's memory limit of {limit / gib:.2f} GiB, {resident / gib:.2f} GiB resident and "
-        f"{step_bytes / gib:.2f} GiB kept for a step's activations"
+        f"the container's memory limit of {limit / gib:.2f} GiB, {resident / gib:.2f} GiB resident"
+        f"{processes} and {step_bytes / gib:.2f} GiB kept for a step's activations"
     )
     return max(0, room // block_bytes), words

@@ -91,6 +91,8 @@ class TensorParallelGroup:
         # Called from the watcher thread when a rank dies while the engine is idle.
         self.on_failure: Callable[[EngineDeadError], None] | None = None
         self.parameter_bytes: list[int] = []
+        # Bytes of one KV block on each worker (its KV heads' share), as reported with its fit.
+        self.block_bytes: list[int] = []
         atexit.register(self.close)
 
     @classmethod
@@ -178,10 +180,16 @@ class TensorParallelGroup:
             replies.append(message)
         return replies
 
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids (ranks 1..N-1)."""
+        return [process.pid for process in self._processes]
+
     def smallest_fit(self, own_fit: int) -> int:
         """The KV blocks that fit on every rank: the smallest of rank 0's `own_fit` and the workers'."""
         replies = self._expect("loaded")
         self.parameter_bytes = [reply[1] for reply in replies]
+        self.block_bytes = [reply[3] for reply in replies]
         return min([own_fit, *(reply[2] for reply in replies)])
 
     def allocate(self, num_blocks: int) -> None:

@@ -3,7 +3,8 @@
 `python -m inflight.engine.parallel.worker FD`, started by group.py (the protocol and the failure rules
 are described there), with FD its end of a pipe to rank 0. From rank 0: the `WorkerSpec`,
 ("allocate", num_blocks), then one pickled `StepInputs` per step and a pickled None to stop. To rank 0:
-("started",), ("loaded", parameter bytes, KV blocks that fit here), ("ready",) or ("error", message).
+("started",), ("loaded", parameter bytes, KV blocks that fit here, bytes of one KV block here),
+("ready",) or ("error", message).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
         prepare_linears(model, config.max_num_seqs)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     block_bytes = kv_block_bytes(model.config, model.layout.kv_heads, config.block_size, kv_dtype)
-    pipe.send(("loaded", parameter_bytes, int(kv_budget_bytes(config, device) // block_bytes)))
+    pipe.send(("loaded", parameter_bytes, int(kv_budget_bytes(config, device) // block_bytes), block_bytes))
     message = pipe.recv()
     if message is None:  # rank 0 gave up during start-up
         return
