@@ -95,10 +95,18 @@ def _serve(spec: WorkerSpec, pipe: Connection) -> None:
         timeout=timedelta(seconds=spec.timeout_s),
     )
     config = spec.config
-    model = load_model(spec.model_dir, dtype, device, rank=spec.rank, world_size=spec.world_size)
+    model = load_model(
+        spec.model_dir,
+        dtype,
+        device,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        quantization=config.quantization,
+    )
     if can_prepack(device, dtype):
         prepare_linears(model, config.max_num_seqs)
-    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Counted as rank 0 counts its own (quantized weights with their blocks and scales).
+    parameter_bytes = sum(t.nbytes for t in model.weight_tensors().values())
     block_bytes = kv_block_bytes(model.config, model.layout.kv_heads, config.block_size, kv_dtype)
     pipe.send(("loaded", parameter_bytes, int(kv_budget_bytes(config, device) // block_bytes), block_bytes))
     message = pipe.recv()

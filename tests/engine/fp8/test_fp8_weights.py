@@ -232,3 +232,22 @@ def test_two_ranks_generate_one_ranks_tokens_from_an_fp8_checkpoint(
         finally:
             engine.close()
     assert outputs[2] == outputs[1]
+
+
+def test_two_ranks_quantize_their_shards_at_load(tiny_llama_dir: Path) -> None:
+    """`--quantization fp8` on a float checkpoint split over two CPU ranks: every rank holds FP8
+    projections (a worker that loaded float weights held 1.76x rank 0's bytes and multiplied its shard
+    unquantized). Tokens are not compared with one rank's: o/down's row scales are per rank's columns."""
+    rank_bytes = {}
+    for ranks in (1, 2):
+        config = EngineConfig(
+            dtype="float32", device="cpu", num_kv_blocks=64, tensor_parallel_size=ranks, quantization="fp8"
+        )
+        engine = LLMEngine(tiny_llama_dir, config)
+        try:
+            rank_bytes[ranks] = engine.parameter_bytes_per_rank
+        finally:
+            engine.close()
+    first, second = rank_bytes[2]
+    assert abs(first - second) < 0.05 * first
+    assert first + second < 1.2 * rank_bytes[1][0]
