@@ -31,7 +31,7 @@ configure_openmp(os.environ)
 
 from inflight.bench.checkpoint import bench_checkpoint  # noqa: E402
 from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402
-from inflight.bench.served import BLOCK_SIZE, run_clients, start_inflight, wait_until_ready  # noqa: E402
+from inflight.bench.served import BLOCK_SIZE, inflight_system, run_clients, wait_until_ready  # noqa: E402
 from inflight.bench.system import BenchSettings  # noqa: E402
 from inflight.bench.workload import BenchRequest, load_workload  # noqa: E402
 from inflight.engine.cli_args import add_batching_args  # noqa: E402
@@ -140,8 +140,9 @@ def main() -> int:
             speculative=None,
         )
         longest = max(len(r.prompt_token_ids) + r.output_len for r in plain)
-        server = start_inflight(serve_args, model_dir, args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1)
+        server = inflight_system(serve_args, model_dir, args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1)
         try:
+            server.start()
             wait_until_ready(f"{server.url}{server.ready_path}", server.process, server.name)
             assert server.process is not None
             alternate("served", served_runner(server.url, server.process.pid), plain, mixed, args.rounds)

@@ -38,7 +38,7 @@ from typing import Any
 
 from inflight.engine.dtypes import CPU_PREPACKED_DTYPES, DTYPE_BYTES, DTYPE_CHOICES, kv_cache_dtype_name
 from inflight.engine.kv_budget import kv_token_bytes, step_activation_bytes
-from inflight.engine.model.config import SUPPORTED_ARCHITECTURES
+from inflight.engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from inflight.engine.model.shard_layout import degree_error, valid_degrees
 from inflight.engine.quantization import NEEDS_FP8_GPU, QUANTIZED_WEIGHT_BYTES, check_known, holds_quantized
 
@@ -276,6 +276,24 @@ def find_model(name: str) -> ModelShape | None:
     return None
 
 
+def shape_of_config(name: str, config: ModelConfig) -> ModelShape:
+    """The shape of a checkpoint the engine parsed (its config.json: engine/model/config.py)."""
+    return ModelShape(
+        name,
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+        max_position_embeddings=config.max_position_embeddings,
+        architecture=config.architecture,
+    )
+
+
 def find_gpu(name_or_product: str) -> GPUType | None:
     """A catalog GPU by our name (`H100-80GB`) or by its GPU-feature-discovery product label."""
     wanted = name_or_product.strip().lower()
@@ -457,6 +475,37 @@ class Formats:
     kv_cache_dtype: str = "auto"
 
 
+@dataclass(frozen=True)
+class EngineBytes:
+    """What one engine holds on one GPU (its shard) or on the CPU besides its KV pool, and a KV token's
+    bytes there: the plan's terms."""
+
+    weights: int
+    packed: int  # oneDNN's packed copy (CPU)
+    reserve: int  # one step's activations + the CUDA context or the CPU runtime
+    kv_per_token: int
+    kv_dtype: str
+
+    def total(self, kv_tokens: int) -> int:
+        """Everything it holds with a KV pool of `kv_tokens` tokens."""
+        return self.weights + self.packed + self.reserve + kv_tokens * self.kv_per_token
+
+
+def engine_bytes(
+    shape: ModelShape, formats: Formats, tensor_parallel: int, limits: EngineLimits, on_gpu: bool
+) -> EngineBytes:
+    dtype = formats.dtype
+    overhead = CUDA_CONTEXT_BYTES if on_gpu else CPU_RUNTIME_BYTES
+    kv_dtype = kv_cache_dtype_name(formats.kv_cache_dtype, dtype)
+    return EngineBytes(
+        weights=weight_bytes_per_gpu(shape, dtype, tensor_parallel, formats.quantization),
+        packed=0 if on_gpu else packed_weight_bytes(shape, dtype, formats.quantization),
+        reserve=activation_reserve_bytes(shape, dtype, tensor_parallel, limits) + overhead,
+        kv_per_token=kv_bytes_per_token(shape, kv_dtype, tensor_parallel),
+        kv_dtype=kv_dtype,
+    )
+
+
 def _plan_one(
     shape: ModelShape,
     formats: Formats,
@@ -466,12 +515,9 @@ def _plan_one(
     on_gpu: bool,
 ) -> SizingPlan:
     dtype = formats.dtype
-    weights = weight_bytes_per_gpu(shape, dtype, tensor_parallel, formats.quantization)
-    packed = 0 if on_gpu else packed_weight_bytes(shape, dtype, formats.quantization)
-    overhead = CUDA_CONTEXT_BYTES if on_gpu else CPU_RUNTIME_BYTES
-    reserve = activation_reserve_bytes(shape, dtype, tensor_parallel, limits) + overhead
-    kv_dtype = kv_cache_dtype_name(formats.kv_cache_dtype, dtype)
-    per_token = kv_bytes_per_token(shape, kv_dtype, tensor_parallel)
+    held = engine_bytes(shape, formats, tensor_parallel, limits, on_gpu)
+    weights, packed, reserve = held.weights, held.packed, held.reserve
+    per_token, kv_dtype = held.kv_per_token, held.kv_dtype
     block_bytes = limits.block_size * per_token
     usable = math.floor(gpu_memory_bytes * limits.gpu_memory_utilization) - weights - packed - reserve
     packed_text = f" + {packed / GIB:.1f} GiB packed for oneDNN" if packed else ""

@@ -9,6 +9,12 @@ how tokens are packed into chunks), and output tokens (from the stream's usage);
 the CPU its processes and the client used per output token. Then the same workload
 runs through the offline engine in this process with the same engine settings, and the report gives
 served output tokens/s divided by offline tokens/s.
+
+The servers the benchmark starts (inflight, and vLLM-CPU or llama-server with --compare) either run
+`together`, all started once and the idle ones paused, or `one-at-a-time`, each started for its turn and
+stopped after it, so that only one holds memory (`--servers`; `auto` picks `together` when their memory
+estimates, and the offline engine's, fit in the memory available). Either way the systems alternate
+round by round, and neither the time to start a server nor its warm-up requests is measured.
 """
 
 from __future__ import annotations
@@ -25,22 +31,40 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from inflight.bench import vllm_cpu
+from inflight.bench.servers_mode import MEMORY_MARGIN, ONE_AT_A_TIME, TOGETHER
 from inflight.bench.system import resident_mib
 from inflight.bench.workload import BenchRequest, load_workload
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.dtypes import resolve_dtype_name
+from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.errors import ModelLoadError
+from inflight.sizing import (
+    GIB,
+    EngineLimits,
+    Formats,
+    ModelShape,
+    engine_bytes,
+    kv_bytes_per_token,
+    shape_of_config,
+)
 
 BLOCK_SIZE = 16
 READY_TIMEOUT_S = 600.0
+# A server that has not ended this long after SIGTERM is killed.
+STOP_TIMEOUT_S = 60.0
 WARMUP_TOKENS = 4
+# llama-server's KV cache element type (its default --cache-type-k and --cache-type-v, f16).
+LLAMA_CPP_KV_DTYPE = "float16"
 
 
 def _say(message: str) -> None:
@@ -252,13 +276,14 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     }
 
 
-def process_group_cpu_seconds(pgid: int) -> float | None:
-    """User + system CPU seconds used so far by the live processes of process group `pgid` (a server and
-    the processes it started: vLLM's engine core and worker), from Linux's /proc; None without /proc."""
+def _process_group_stats(pgid: int) -> list[list[str]] | None:
+    """The /proc/PID/stat fields after "pid (comm) " (state, ppid, pgrp, ...) of every process of process
+    group `pgid` (a server and the processes it started: vLLM's engine core and worker); None without
+    Linux's /proc."""
     proc = Path("/proc")
     if not proc.is_dir():
         return None
-    ticks = 0
+    found = []
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -266,11 +291,24 @@ def process_group_cpu_seconds(pgid: int) -> float | None:
             stat = (entry / "stat").read_text()
         except OSError:  # the process ended meanwhile
             continue
-        # After "pid (comm) ": state, ppid, pgrp, ... utime and stime are the 12th and 13th.
         fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+            found.append(fields)
+    return found
+
+
+def process_group_cpu_seconds(pgid: int) -> float | None:
+    """User + system CPU seconds used so far by the processes of process group `pgid`; None without /proc."""
+    stats = _process_group_stats(pgid)
+    if stats is None:
+        return None
+    # utime and stime are the 12th and 13th fields after "pid (comm) ".
+    return sum(int(fields[11]) + int(fields[12]) for fields in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def process_group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still alive (a zombie holds no memory: it does not count)."""
+    return any(fields[0] != "Z" for fields in _process_group_stats(pgid) or [])
 
 
 def cpu_per_output_token(cpu_seconds: float | None, output_tokens: int) -> float | None:
@@ -289,13 +327,32 @@ def free_port() -> int:
 
 @dataclass
 class ServedSystem:
-    """A server the benchmark streams the workload to: inflight (always) or vLLM (--compare vllm)."""
+    """A server the benchmark streams the workload to: inflight (always), vLLM (--compare vllm) or
+    llama-server (--compare llama-cpp)."""
 
     name: str
     url: str
     model: str
     ready_path: str
+    # The server's command line for a port; None: a server the benchmark does not start (--url).
+    command: Callable[[int], list[str]] | None = None
+    env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the benchmark started this server and it has not ended."""
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> None:
+        """Start the server on a free port, in its own process group so that pause() and stop() reach the
+        processes it starts (vLLM's engine core and worker)."""
+        assert self.command is not None
+        port = free_port()
+        command = self.command(port)
+        _say(f"starting {self.name}: {' '.join(command[1:])}")
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen(command, env=self.env, start_new_session=True)
 
     def cpu_seconds(self) -> float | None:
         """CPU used so far by this server's processes; None for a server the benchmark did not start."""
@@ -314,15 +371,26 @@ class ServedSystem:
             os.killpg(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
+        """SIGTERM the server (SIGKILL after STOP_TIMEOUT_S), then SIGKILL what is left of its process group:
+        when this returns, none of its processes holds memory."""
         if self.process is None:
             return
-        self.resume()
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.resume()
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        pgid = self.process.pid
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while process_group_alive(pgid) and time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
 
 
 def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_kv_blocks: int) -> list[str]:
@@ -364,45 +432,188 @@ def _vllm_command(args: argparse.Namespace, model_dir: Path, port: int, longest:
     ]  # fmt: skip
 
 
+def _llama_context(args: argparse.Namespace, longest: int) -> int:
+    """llama-server's -c, the context of all its slots together (split over -np): one slot per request in
+    flight, each with the workload's longest sequence."""
+    return args.max_slots * longest
+
+
 def _llama_server_command(args: argparse.Namespace, gguf_file: Path, port: int, longest: int) -> list[str]:
-    # One slot per request in flight, each with the workload's longest sequence (-c is split over -np).
     return [
         str(args.llama_server), "-m", str(gguf_file), "--host", "127.0.0.1", "--port", str(port),
-        "-a", "bench", "-np", str(args.max_slots), "-c", str(args.max_slots * longest),
+        "-a", "bench", "-np", str(args.max_slots), "-c", str(_llama_context(args, longest)),
         "-t", str(args.threads or os.cpu_count() or 1), "--no-webui",
     ]  # fmt: skip
 
 
-def start_llama_server(args: argparse.Namespace, gguf_file: Path, longest: int) -> ServedSystem:
-    command = _llama_server_command(args, gguf_file, free_port(), longest)
-    return _start("llama-cpp", command, dict(os.environ), "/health")
+def llama_server_system(args: argparse.Namespace, gguf_file: Path, longest: int) -> ServedSystem:
+    def command(port: int) -> list[str]:
+        return _llama_server_command(args, gguf_file, port, longest)
+
+    return ServedSystem("llama-cpp", "", "bench", "/health", command, dict(os.environ))
 
 
-def _start(name: str, command: list[str], env: dict[str, str], ready_path: str) -> ServedSystem:
-    port = int(command[command.index("--port") + 1])
-    _say(f"starting {name}: {' '.join(command[1:])}")
-    system = ServedSystem(name, f"http://127.0.0.1:{port}", "bench", ready_path)
-    # Its own process group, so pause() reaches the server's children (vLLM's engine core and worker).
-    system.process = subprocess.Popen(command, env=env, start_new_session=True)
-    return system
-
-
-def start_inflight(args: argparse.Namespace, model_dir: Path, num_kv_blocks: int) -> ServedSystem:
+def inflight_system(args: argparse.Namespace, model_dir: Path, num_kv_blocks: int) -> ServedSystem:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    return _start("inflight", _inflight_command(args, model_dir, free_port(), num_kv_blocks), env, "/ready")
+
+    def command(port: int) -> list[str]:
+        return _inflight_command(args, model_dir, port, num_kv_blocks)
+
+    return ServedSystem("inflight", "", "bench", "/ready", command, env)
 
 
-def start_vllm(args: argparse.Namespace, model_dir: Path, longest: int, work: Path) -> ServedSystem:
+def vllm_system(args: argparse.Namespace, model_dir: Path, longest: int, work: Path) -> ServedSystem:
     from inflight.bench.vllm_cpu import vllm_env
 
-    command = _vllm_command(args, model_dir, free_port(), longest)
-    return _start("vllm", command, vllm_env(work, args.threads), "/health")
+    def command(port: int) -> list[str]:
+        return _vllm_command(args, model_dir, port, longest)
+
+    return ServedSystem("vllm", "", "bench", "/health", command, vllm_env(work, args.threads))
 
 
-def _wait_ready(system: ServedSystem) -> None:
-    wait_until_ready(f"{system.url}{system.ready_path}", system.process, system.name)
+def inflight_memory_bytes(args: argparse.Namespace, shape: ModelShape, num_kv_blocks: int) -> int:
+    """What an inflight CPU server (or the offline engine) with the benchmark's settings holds: sizing's
+    terms for each tensor-parallel rank (weights, oneDNN's packed copy, a step's activations, the runtime)
+    and a pool of `num_kv_blocks` KV blocks. `--quantization auto` is planned like none (sizing's rule:
+    it cannot see which of a GGUF file's tensors stay quantized), which can only overestimate."""
+    limits = EngineLimits(
+        block_size=BLOCK_SIZE, max_slots=args.max_slots, max_batched_tokens=args.max_num_batched_tokens
+    )
+    formats = Formats(args.dtype, args.quantization, args.kv_cache_dtype)
+    ranks = args.tensor_parallel_size
+    return ranks * engine_bytes(shape, formats, ranks, limits, on_gpu=False).total(num_kv_blocks * BLOCK_SIZE)
+
+
+def memory_needs(
+    args: argparse.Namespace,
+    model_dir: Path,
+    compare: list[str],
+    gguf_file: Path | None,
+    longest: int,
+    num_kv_blocks: int,
+) -> dict[str, int]:
+    """Estimated bytes of each server the benchmark starts and of the offline engine (unless
+    --skip-offline): inflight's from sizing, vLLM-CPU's from vllm_cpu.memory_bytes, llama-server's its
+    GGUF file and its context's KV cache."""
+    try:
+        shape = shape_of_config(str(model_dir), ModelConfig.from_dir(model_dir))
+    except ModelLoadError as error:
+        raise SystemExit(str(error)) from error
+    inflight = inflight_memory_bytes(args, shape, num_kv_blocks)
+    needs = {"inflight": inflight}
+    if compare == ["vllm"]:
+        needs["vllm"] = vllm_cpu.memory_bytes(shape, args.dtype)
+    if gguf_file is not None:
+        context_kv = _llama_context(args, longest) * kv_bytes_per_token(shape, LLAMA_CPP_KV_DTYPE, 1)
+        needs["llama-cpp"] = gguf_file.stat().st_size + context_kv
+    if not args.skip_offline:
+        needs["offline engine"] = inflight
+    return needs
+
+
+def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The kernel's estimate of the memory new processes can have without swapping (MemAvailable); None
+    where /proc/meminfo has no answer."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def choose_servers(requested: str, needs: dict[str, int], available: int | None) -> tuple[str, str]:
+    """`--servers` as `together` or `one-at-a-time`, and why, in words with the figures. `auto`: together
+    when everything that would hold memory at once (`needs`: each server's estimate and the offline
+    engine's) fits in MEMORY_MARGIN of the `available` bytes (None: unknown, together as well)."""
+    total = sum(needs.values())
+    figures = ", ".join(f"{name} {size / GIB:.1f} GiB" for name, size in needs.items())
+    estimate = f"about {total / GIB:.1f} GiB together ({figures})"
+    if requested != "auto":
+        return requested, f"--servers {requested}; the estimates: {estimate}"
+    if len(needs) < 2:
+        return TOGETHER, f"one thing holds memory at a time anyway ({figures})"
+    if available is None:
+        return TOGETHER, f"the memory available is unknown (no /proc/meminfo); the estimates: {estimate}"
+    room = MEMORY_MARGIN * available
+    within = f"{MEMORY_MARGIN:.0%} of the {available / GIB:.1f} GiB available (MemAvailable)"
+    if total <= room:
+        return TOGETHER, f"{estimate}, within {within}"
+    why = (
+        f"{estimate}, more than {within}: each server is started for its turn and stopped after it "
+        "(--servers together keeps them all up)"
+    )
+    largest = max(needs, key=lambda name: needs[name])
+    if needs[largest] > room:
+        why += f"; even alone, {largest} needs more than that and may not start"
+    return ONE_AT_A_TIME, why
+
+
+class Servers:
+    """The systems of a run and which of them hold memory. `together`: every server started once, the idle
+    ones paused (SIGSTOP: an idle vLLM-CPU worker busy-polls); `one-at-a-time`: each started for its turn
+    and stopped after it. A server is ready and warmed up before its turn is measured. `memory`: the mode,
+    why, and the estimates it was chosen on, for the report."""
+
+    def __init__(self, mode: str, memory: dict[str, Any], warm_up: Callable[[ServedSystem], None]) -> None:
+        self.systems: list[ServedSystem] = []
+        self.mode = mode
+        self.memory = memory
+        self._warm_up = warm_up
+
+    def start(self) -> None:
+        """`together`: start every server, wait until each is ready and warm each up (a --url server too)."""
+        if self.mode != TOGETHER:
+            return
+        for system in self.systems:
+            if system.command is not None:
+                system.start()
+        for system in self.systems:
+            self._ready(system)
+
+    def _ready(self, system: ServedSystem) -> None:
+        if system.process is not None:
+            wait_until_ready(f"{system.url}{system.ready_path}", system.process, system.name)
+        self._warm_up(system)
+
+    def round_order(self) -> list[ServedSystem]:
+        """The order of a round's turns: one at a time, the server still up from the last turn goes first
+        (one start fewer per round: A B, B A, ...), else the systems' order."""
+        if self.mode == TOGETHER:
+            return list(self.systems)
+        return sorted(self.systems, key=lambda system: not system.running)
+
+    def turn(self, system: ServedSystem) -> None:
+        """Make `system` the one that runs: the others paused (together) or stopped (one at a time, before
+        `system` starts)."""
+        if self.mode == TOGETHER:
+            for other in self.systems:
+                if other is system:
+                    other.resume()
+                else:
+                    other.pause()
+            return
+        for other in self.systems:
+            if other is not system:
+                other.stop()
+        if not system.running:
+            system.start()
+            self._ready(system)
+
+    def rest(self) -> None:
+        """Every server paused (together) or stopped (one at a time): the offline engine's turn."""
+        for system in self.systems:
+            if self.mode == TOGETHER:
+                system.pause()
+            else:
+                system.stop()
+
+    def stop(self) -> None:
+        for system in self.systems:
+            system.stop()
 
 
 def wait_until_ready(
@@ -570,6 +781,8 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
         raise SystemExit(f"--compare {args.compare}: compare with one system, `vllm` or `llama-cpp`")
     if compare and args.url:
         raise SystemExit("--compare starts both servers itself; it cannot be used with --url")
+    if args.url and args.servers == ONE_AT_A_TIME:
+        raise SystemExit("--servers one-at-a-time starts and stops the servers itself; not with --url")
     if compare == ["vllm"] and not (args.vllm_python.is_file() and os.access(args.vllm_python, os.X_OK)):
         raise SystemExit(
             f"--vllm-python {args.vllm_python} is not an executable Python; "
@@ -583,37 +796,60 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
     requests = load_workload(model_dir, args.num_requests, args.seed, args.workload, args.schema_share)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
-    systems: list[ServedSystem] = []
+    if args.url:
+        needs: dict[str, int] = {}
+        available = None
+        mode, why = TOGETHER, "--url: the benchmark starts no server"
+    else:
+        needs = memory_needs(args, model_dir, compare, gguf_file, longest, num_kv_blocks)
+        available = available_memory_bytes()
+        mode, why = choose_servers(args.servers, needs, available)
+    _say(f"servers {mode}: {why}")
+    memory: dict[str, Any] = {
+        "mode": mode,
+        "requested": args.servers,
+        "why": why,
+        "estimated_gib": {name: round(size / GIB, 2) for name, size in needs.items()},
+        "available_gib": None if available is None else round(available / GIB, 2),
+    }
+    # Untimed, like the offline runner's warm-up: two short requests through the HTTP path.
+    warmup = [BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)] * 2
+
+    def warm_up(system: ServedSystem) -> None:
+        asyncio.run(run_clients(system.url, system.model, warmup, math.inf, args.seed))
+
     failed = False
+    servers = Servers(mode, memory, warm_up)
+    # A SIGTERM unwinds like Ctrl-C does, through the `finally` that stops the servers.
+    previous_handler = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="inflight-bench-serve-") as work:
         try:
             if args.url:
                 url = args.url.rstrip("/")
                 model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-                systems.append(ServedSystem("inflight", url, model, "/ready"))
+                servers.systems.append(ServedSystem("inflight", url, model, "/ready"))
             else:
-                systems.append(start_inflight(args, inflight_model, num_kv_blocks))
+                servers.systems.append(inflight_system(args, inflight_model, num_kv_blocks))
             if compare == ["vllm"]:
-                systems.append(start_vllm(args, model_dir, longest, Path(work)))
+                servers.systems.append(vllm_system(args, model_dir, longest, Path(work)))
             if gguf_file is not None:
-                systems.append(start_llama_server(args, gguf_file, longest))
-            for system in systems:
-                if system.process is not None:
-                    _wait_ready(system)
-                # Untimed, like the offline runner's warm-up: two short requests through the HTTP path.
-                warmup = [BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)] * 2
-                asyncio.run(run_clients(system.url, system.model, warmup, math.inf, args.seed))
+                servers.systems.append(llama_server_system(args, gguf_file, longest))
+            servers.start()
             for load in loads:
                 report, results = _run_load(
-                    args, load, systems, model_dir, inflight_model, requests, num_kv_blocks
+                    args, load, servers, model_dir, inflight_model, requests, num_kv_blocks
                 )
                 stem = "serve" if len(loads) == 1 else f"serve-{load.name}"
                 _write_report(report, results, args.out, stem)
                 failed = failed or any(summary["failed"] for summary in report["systems"].values())
         finally:
-            for system in systems:
-                system.stop()
+            servers.stop()
+            signal.signal(signal.SIGTERM, previous_handler)
     return 1 if failed else 0
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _llama_cpp_gguf(args: argparse.Namespace) -> Path:
@@ -639,26 +875,23 @@ def _llama_cpp_gguf(args: argparse.Namespace) -> Path:
 def _run_load(
     args: argparse.Namespace,
     load: Load,
-    systems: list[ServedSystem],
+    servers: Servers,
     model_dir: Path,
     inflight_model: Path,
     requests: list[BenchRequest],
     num_kv_blocks: int,
 ) -> tuple[dict[str, Any], dict[str, list[RequestResult]]]:
-    """`args.rounds` rounds of `load` through every system (and the offline engine), alternating."""
+    """`args.rounds` rounds of `load` through every system (and the offline engine), alternating; a
+    server's start and warm-up before its turn are not measured."""
     rounds: dict[str, list[tuple[dict[str, Any], list[RequestResult]]]] = {}
     offline_runs: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     for round_number in range(1, args.rounds + 1):
         # The systems (and the offline engine) alternate, so load drift affects all alike.
-        for system in systems:
+        for system in servers.round_order():
+            servers.turn(system)
             _say(f"round {round_number}/{args.rounds}: {len(requests)} streaming requests, "
                  f"{load.describe()}, against {system.name} at {system.url}")  # fmt: skip
-            for other in systems:
-                if other is system:
-                    other.resume()
-                else:
-                    other.pause()
             server_before, client_before = system.cpu_seconds(), time.process_time()
             results, duration = asyncio.run(
                 run_clients(system.url, system.model, requests, load.rate, args.seed, load.concurrency)
@@ -691,8 +924,7 @@ def _run_load(
             )
             rounds.setdefault(system.name, []).append((summary, results))
         if not args.skip_offline:
-            for system in systems:
-                system.pause()
+            servers.rest()
             _say("the same workload through the offline engine (same engine settings)")
             offline_runs.append(_offline_tokens_per_s(args, model_dir, inflight_model, requests))
             _say(f"offline: {offline_runs[-1]['output_tokens_per_s']:.1f} output tokens/s")
@@ -738,6 +970,7 @@ def _run_load(
             "enable_prefix_caching": args.enable_prefix_caching,
             "threads": args.threads or "torch default",
         },
+        "servers": servers.memory,
         "environment": {
             "cpus": os.cpu_count(),
             "cpu": cpu_isa().describe(),

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from inflight.bench.system import BenchSettings, System, SystemRun
+from inflight.sizing import CPU_RUNTIME_BYTES, GIB, ModelShape, weight_bytes_per_gpu
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 TIMEOUT_S = 3600
@@ -25,6 +26,12 @@ def unavailable(settings: BenchSettings) -> str | None:
             f"--vllm-python {python} is not an executable Python; run `make bench-vllm` to create .venv-vllm"
         )
     return None
+
+
+def memory_bytes(shape: ModelShape, dtype: str) -> int:
+    """What a vLLM-CPU server of `shape` holds, roughly: its weights in `dtype`, the KV cache space it is
+    given (VLLM_CPU_KVCACHE_SPACE) and the runtime allowance sizing makes for an inflight CPU server."""
+    return weight_bytes_per_gpu(shape, dtype, 1) + KV_CACHE_GIB * GIB + CPU_RUNTIME_BYTES
 
 
 def vllm_env(cache_dir: Path, threads: int | None) -> dict[str, str]:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from inflight.bench.servers_mode import MEMORY_MARGIN, SERVERS_CHOICES
 from inflight.cli.args import add_model_arg
 from inflight.engine.cli_args import (
     add_batching_args,
@@ -81,6 +82,16 @@ def _register_serve(benchmarks: argparse._SubParsersAction) -> None:
         help="`vllm`: stream the same workload to vLLM-CPU's OpenAI server on the same checkpoint, "
         "alternating with inflight each round, and report both (needs --vllm-python); `llama-cpp`: the "
         "same against llama.cpp's llama-server, both serving the GGUF --model (needs --llama-server)",
+    )
+    parser.add_argument(
+        "--servers",
+        choices=SERVERS_CHOICES,
+        default="auto",
+        help="`together`: start every server once and pause the idle ones (a paused server still holds "
+        "its memory); `one-at-a-time`: start each server for its turn and stop it after, so only one holds "
+        "memory (the systems still alternate round by round; starts and warm-ups are not measured); "
+        "`auto` (default): together when the servers' memory estimates, and the offline engine's, fit in "
+        f"{MEMORY_MARGIN:.0%}% of the memory available (MemAvailable), else one at a time, saying why",
     )
     parser.add_argument(
         "--llama-server",
