@@ -219,18 +219,20 @@ enum { CHUNK = 4 };
 
 /* Blocks lie at random addresses, so the hardware prefetcher cannot run ahead across them; the kernel
  * prefetches rows PREFETCH_BYTES ahead of the one it reads, in the order it reads them (K rows, then V
- * rows). 8 KiB: 4-24 KiB measured within a few percent; more competes with the chunk for L1. */
+ * rows). 8 KiB: 4-32 KiB measured within 5-10 %. */
 enum { PREFETCH_BYTES = 8192 };
 
-/* Non-temporal: the data will be evicted before anything reads it again, so it need not take space in
- * L2 / L3. */
+/* Into L2 (prefetcht1), as the dense and quantized products prefetch their weights. The non-temporal hint
+ * (prefetchnta, used before 5 December) left a 30-layer float32 decode step's K/V at 15 GB/s on an AMD
+ * EPYC (Zen 4): this hint reads them at 25 GB/s (bfloat16 15 -> 18 GB/s; docs/benchmarks.md). */
 static ALWAYS_INLINE void prefetch_line(const char *p) {
 #if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 0);
+    __builtin_prefetch(p, 0, 2);
 #else
     (void)p;
 #endif
 }
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* x86 with AVX2 + FMA: the micro-kernels below in intrinsics, since gcc's own vectorization of them
  * spills or falls back to scalar code. The plain C versions after the #else are the reference. */
