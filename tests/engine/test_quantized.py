@@ -39,7 +39,6 @@ from inflight.engine.engine import LLMEngine
 from inflight.engine.gguf.dequant import dequantize
 from inflight.engine.gguf.repack import from_gguf_blocks, quantize
 from inflight.engine.loader import _quantized_formats, load_model
-from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
 from inflight.engine.quantization import CPU_LAYOUTS, LOAD_TIME_FORMATS, QUANTIZED_WEIGHT_BYTES
 from inflight.engine.sequence import SamplingParams
@@ -142,7 +141,9 @@ def test_sizing_plans_the_weight_bytes_a_loaded_model_holds(arch: str, quantizat
     norms and Qwen2's q/k/v biases in the dtype."""
     model = load_model(cached_model("tiny", arch), quantization=quantization)
     held = sum(t.nbytes for t in model.weight_tensors().values())
-    planned = sizing.weight_bytes_per_gpu(_shape(model.config), model.config.torch_dtype, 1, quantization)
+    planned = sizing.weight_bytes_per_gpu(
+        sizing.shape_of_config("tiny", model.config), model.config.torch_dtype, 1, quantization
+    )
     assert planned == held
     if quantization != "none":
         assert isinstance(model.embed_tokens, QuantizedEmbedding)
@@ -161,25 +162,11 @@ def test_sizing_plans_the_packed_copy_a_cpu_engine_keeps(arch: str, quantization
     packed = [m.packed_weight for m in model.modules() if isinstance(m, PrepackedLinear)]
     assert len(packed) == packed_count
     held = sum(torch.ops.mkldnn._nbytes(weight) for weight in packed)
-    assert sizing.packed_weight_bytes(_shape(model.config), "float32", quantization) == held
-    assert (held > 0) == (quantization == "none")
-
-
-def _shape(config: ModelConfig) -> sizing.ModelShape:
-    """The sizing shape of a loaded model's config."""
-    return sizing.ModelShape(
-        "tiny",
-        config.num_hidden_layers,
-        config.hidden_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-        config.intermediate_size,
-        config.vocab_size,
-        config.tie_word_embeddings,
-        attention_bias=config.attention_bias,
-        architecture=config.architecture,
+    assert (
+        sizing.packed_weight_bytes(sizing.shape_of_config("tiny", model.config), "float32", quantization)
+        == held
     )
+    assert (held > 0) == (quantization == "none")
 
 
 def _float32_scales(weight: QuantizedTensor) -> QuantizedTensor:
