@@ -3,21 +3,27 @@ sizes: for each size, that many requests (64-token prompts, 80 greedy tokens) ad
 of 64 slots, every `engine.step()` timed; the median leaves out the first two (prefill) and last two.
 Point PYTHONPATH at a checkout to measure that version (the float-weight A/B of #29, docs/benchmarks.md).
 
-    GOMP_SPINCOUNT=3000 PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/decode_step.py float32|bfloat16 1,4
+    PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/decode_step.py float32|bfloat16 1,4
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 
-import torch
+from inflight.engine.cpu import openmp
 
-from inflight.checkpoints.resolve import resolve_model
-from inflight.engine.config import EngineConfig
-from inflight.engine.engine import LLMEngine
-from inflight.engine.sequence import SamplingParams
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import torch  # noqa: E402
+
+from inflight.checkpoints.resolve import resolve_model  # noqa: E402
+from inflight.engine.config import EngineConfig  # noqa: E402
+from inflight.engine.engine import LLMEngine  # noqa: E402
+from inflight.engine.sequence import SamplingParams  # noqa: E402
 
 
 def main() -> None:

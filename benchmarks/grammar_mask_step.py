@@ -16,9 +16,9 @@ import os
 import random
 import time
 
-from inflight.cli import configure_openmp
+from inflight.engine.cpu import openmp
 
-configure_openmp(os.environ)
+openmp.configure(os.environ)
 
 import torch  # noqa: E402
 

@@ -5,11 +5,11 @@ all ROWS sequences decoding) and whether both generated the same greedy tokens. 
 checkout's for both: only engine/cpu's C files (kernels.c, quant_kernels.c, decode_layer.c and their
 headers) come from REV.
 
-    flock /tmp/bench.lock env GOMP_SPINCOUNT=3000 PYTHONPATH=. .venv/bin/python benchmarks/kernels_ab.py \\
+    flock /tmp/bench.lock env PYTHONPATH=. .venv/bin/python benchmarks/kernels_ab.py \\
         MODEL ROWS REV
 
 MODEL: a GGUF file or `builtin:smollm2`; ROWS: sequences decoding together; REV: a git revision.
-GOMP_SPINCOUNT: what the `inflight` command sets (inflight/cli/__init__.py).
+The OpenMP spin count is the engine's (inflight/engine/cpu/openmp.py), set before torch loads.
 """
 
 from __future__ import annotations
@@ -22,14 +22,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from inflight.engine.cpu import openmp
 
-from benchmarks.quantized_decode_step import PROMPT_TOKENS
-from benchmarks.quantized_scales_ab import ROUND_TOKENS, ROUNDS, timed_steps
-from inflight.checkpoints.resolve import resolve_model
-from inflight.engine.cpu import kernels
-from inflight.engine.llm import LLM
-from inflight.engine.sequence import SamplingParams
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import torch  # noqa: E402
+
+from benchmarks.quantized_decode_step import PROMPT_TOKENS  # noqa: E402
+from benchmarks.quantized_scales_ab import ROUND_TOKENS, ROUNDS, timed_steps  # noqa: E402
+from inflight.checkpoints.resolve import resolve_model  # noqa: E402
+from inflight.engine.cpu import kernels  # noqa: E402
+from inflight.engine.llm import LLM  # noqa: E402
+from inflight.engine.sequence import SamplingParams  # noqa: E402
 
 
 def library_at(rev: str, folder: Path) -> ctypes.CDLL:

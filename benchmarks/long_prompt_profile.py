@@ -2,26 +2,32 @@
 (after its warm-up), with per-call timers on the linear layers (oneDNN GEMMs), paged attention and the
 K/V writes; the rest of the timed run is the elementwise steps, sampling and Python.
 
-    GOMP_SPINCOUNT=3000 PYTHONPATH=. .venv/bin/python benchmarks/long_prompt_profile.py \
+    PYTHONPATH=. .venv/bin/python benchmarks/long_prompt_profile.py \
         [--dtype bfloat16] [--num-requests 16] [--threads 2] [--max-num-batched-tokens 2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from inflight.engine.cpu import openmp
 
-from inflight.bench.checkpoint import bench_checkpoint
-from inflight.bench.inflight_engine import CONTINUOUS
-from inflight.bench.system import BenchSettings
-from inflight.bench.workload import load_workload
-from inflight.engine.attention import backend
-from inflight.engine.cpu import linear
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import torch  # noqa: E402
+
+from inflight.bench.checkpoint import bench_checkpoint  # noqa: E402
+from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402
+from inflight.bench.system import BenchSettings  # noqa: E402
+from inflight.bench.workload import load_workload  # noqa: E402
+from inflight.engine.attention import backend  # noqa: E402
+from inflight.engine.cpu import linear  # noqa: E402
 
 TIMES: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)

@@ -2,26 +2,32 @@
 engine (after its warm-up) with wall-clock timers on each engine step (grouped by kind: prefill or
 decode, and by how many rows it runs), the linear layers (by weight shape and row bucket) and the LM head.
 
-    GOMP_SPINCOUNT=3000 PYTHONPATH=. .venv/bin/python benchmarks/offline_profile.py \
+    PYTHONPATH=. .venv/bin/python benchmarks/offline_profile.py \
         --model builtin:llama-1b --dtype bfloat16 --num-requests 16 [--quantization none]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 from typing import Any
 
-import torch
+from inflight.engine.cpu import openmp
 
-from inflight.bench.checkpoint import bench_checkpoint, inflight_checkpoint
-from inflight.bench.inflight_engine import CONTINUOUS
-from inflight.bench.system import BenchSettings
-from inflight.bench.workload import load_workload
-from inflight.engine import runner as runner_module
-from inflight.engine.cpu import linear
-from inflight.engine.model import llama
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import torch  # noqa: E402
+
+from inflight.bench.checkpoint import bench_checkpoint, inflight_checkpoint  # noqa: E402
+from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402
+from inflight.bench.system import BenchSettings  # noqa: E402
+from inflight.bench.workload import load_workload  # noqa: E402
+from inflight.engine import runner as runner_module  # noqa: E402
+from inflight.engine.cpu import linear  # noqa: E402
+from inflight.engine.model import llama  # noqa: E402
 
 TIMES: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)

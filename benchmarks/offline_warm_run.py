@@ -4,18 +4,24 @@ tokens/s (and per CPU second where the checkout's harness measures it). Point PY
 to measure that version (the A/B of unconstrained batches against main before #28, docs/api.md); an
 optional schema share constrains part of the batch.
 
-    GOMP_SPINCOUNT=3000 PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/offline_warm_run.py [SHARE]
+    PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/offline_warm_run.py [SHARE]
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-import inflight
-from inflight.bench.checkpoint import bench_checkpoint
-from inflight.bench.inflight_engine import CONTINUOUS
-from inflight.bench.system import BenchSettings
-from inflight.bench.workload import load_workload
+from inflight.engine.cpu import openmp
+
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import inflight  # noqa: E402
+from inflight.bench.checkpoint import bench_checkpoint  # noqa: E402
+from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402
+from inflight.bench.system import BenchSettings  # noqa: E402
+from inflight.bench.workload import load_workload  # noqa: E402
 
 
 def main() -> None:

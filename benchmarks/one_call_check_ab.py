@@ -4,7 +4,7 @@ and this checkout's with the layers' one-call forms never checked after the firs
 checking them costs). The machine's speed moves by 25 % between minutes; alternating blocks of steps in
 one process compares the three at the same minutes (#29, docs/benchmarks.md).
 
-    flock /tmp/bench.lock env GOMP_SPINCOUNT=3000 PYTHONPATH=. .venv/bin/python \\
+    flock /tmp/bench.lock env PYTHONPATH=. .venv/bin/python \\
         benchmarks/one_call_check_ab.py COMMIT ROWS TOKENS BLOCK ROUNDS [MODEL]
 
 Each round adds ROWS requests (64-token prompts, TOKENS greedy tokens) to each engine, then steps them
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -25,13 +26,18 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import torch
+from inflight.engine.cpu import openmp
 
-from inflight.checkpoints.resolve import resolve_model
-from inflight.engine.config import EngineConfig
-from inflight.engine.engine import LLMEngine
-from inflight.engine.model.decode_layer import Links
-from inflight.engine.sequence import SamplingParams
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import torch  # noqa: E402
+
+from inflight.checkpoints.resolve import resolve_model  # noqa: E402
+from inflight.engine.config import EngineConfig  # noqa: E402
+from inflight.engine.engine import LLMEngine  # noqa: E402
+from inflight.engine.model.decode_layer import Links  # noqa: E402
+from inflight.engine.sequence import SamplingParams  # noqa: E402
 
 
 def _load(name: str, path: Path) -> ModuleType:

@@ -5,22 +5,28 @@ a `max_merged_prefill_tokens` (0: merge every prompt into one step while the bud
 round first. Point PYTHONPATH at a checkout to measure that version (the TTFT work of #29,
 docs/benchmarks.md).
 
-    GOMP_SPINCOUNT=3000 PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/prefill_burst.py float32|bfloat16 64,0
+    PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/prefill_burst.py float32|bfloat16 64,0
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
-import torch
+from inflight.engine.cpu import openmp
 
-from inflight.bench.checkpoint import bench_checkpoint
-from inflight.bench.workload import load_workload
-from inflight.checkpoints.resolve import resolve_model
-from inflight.engine.config import EngineConfig
-from inflight.engine.engine import LLMEngine
-from inflight.engine.sequence import SamplingParams
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import torch  # noqa: E402
+
+from inflight.bench.checkpoint import bench_checkpoint  # noqa: E402
+from inflight.bench.workload import load_workload  # noqa: E402
+from inflight.checkpoints.resolve import resolve_model  # noqa: E402
+from inflight.engine.config import EngineConfig  # noqa: E402
+from inflight.engine.engine import LLMEngine  # noqa: E402
+from inflight.engine.sequence import SamplingParams  # noqa: E402
 
 
 def burst(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[dict[str, float], list[str]]:

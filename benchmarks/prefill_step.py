@@ -2,22 +2,28 @@
 weights, the MLP whole against in row blocks (`MLP_BLOCK_BYTES`, engine/model/llama.py), alternating
 in one process; prints each setting's median step.
 
-    GOMP_SPINCOUNT=3000 PYTHONPATH=. .venv/bin/python benchmarks/prefill_step.py builtin:llama-1b bfloat16 [5]
+    PYTHONPATH=. .venv/bin/python benchmarks/prefill_step.py builtin:llama-1b bfloat16 [5]
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 
-import torch
+from inflight.engine.cpu import openmp
 
-from inflight.checkpoints.resolve import resolve_model
-from inflight.engine.config import EngineConfig
-from inflight.engine.engine import LLMEngine
-from inflight.engine.model import llama
-from inflight.engine.sequence import SamplingParams
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import torch  # noqa: E402
+
+from inflight.checkpoints.resolve import resolve_model  # noqa: E402
+from inflight.engine.config import EngineConfig  # noqa: E402
+from inflight.engine.engine import LLMEngine  # noqa: E402
+from inflight.engine.model import llama  # noqa: E402
+from inflight.engine.sequence import SamplingParams  # noqa: E402
 
 SETTINGS = {"whole": 2**62, "row blocks": llama.MLP_BLOCK_BYTES}
 

@@ -23,11 +23,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from inflight.cli import configure_openmp
+from inflight.engine.cpu import openmp
 
-# The OpenMP spin count `inflight` sets for its commands, before torch loads OpenMP: without it the
-# offline runs here were several times slower than `inflight bench offline` on this shared machine.
-configure_openmp(os.environ)
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
 
 from inflight.bench.checkpoint import bench_checkpoint  # noqa: E402
 from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402

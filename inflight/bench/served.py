@@ -43,6 +43,7 @@ import httpx
 from inflight.bench import vllm_cpu
 from inflight.bench.servers_mode import MEMORY_MARGIN, ONE_AT_A_TIME, TOGETHER
 from inflight.bench.workload import BenchRequest, load_workload
+from inflight.engine.cpu import openmp
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.model.config import ModelConfig
@@ -459,7 +460,9 @@ def llama_server_system(args: argparse.Namespace, gguf_file: Path, longest: int)
     def command(port: int) -> list[str]:
         return _llama_server_command(args, gguf_file, port, longest)
 
-    return ServedSystem("llama-cpp", "", "bench", "/health", command, dict(os.environ))
+    # llama-server's OpenMP threads get the spin count its own users get, not the engine's.
+    env = openmp.environment_without_engine_choice()
+    return ServedSystem("llama-cpp", "", "bench", "/health", command, env)
 
 
 def inflight_system(args: argparse.Namespace, model_dir: Path, num_kv_blocks: int) -> ServedSystem:

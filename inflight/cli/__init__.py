@@ -11,6 +11,7 @@ import sys
 
 from inflight import __version__
 from inflight.cli import bench, crd, demo, download, generate, make_model, operator, router, serve, size
+from inflight.engine.cpu import openmp
 
 COMMANDS = (bench, generate, make_model, serve, demo, operator, crd, size, download, router)
 
@@ -28,22 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# How long an idle OpenMP worker spins before it sleeps, in libgomp's GOMP_SPINCOUNT units (pause
-# instructions: about 50-100 us). libgomp's default spins 100x longer, which on a shared machine starves the
-# threads doing real work (8x slower engine steps); sleeping at once (OMP_WAIT_POLICY=PASSIVE) makes every
-# parallel region wake its workers, 20-30 % of a CPU decode step's time. Measurements: docs/benchmarks.md.
-OPENMP_SPIN_COUNT = "3000"
-
-
-def configure_openmp(environ: dict[str, str] | os._Environ[str]) -> None:
-    """Set the OpenMP spin count before torch loads OpenMP, unless the user chose a wait policy or a spin
-    count (OMP_WAIT_POLICY, GOMP_SPINCOUNT): theirs win."""
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
-
-
 def main(argv: list[str] | None = None) -> int:
-    configure_openmp(os.environ)
+    openmp.configure(os.environ)
     args = build_parser().parse_args(argv)
     code: int = args.func(args)
     return code

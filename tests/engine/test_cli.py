@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from inflight.cli import OPENMP_SPIN_COUNT, configure_openmp, main
+from inflight.bench.vllm_cpu import vllm_env
+from inflight.cli import main
+from inflight.engine.cpu import openmp
 
 
 def test_generate_prints_completions_as_json(
@@ -44,11 +47,32 @@ def test_generate_reports_bad_input_clearly(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.parametrize(
     ("environ", "expected"),
     [
-        ({}, {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}),
+        ({}, {"GOMP_SPINCOUNT": openmp.SPIN_COUNT, "INFLIGHT_OPENMP_SPIN_CHOSEN": openmp.SPIN_COUNT}),
         ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
         ({"GOMP_SPINCOUNT": "0"}, {"GOMP_SPINCOUNT": "0"}),
     ],
 )
 def test_openmp_spins_briefly_unless_user_chose(environ: dict[str, str], expected: dict[str, str]) -> None:
-    configure_openmp(environ)
+    openmp.configure(environ)
     assert environ == expected
+
+
+def test_other_systems_get_the_users_openmp_setting_not_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM-CPU and llama-server in a benchmark run as their users run them: the spin count the engine
+    chose is taken out (also in a process started from the one that chose it), the user's kept."""
+    chosen = {"PATH": "/bin"}
+    openmp.configure(chosen)
+    child = dict(chosen)
+    openmp.configure(child)  # a server the benchmark starts runs `inflight` again
+    assert openmp.environment_without_engine_choice(chosen) == {"PATH": "/bin"}
+    assert openmp.environment_without_engine_choice(child) == {"PATH": "/bin"}
+    users = {"PATH": "/bin", "GOMP_SPINCOUNT": "500"}
+    openmp.configure(users)
+    assert openmp.environment_without_engine_choice(users) == users
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "INFLIGHT_OPENMP_SPIN_CHOSEN"):
+        monkeypatch.delenv(name, raising=False)
+    openmp.configure(os.environ)
+    assert os.environ["GOMP_SPINCOUNT"] == openmp.SPIN_COUNT
+    assert "GOMP_SPINCOUNT" not in vllm_env(Path("/tmp/x"), 2)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    assert vllm_env(Path("/tmp/x"), 2)["GOMP_SPINCOUNT"] == "500"
