@@ -3,8 +3,10 @@ case, the K/V in 16-token blocks at shuffled addresses (the prompt's own K/V was
 in cache as in the engine).
 
 Builds kernels.c as it is in the working tree, and optionally another kernels.c (e.g. from
-`git show HEAD~1:inflight/engine/cpu/kernels.c > /tmp/old.c`), and times both on the same inputs,
-alternating call by call, so machine load hits both alike. Default shape: SmolLM2-135M's attention
+`git show HEAD~1:inflight/engine/cpu/kernels.c > /tmp/old.c`), and times both on the same inputs, with
+torch's SDPA (torch_paged.prefill: a causal mask offset by the prefix) and the engine's flash-attention
+route for AMX CPUs (cpu_paged.prefill_by_flash_attention), alternating call by call, so machine load hits
+all alike. Default shape: SmolLM2-135M's attention
 (9 query / 3 KV heads, head_dim 64). Reports each case's median call and its GFLOP/s (causal: q.k and
 p.v over the keys each row attends).
 
@@ -24,10 +26,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.cpu_attention_common import build, parser_with_shape
+from inflight.engine.attention import cpu_paged, torch_paged
 from inflight.engine.cpu import kernels as cpu_kernels
 
 # (query_len, seq_len) of one prompt chunk: whole prompts, and chunks after a cached prefix.
-CASES = ((512, 512), (1024, 1024), (2048, 2048), (2048, 4096), (1024, 4096), (4096, 4096))
+CASES = (
+    (64, 64), (128, 128), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (2048, 4096), (1024, 4096),
+    (4096, 4096),
+)  # fmt: skip
 
 
 def main() -> None:
@@ -58,6 +64,18 @@ def main() -> None:
         assert failed == 0
         return time.perf_counter() - start
 
+    def sdpa(query_len: int, seq_len: int) -> float:
+        start = time.perf_counter()
+        torch_paged.prefill(query[:query_len], k_cache, v_cache, table[0], seq_len, None, args.head_dim**-0.5)
+        return time.perf_counter() - start
+
+    def flash(query_len: int, seq_len: int) -> float:
+        start = time.perf_counter()
+        cpu_paged.prefill_by_flash_attention(
+            query[:query_len], k_cache, v_cache, table[0], seq_len, args.head_dim**-0.5
+        )
+        return time.perf_counter() - start
+
     with tempfile.TemporaryDirectory() as tmp:
         systems = {"working tree": build(cpu_kernels.SOURCE, Path(tmp))}
         if args.compare is not None:
@@ -68,11 +86,16 @@ def main() -> None:
         )
         for query_len, seq_len in CASES:
             times: dict[str, list[float]] = {name: [] for name in systems}
+            times["SDPA with a mask"], times["flash attention, no mask"] = [], []
             for library in systems.values():
                 call(library, query_len, seq_len)  # first touch
+            sdpa(query_len, seq_len)
+            flash(query_len, seq_len)
             for _ in range(args.calls):
                 for name, library in systems.items():
                     times[name].append(call(library, query_len, seq_len))
+                times["SDPA with a mask"].append(sdpa(query_len, seq_len))
+                times["flash attention, no mask"].append(flash(query_len, seq_len))
             ctx = seq_len - query_len
             pairs = sum(ctx + r + 1 for r in range(query_len))
             flops = 4 * pairs * args.heads * args.head_dim

@@ -142,7 +142,7 @@ class _Workspace(threading.local):
 _WORKSPACE = _Workspace()
 
 
-def _gather(
+def gather(
     cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int, name: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """[..., num_blocks * block_size, num_kv_heads, head_dim]: the first `num_blocks` blocks of a table,
@@ -172,8 +172,8 @@ def _decode(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-max_seq_len // block_size)
-    keys = _gather(k_cache, block_tables, num_blocks, "k", query.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-    values = _gather(v_cache, block_tables, num_blocks, "v", query.dtype).transpose(1, 2)
+    keys = gather(k_cache, block_tables, num_blocks, "k", query.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    values = gather(v_cache, block_tables, num_blocks, "v", query.dtype).transpose(1, 2)
     key_pos = torch.arange(keys.shape[2], device=query.device)
     lens = seq_lens.to(torch.int64)[:, None]
     mask = key_pos[None, :] < lens
@@ -197,10 +197,8 @@ def prefill(
     """The last `query_len` tokens of one sequence: query [Q, Hq, D] -> [Q, Hq, D]."""
     query_len = query.shape[0]
     num_blocks = -(-seq_len // k_cache.shape[1])
-    keys = _gather(k_cache, block_table, num_blocks, "k", query.dtype)[:seq_len].transpose(
-        0, 1
-    )  # [Hkv, L, D]
-    values = _gather(v_cache, block_table, num_blocks, "v", query.dtype)[:seq_len].transpose(0, 1)
+    keys = gather(k_cache, block_table, num_blocks, "k", query.dtype)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+    values = gather(v_cache, block_table, num_blocks, "v", query.dtype)[:seq_len].transpose(0, 1)
     # A leading batch dimension: without it SDPA takes its slow math path on CPU instead of flash attention.
     q, keys, values = query.transpose(0, 1)[None], keys[None], values[None]  # [1, H, L, D]
     if query_len == seq_len and sliding_window is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from inflight.engine.attention import cpu_paged, torch_paged
 from inflight.engine.attention.backend import get_attention_backend
 from inflight.engine.cpu import kernels as cpu_kernels
-from inflight.engine.cpu.isa import proc_cpuinfo
+from inflight.engine.cpu.isa import CpuIsa, proc_cpuinfo
 
 from support.paged_cases import dense_reference, make_case
 
@@ -405,3 +406,32 @@ def test_argmax_rows_answers_like_torch(
         x[6, -1] = float("nan")
         x[7, cols // 2] = float("inf")
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), cols
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_long_bfloat16_prompts_go_through_flash_attention_where_the_cpu_has_amx(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two decodes, a prompt one row short of the cut-over, one at it, a chunk of 200 rows after 300 keys:
+    # with AMX-BF16 the last two go through torch's flash attention (the chunk after a prefix as two calls
+    # merged by their log-sum-exps), the rest through the kernels.
+    short = cpu_paged.PROMPT_ROWS_FOR_FLASH - 1
+    seq_lens = [40, short, cpu_paged.PROMPT_ROWS_FOR_FLASH, 500, 70]
+    query_lens = [1, short, cpu_paged.PROMPT_ROWS_FOR_FLASH, 200, 1]
+    case = make_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    isa = CpuIsa(name="test CPU", avx512_bf16=True, amx_bf16=amx)
+    monkeypatch.setattr(cpu_paged, "cpu_isa", lambda: isa)
+    attended: list[int] = []
+    prefill = cpu_paged.prefill_by_flash_attention
+
+    def spy(query: torch.Tensor, *args: Any) -> torch.Tensor:
+        attended.append(query.shape[0])
+        return prefill(query, *args)
+
+    monkeypatch.setattr(cpu_paged, "prefill_by_flash_attention", spy)
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert attended == ([cpu_paged.PROMPT_ROWS_FOR_FLASH, 200] if amx else [])
+    assert_close(out, dense_reference(case), torch.bfloat16)
+    float32 = make_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64)
+    cpu_paged.paged_attention(float32.query, float32.k_cache, float32.v_cache, float32.meta, float32.scale)
+    assert len(attended) == (2 if amx else 0), "float32 prompts stay in the kernel"
