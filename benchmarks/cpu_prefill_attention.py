@@ -32,7 +32,7 @@ from inflight.engine.cpu import kernels as cpu_kernels
 # (query_len, seq_len) of one prompt chunk: whole prompts, and chunks after a cached prefix.
 CASES = (
     (64, 64), (128, 128), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (2048, 4096), (1024, 4096),
-    (4096, 4096),
+    (4096, 4096), (64, 4096), (128, 4096),
 )  # fmt: skip
 
 

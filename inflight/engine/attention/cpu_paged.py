@@ -8,9 +8,9 @@ the rows of prompts through `paged_prefill` (one work item per 32 rows of a prom
 those rows attend converted, 256 at a time, into tiles that every query head of the group shares, with an
 online softmax across the blocks of keys; faster than SDPA at every prompt length measured, 256 to 2048
 tokens and chunks after a 3,584-token prefix, on CPUs without AMX). Where the CPU has AMX-BF16 (Intel
-Sapphire Rapids+), bfloat16 prompt chunks of PROMPT_ROWS_FOR_FLASH rows or more go through torch's CPU
-flash attention instead, which multiplies on the AMX tiles (`prefill_by_flash_attention`: 1.2x the kernel
-at 128 rows, 3.8-4.1x from 2048; docs/benchmarks.md). New keys
+Sapphire Rapids+), bfloat16 prompt chunks whose rows times keys reach PROMPT_PAIRS_FOR_FLASH go through
+torch's CPU flash attention instead, which multiplies on the AMX tiles (`prefill_by_flash_attention`: 1.8x
+the kernel at 512 rows, 3.8-4.1x from 2048, 2.1x for 64 rows after 4032 keys; docs/benchmarks.md). New keys
 and values are stored with one C call per layer (a row copy per token) instead of two index_copy_
 dispatches. Where the kernels are unavailable (see cpu/kernels.py) or cannot take the inputs, this is the
 torch path.
@@ -28,9 +28,12 @@ from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.isa import cpu_isa
 
-# From this many rows a bfloat16 prompt chunk is attended by flash attention where the CPU has AMX-BF16
-# (64 rows: the kernel 0.07 ms, flash attention 0.09; 128 rows: 0.17 and 0.14 ms; docs/benchmarks.md).
-PROMPT_ROWS_FOR_FLASH = 128
+# A bfloat16 prompt chunk is attended by flash attention where the CPU has AMX-BF16 when its rows times the
+# keys it attends reach this. A lone call is faster from 128 x 128 (the kernel 0.17 ms, flash attention
+# 0.14), but a step's prompts of 16-256 rows ran ~3 % slower through it than through the kernel's one call
+# (gathers, Python per prompt); 512 x 512 saves 0.8 ms a call (1.84 against 1.04), 64 rows after 4032 keys
+# 1.8 ms (3.38 against 1.62). docs/benchmarks.md.
+PROMPT_PAIRS_FOR_FLASH = 512 * 512
 
 
 def kernel_available() -> bool:
@@ -133,7 +136,7 @@ def paged_attention(
         failed |= library.paged_decode(*tensors, *rows_args, *rest)
     prompts = meta.prompts
     if _flash_attention_multiplies_faster(query, k_cache):
-        long = prompts[:, 2] >= PROMPT_ROWS_FOR_FLASH
+        long = prompts[:, 2] * prompts[:, 3] >= PROMPT_PAIRS_FOR_FLASH
         for index, first_row, query_len, seq_len in prompts[long].tolist():
             chunk = slice(first_row, first_row + query_len)
             table = meta.block_tables[index]

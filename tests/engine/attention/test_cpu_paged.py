@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -412,12 +413,14 @@ def test_argmax_rows_answers_like_torch(
 def test_long_bfloat16_prompts_go_through_flash_attention_where_the_cpu_has_amx(
     amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Two decodes, a prompt one row short of the cut-over, one at it, a chunk of 200 rows after 300 keys:
-    # with AMX-BF16 the last two go through torch's flash attention (the chunk after a prefix as two calls
-    # merged by their log-sum-exps), the rest through the kernels.
-    short = cpu_paged.PROMPT_ROWS_FOR_FLASH - 1
-    seq_lens = [40, short, cpu_paged.PROMPT_ROWS_FOR_FLASH, 500, 70]
-    query_lens = [1, short, cpu_paged.PROMPT_ROWS_FOR_FLASH, 200, 1]
+    # Two decodes, a prompt one row short of the cut-over (rows x keys), one at it, and a chunk of few rows
+    # after enough keys: with AMX-BF16 the last two go through torch's flash attention (the chunk after a
+    # prefix as two calls merged by their log-sum-exps), the rest through the kernels.
+    side = math.isqrt(cpu_paged.PROMPT_PAIRS_FOR_FLASH)
+    assert side * side == cpu_paged.PROMPT_PAIRS_FOR_FLASH
+    few = 64
+    seq_lens = [40, side - 1, side, cpu_paged.PROMPT_PAIRS_FOR_FLASH // few, 70]
+    query_lens = [1, side - 1, side, few, 1]
     case = make_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
     isa = CpuIsa(name="test CPU", avx512_bf16=True, amx_bf16=amx)
     monkeypatch.setattr(cpu_paged, "cpu_isa", lambda: isa)
@@ -430,7 +433,7 @@ def test_long_bfloat16_prompts_go_through_flash_attention_where_the_cpu_has_amx(
 
     monkeypatch.setattr(cpu_paged, "prefill_by_flash_attention", spy)
     out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
-    assert attended == ([cpu_paged.PROMPT_ROWS_FOR_FLASH, 200] if amx else [])
+    assert attended == ([side, few] if amx else [])
     assert_close(out, dense_reference(case), torch.bfloat16)
     float32 = make_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64)
     cpu_paged.paged_attention(float32.query, float32.k_cache, float32.v_cache, float32.meta, float32.scale)
