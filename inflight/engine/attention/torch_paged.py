@@ -142,7 +142,7 @@ class _Workspace(threading.local):
 _WORKSPACE = _Workspace()
 
 
-def gather(
+def _gather(
     cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int, name: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """[..., num_blocks * block_size, num_kv_heads, head_dim]: the first `num_blocks` blocks of a table,
@@ -172,8 +172,8 @@ def _decode(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-max_seq_len // block_size)
-    keys = gather(k_cache, block_tables, num_blocks, "k", query.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-    values = gather(v_cache, block_tables, num_blocks, "v", query.dtype).transpose(1, 2)
+    keys = _gather(k_cache, block_tables, num_blocks, "k", query.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather(v_cache, block_tables, num_blocks, "v", query.dtype).transpose(1, 2)
     key_pos = torch.arange(keys.shape[2], device=query.device)
     lens = seq_lens.to(torch.int64)[:, None]
     mask = key_pos[None, :] < lens
@@ -183,6 +183,17 @@ def _decode(
     grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `seq_len` keys and values, [Hkv, L, D] each, as `dtype` (in the workspace
+    buffers: valid until the next gather)."""
+    num_blocks = -(-seq_len // k_cache.shape[1])
+    keys = _gather(k_cache, block_table, num_blocks, "k", dtype)[:seq_len].transpose(0, 1)
+    values = _gather(v_cache, block_table, num_blocks, "v", dtype)[:seq_len].transpose(0, 1)
+    return keys, values
 
 
 def prefill(
@@ -196,9 +207,7 @@ def prefill(
 ) -> torch.Tensor:
     """The last `query_len` tokens of one sequence: query [Q, Hq, D] -> [Q, Hq, D]."""
     query_len = query.shape[0]
-    num_blocks = -(-seq_len // k_cache.shape[1])
-    keys = gather(k_cache, block_table, num_blocks, "k", query.dtype)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-    values = gather(v_cache, block_table, num_blocks, "v", query.dtype)[:seq_len].transpose(0, 1)
+    keys, values = gather_context(k_cache, v_cache, block_table, seq_len, query.dtype)
     # A leading batch dimension: without it SDPA takes its slow math path on CPU instead of flash attention.
     q, keys, values = query.transpose(0, 1)[None], keys[None], values[None]  # [1, H, L, D]
     if query_len == seq_len and sliding_window is None:
