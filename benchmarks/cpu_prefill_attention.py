@@ -4,11 +4,10 @@ in cache as in the engine).
 
 Builds kernels.c as it is in the working tree, and optionally another kernels.c (e.g. from
 `git show HEAD~1:inflight/engine/cpu/kernels.c > /tmp/old.c`), and times both on the same inputs, with
-torch's SDPA (torch_paged.prefill: a causal mask offset by the prefix) and the engine's flash-attention
-route for AMX CPUs (cpu_paged.prefill_by_flash_attention), alternating call by call, so machine load hits
-all alike. Default shape: SmolLM2-135M's attention
-(9 query / 3 KV heads, head_dim 64). Reports each case's median call and its GFLOP/s (causal: q.k and
-p.v over the keys each row attends).
+torch's SDPA (torch_paged.prefill: a causal mask offset by the prefix; torch's CPU flash attention, on the
+AMX tiles where the CPU has them), alternating call by call, so machine load hits all alike. Default shape:
+SmolLM2-135M's attention (9 query / 3 KV heads, head_dim 64). Reports each case's median call and its
+GFLOP/s (causal: q.k and p.v over the keys each row attends).
 
     PYTHONPATH=. .venv/bin/python benchmarks/cpu_prefill_attention.py [--compare /tmp/old.c]
         [--dtype bfloat16|float32] [--threads 2] [--calls 7]
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cpu_attention_common import build, parser_with_shape
-from inflight.engine.attention import cpu_paged, torch_paged
+from inflight.engine.attention import torch_paged
 from inflight.engine.cpu import kernels as cpu_kernels
 
 # (query_len, seq_len) of one prompt chunk: whole prompts, and chunks after a cached prefix.
@@ -69,13 +68,6 @@ def main() -> None:
         torch_paged.prefill(query[:query_len], k_cache, v_cache, table[0], seq_len, None, args.head_dim**-0.5)
         return time.perf_counter() - start
 
-    def flash(query_len: int, seq_len: int) -> float:
-        start = time.perf_counter()
-        cpu_paged.prefill_by_flash_attention(
-            query[:query_len], k_cache, v_cache, table[0], seq_len, args.head_dim**-0.5
-        )
-        return time.perf_counter() - start
-
     with tempfile.TemporaryDirectory() as tmp:
         systems = {"working tree": build(cpu_kernels.SOURCE, Path(tmp))}
         if args.compare is not None:
@@ -86,16 +78,14 @@ def main() -> None:
         )
         for query_len, seq_len in CASES:
             times: dict[str, list[float]] = {name: [] for name in systems}
-            times["SDPA with a mask"], times["flash attention, no mask"] = [], []
+            times["SDPA with a mask"] = []
             for library in systems.values():
                 call(library, query_len, seq_len)  # first touch
             sdpa(query_len, seq_len)
-            flash(query_len, seq_len)
             for _ in range(args.calls):
                 for name, library in systems.items():
                     times[name].append(call(library, query_len, seq_len))
                 times["SDPA with a mask"].append(sdpa(query_len, seq_len))
-                times["flash attention, no mask"].append(flash(query_len, seq_len))
             ctx = seq_len - query_len
             pairs = sum(ctx + r + 1 for r in range(query_len))
             flops = 4 * pairs * args.heads * args.head_dim

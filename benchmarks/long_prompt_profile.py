@@ -27,6 +27,7 @@ from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402
 from inflight.bench.system import BenchSettings  # noqa: E402
 from inflight.bench.workload import load_workload  # noqa: E402
 from inflight.engine.attention import backend  # noqa: E402
+from inflight.engine.cpu import kernels as cpu_kernels  # noqa: E402
 from inflight.engine.cpu import linear  # noqa: E402
 
 TIMES: dict[str, float] = defaultdict(float)
@@ -66,6 +67,11 @@ def main() -> None:
     backend.CPU_KERNEL_BACKEND = backend.AttentionBackend(
         kernel.name, timed("K/V writes", kernel.write_kv_cache), attend
     )
+    # Inside attention: the C calls for the prompts' rows and for the decode rows beside them.
+    library = cpu_kernels.library()
+    if library is not None:
+        library.paged_prefill = timed("  of which prompt rows (C)", library.paged_prefill)
+        library.paged_decode = timed("  of which decode rows (C)", library.paged_decode)
     linear.PrepackedLinear.forward = timed("linear (oneDNN)", linear.PrepackedLinear.forward)  # type: ignore[method-assign]
     torch.nn.Linear.forward = timed("linear (torch)", torch.nn.Linear.forward)  # type: ignore[method-assign]
     model = bench_checkpoint("builtin:smollm2")
@@ -91,7 +97,7 @@ def main() -> None:
     print(f"  {run.seconds:.2f} s, {tokens / run.seconds:.1f} tok/s")
     for name, seconds in sorted(TIMES.items(), key=lambda kv: -kv[1]):
         print(f"  {name:32s} {seconds:7.2f} s  {100 * seconds / run.seconds:5.1f} %  {CALLS[name]} calls")
-    rest = run.seconds - sum(TIMES.values())
+    rest = run.seconds - sum(seconds for name, seconds in TIMES.items() if not name.startswith(" "))
     print(f"  {'rest':32s} {rest:7.2f} s  {100 * rest / run.seconds:5.1f} %")
 
 

@@ -8,9 +8,9 @@ the rows of prompts through `paged_prefill` (one work item per 32 rows of a prom
 those rows attend converted, 256 at a time, into tiles that every query head of the group shares, with an
 online softmax across the blocks of keys; faster than SDPA at every prompt length measured, 256 to 2048
 tokens and chunks after a 3,584-token prefix, on CPUs without AMX). Where the CPU has AMX-BF16 (Intel
-Sapphire Rapids+), bfloat16 prompt chunks whose rows times keys reach PROMPT_PAIRS_FOR_FLASH go through
-torch's CPU flash attention instead, which multiplies on the AMX tiles (`prefill_by_flash_attention`: 1.8x
-the kernel at 512 rows, 3.8-4.1x from 2048, 2.1x for 64 rows after 4032 keys; docs/benchmarks.md). New keys
+Sapphire Rapids+), bfloat16 items of 64 rows multiply their scores and weighted sums on the AMX tiles
+(1.3-1.6x torch's CPU flash attention from 64 rows after 4032 keys to 4096-row prompts, 4.8x the
+AVX512-BF16 items at 2048 rows; docs/benchmarks.md). New keys
 and values are stored with one C call per layer (a row copy per token) instead of two index_copy_
 dispatches. Where the kernels are unavailable (see cpu/kernels.py) or cannot take the inputs, this is the
 torch path.
@@ -26,14 +26,6 @@ from inflight.engine.attention import torch_paged
 from inflight.engine.attention.kv_store import to_cache
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
-from inflight.engine.cpu.isa import cpu_isa
-
-# A bfloat16 prompt chunk is attended by flash attention where the CPU has AMX-BF16 when its rows times the
-# keys it attends reach this. A lone call is faster from 128 x 128 (the kernel 0.17 ms, flash attention
-# 0.14), but a step's prompts of 16-256 rows ran ~3 % slower through it than through the kernel's one call
-# (gathers, Python per prompt); 512 x 512 saves 0.8 ms a call (1.84 against 1.04), 64 rows after 4032 keys
-# 1.8 ms (3.38 against 1.62). docs/benchmarks.md.
-PROMPT_PAIRS_FOR_FLASH = 512 * 512
 
 
 def kernel_available() -> bool:
@@ -135,68 +127,8 @@ def paged_attention(
         rows_args = (lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), rows.numel())
         failed |= library.paged_decode(*tensors, *rows_args, *rest)
     prompts = meta.prompts
-    # Decode-only steps (most steps) have no prompts: no per-layer tensor work to split them.
-    if prompts.shape[0] and _flash_attention_multiplies_faster(query, k_cache):
-        long = prompts[:, 2] * prompts[:, 3] >= PROMPT_PAIRS_FOR_FLASH
-        for index, first_row, query_len, seq_len in prompts[long].tolist():
-            chunk = slice(first_row, first_row + query_len)
-            table = meta.block_tables[index]
-            if meta.sliding_window is None:
-                out[chunk] = prefill_by_flash_attention(query[chunk], k_cache, v_cache, table, seq_len, scale)
-            else:
-                out[chunk] = torch_paged.prefill(
-                    query[chunk], k_cache, v_cache, table, seq_len, meta.sliding_window, scale
-                )
-        prompts = prompts[~long].contiguous()
     if prompts.shape[0]:
         failed |= library.paged_prefill(*tensors, prompts.data_ptr(), prompts.shape[0], *rest)
     if failed:
         raise MemoryError("CPU paged attention: could not allocate the kernel's scratch memory")
     return out
-
-
-def _flash_attention_multiplies_faster(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether long prompt chunks go through flash attention: bfloat16 rows and cache, a CPU with AMX-BF16."""
-    return query.dtype == k_cache.dtype == torch.bfloat16 and cpu_isa().amx_bf16
-
-
-def prefill_by_flash_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    scale: float,
-) -> torch.Tensor:
-    """The last Q tokens of one sequence ([Q, Hq, D] -> [Q, Hq, D]) by torch's CPU flash attention, without a
-    mask: the keys before the chunk, which every row sees whole (the query heads of a KV head's group stacked
-    as rows of that head), and the chunk's own keys, causal, are two calls whose softmaxes are merged by their
-    log-sum-exps. A mask would have it compute every masked block too (a 2048-row chunk after 2048 keys: 29.9
-    against 20.1 ms)."""
-    query_len, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group, prefix = num_heads // num_kv_heads, seq_len - query_len
-    keys, values = torch_paged.gather_context(k_cache, v_cache, block_table, seq_len, query.dtype)
-    q = query.transpose(0, 1)[None]  # [1, Hq, Q, D]
-    own, own_lse = _flash(q, keys[None, :, prefix:], values[None, :, prefix:], scale, causal=True)
-    if prefix == 0:
-        return own[0].transpose(0, 1)
-    stacked = q.reshape(1, num_kv_heads, group * query_len, head_dim)
-    seen, seen_lse = _flash(stacked, keys[None, :, :prefix], values[None, :, :prefix], scale, causal=False)
-    seen, seen_lse = seen.reshape(own.shape), seen_lse.reshape(own_lse.shape)
-    peak = torch.maximum(own_lse, seen_lse)
-    own_weight, seen_weight = (own_lse - peak).exp_(), (seen_lse - peak).exp_()
-    merged = (own.float() * own_weight[..., None]).add_(seen.float() * seen_weight[..., None])
-    merged /= (own_weight + seen_weight)[..., None]
-    return merged.to(query.dtype)[0].transpose(0, 1)
-
-
-def _flash(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's CPU flash attention: ([1, Hq, Q, D] output, [1, Hq, Q] float32 log-sum-exp of the scaled
-    scores); keys and values [1, Hkv, L, D] with Hq a multiple of Hkv."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, keys, values, 0.0, causal, scale=scale
-    )
-    return out, lse

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import ctypes
-import math
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch
 from inflight.engine.attention import cpu_paged, torch_paged
 from inflight.engine.attention.backend import get_attention_backend
 from inflight.engine.cpu import kernels as cpu_kernels
-from inflight.engine.cpu.isa import CpuIsa, proc_cpuinfo
+from inflight.engine.cpu.isa import cpu_isa, proc_cpuinfo
 
 from support.paged_cases import dense_reference, make_case
 
@@ -409,32 +407,25 @@ def test_argmax_rows_answers_like_torch(
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), cols
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_long_bfloat16_prompts_go_through_flash_attention_where_the_cpu_has_amx(
-    amx: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+def test_bfloat16_prompts_multiply_on_the_amx_tiles_where_the_cpu_has_them(
+    num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
-    # Two decodes, a prompt one row short of the cut-over (rows x keys), one at it, and a chunk of few rows
-    # after enough keys: with AMX-BF16 the last two go through torch's flash attention (the chunk after a
-    # prefix as two calls merged by their log-sum-exps), the rest through the kernels.
-    side = math.isqrt(cpu_paged.PROMPT_PAIRS_FOR_FLASH)
-    assert side * side == cpu_paged.PROMPT_PAIRS_FOR_FLASH
-    few = 64
-    seq_lens = [40, side - 1, side, cpu_paged.PROMPT_PAIRS_FOR_FLASH // few, 70]
-    query_lens = [1, side - 1, side, few, 1]
-    case = make_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
-    isa = CpuIsa(name="test CPU", avx512_bf16=True, amx_bf16=amx)
-    monkeypatch.setattr(cpu_paged, "cpu_isa", lambda: isa)
-    attended: list[int] = []
-    prefill = cpu_paged.prefill_by_flash_attention
-
-    def spy(query: torch.Tensor, *args: Any) -> torch.Tensor:
-        attended.append(query.shape[0])
-        return prefill(query, *args)
-
-    monkeypatch.setattr(cpu_paged, "prefill_by_flash_attention", spy)
+    # Where the CPU has AMX-BF16 (and the library was built for it), bfloat16 prompt items are tile
+    # products: 64-row items, the last one partial (vectors padded to 16), key blocks of 256 with the last
+    # one partial (values padded to 32), a chunk of few rows after a long prefix, and decodes beside them.
+    library = cpu_kernels.library()
+    assert library is not None
+    assert library.prefill_tiles() == (1 if cpu_isa().amx_bf16 else 0)
+    seq_lens = [40, 701, 1000, 300, 70]
+    query_lens = [1, 701, 37, 300, 1]
+    case = make_case(
+        seq_lens,
+        query_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+    )
     out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
-    assert attended == ([side, few] if amx else [])
     assert_close(out, dense_reference(case), torch.bfloat16)
-    float32 = make_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64)
-    cpu_paged.paged_attention(float32.query, float32.k_cache, float32.v_cache, float32.meta, float32.scale)
-    assert len(attended) == (2 if amx else 0), "float32 prompts stay in the kernel"
