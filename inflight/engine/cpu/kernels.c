@@ -1270,7 +1270,7 @@ static void prefill_load_keys(const void *k_cache, const void *v_cache, const in
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PREFILL_AMX 1
+#define AMX_TILES 1
 /* ---- prompt attention on the AMX tiles (Intel Sapphire Rapids+) ---------------------------------------
  * Where the CPU has AMX-BF16, a bfloat16 item's scores and weighted sums are tile products: the same tiles
  * as the AVX512-BF16 path (keys transposed in dimension pairs, values in key pairs, weights rounded to
@@ -1461,7 +1461,7 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
 #endif
     const int value_pairs = pairs && head_dim % 64 == 0;
     /* Tile products (AMX) where the caller found them usable: they take what the AVX512-BF16 path takes. */
-#if defined(PREFILL_AMX)
+#if defined(AMX_TILES)
     const int amx = tiles && value_pairs;
     if (amx) amx_configure();
 #else
@@ -1497,7 +1497,7 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
         const int64_t pad = amx ? 2 * KEY_PAD : KEY_PAD, count_padded = (count + pad - 1) / pad * pad;
         prefill_load_keys(k_cache, v_cache, table, klo, kb, count, kv_head, num_kv_heads, head_dim, block_size, kv_dtype,
                           pairs, value_pairs, &t);
-#if defined(PREFILL_AMX)
+#if defined(AMX_TILES)
         if (amx) {
             /* Value pairs past the block's zero too (weights there are zero, and 0 * garbage may be NaN). */
             const int64_t loaded = (count + 1) / 2;
@@ -1627,7 +1627,7 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
             for (int64_t d = 0; d < head_dim; d++) a[d] *= inv;
             store_row(out, ((first_row + r) * num_heads + kv_head * group + h) * head_dim, a, head_dim, dtype);
         }
-#if defined(PREFILL_AMX)
+#if defined(AMX_TILES)
     if (amx) _tile_release();
 #endif
 }
@@ -1661,7 +1661,7 @@ static void run_prefill_item(const void *context, int64_t item, float *scratch) 
 /* 1 where bfloat16 prompt attention multiplies on the AMX tiles: the library was built for a CPU with
  * AMX-BF16 and Linux let this process use them; else 0. */
 int prefill_tiles(void) {
-#if defined(PREFILL_AMX)
+#if defined(AMX_TILES)
     return amx_tiles_permitted();
 #else
     return 0;
