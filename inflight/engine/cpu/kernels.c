@@ -964,7 +964,8 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
  * The new rows of prompts (prefill, chunked prefill): each attends causally to its sequence's keys up to
  * its own position. A work item is PREFILL_ROWS consecutive rows of one prompt and one KV head
  * (AMX_PREFILL_ROWS where the products run on the AMX tiles: the keys' conversion, then the largest cost
- * left, is shared by twice the rows: 2048 rows 6.3 -> 5.8 ms, 2048 after 2048 keys 18.9 -> 16.6). The item
+ * left, is shared by twice the rows: 2048 rows 6.3 -> 5.8 ms, 2048 after 2048 keys 18.9 -> 16.6; twice that
+ * again where a call still has eight items per thread, 5-15 % on chunks of 1024-4096 rows). The item
  * goes over the keys its rows attend PREFILL_KEYS at a time (flash-attention style): each block of keys is
  * converted once into tiles, K transposed ([head_dim][keys]) and V as rows (float32 V rows are read where
  * they lie in the cache), and every query head of the KV head's group, for every row of the item, scores
@@ -1358,18 +1359,18 @@ static ALWAYS_INLINE __mmask16 lanes_between(int64_t j, int64_t lo, int64_t hi) 
     return from >= to ? 0 : (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
 }
 
-/* 2^x on 16 lanes: x = n + f with |f| <= 1/2, 2^f by a degree-5 polynomial fitted for relative error
- * (below 2.4e-7 over the interval), times 2^n by vscalefps, which gives 0 where 2^n underflows. Finite x
- * only (-inf gives NaN): the callers mask lanes outside a vector's keys after this. */
+/* 2^x on 16 lanes: x = n + f with |f| <= 1/2, 2^f by a degree-4 polynomial fitted for relative error
+ * (below 2.7e-6 over the interval: the weights are then rounded to bfloat16, 2^-9), times 2^n by vscalefps,
+ * which gives 0 where 2^n underflows. Finite x only (-inf gives NaN): the callers mask lanes outside a
+ * vector's keys after this. One multiply-add fewer than degree 5 was 2-3 % of a long prompt's attention. */
 static ALWAYS_INLINE __m512 exp2_16(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3276457320898771e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755409613251690e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507134646177290e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237350464e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694404602050e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    __m512 p = _mm512_set1_ps(9.5700826495885849e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917844176292419e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024744331836700e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312179088592529e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999928474426270e-1f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -1676,13 +1677,22 @@ int prefill_tiles(void) {
  *               there for the argument list paged_decode shares)
  *   dtype       q's and out's; kv_dtype the caches' (dtype's, or DTYPE_FP8_E4M3)
  * Returns 0, or 1 when scratch memory could not be allocated (out is then incomplete). */
+/* How many work items n prompts make at `rows` rows an item. */
+static int64_t prefill_items(const int64_t *prompts, int64_t n, int64_t rows, int64_t num_kv_heads) {
+    int64_t items = 0;
+    for (int64_t i = 0; i < n; i++) items += (prompts[i * PROMPT_FIELDS + 2] + rows - 1) / rows * num_kv_heads;
+    return items;
+}
+
 int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                   int64_t table_stride, const int64_t *prompts, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype, void *out,
                   int64_t max_seq_len, int num_threads) {
     (void)max_seq_len;
     const int tiles = prefill_tiles() && dtype == DTYPE_BFLOAT16 && kv_dtype == DTYPE_BFLOAT16 && head_dim % 64 == 0;
-    const int64_t rows = tiles ? AMX_PREFILL_ROWS : PREFILL_ROWS;
+    int64_t rows = tiles ? AMX_PREFILL_ROWS : PREFILL_ROWS;
+    /* On the tiles, items of twice the rows where there are still enough of them for the threads. */
+    if (tiles && prefill_items(prompts, n, 2 * rows, num_kv_heads) >= 8 * (int64_t)num_threads) rows *= 2;
     /* Item k of prompt i is tile k / num_kv_heads, KV head k % num_kv_heads; item_starts: prefix sums. */
     int64_t *item_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
     if (item_starts == NULL) return 1;
