@@ -889,7 +889,9 @@ static int run_items(int64_t items, size_t scratch_floats, int num_threads, item
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
+        /* Cache-line aligned: the AMX tile loads and stores of the prefill items read and write whole
+         * 64-byte rows of it (a misaligned buffer splits every one of them in two lines). */
+        float *scratch = (float *)aligned_alloc(64, (sizeof(float) * scratch_floats + 63) / 64 * 64);
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
