@@ -1278,7 +1278,7 @@ static void prefill_load_keys(const void *k_cache, const void *v_cache, const in
  * Where the CPU has AMX-BF16, a bfloat16 item's scores and weighted sums are tile products: the same tiles
  * as the AVX512-BF16 path (keys transposed in dimension pairs, values in key pairs, weights rounded to
  * bfloat16 in place), read by the tile loads with their strides, 16 query vectors at a time; the online
- * softmax between them is the same loop. Eight tile registers of 16 rows x 64 bytes: 0 the left operand
+ * softmax between them runs in AVX-512 on the same running peaks and sums (raise_peak). Eight tile registers of 16 rows x 64 bytes: 0 the left operand
  * (16 vectors x 32 bfloat16), 1-3 the right (16 pairs x 16 columns), 4-7 four 16 x 16 float32 results.
  * Linux hands the tiles' state to a process only after it asks (arch_prctl); without that, or built for
  * another CPU, the items take the AVX512-BF16 path. */
@@ -1421,6 +1421,15 @@ static ALWAYS_INLINE void vector_keys(int64_t position, int64_t klo, int64_t kb,
     *hi = (end < kb + count ? end : kb + count) - kb;
 }
 
+/* Keys [*from, *to) of a block that any row at positions first .. last attends (a later row attends the
+ * block's keys up to a later one, and its window starts no earlier). */
+static ALWAYS_INLINE void rows_keys(int64_t first, int64_t last, int64_t klo, int64_t kb, int64_t count, int64_t window,
+                                    int64_t *from, int64_t *to) {
+    int64_t unused;
+    vector_keys(first, klo, kb, count, window, from, &unused);
+    vector_keys(last, klo, kb, count, window, &unused, to);
+}
+
 /* Vector i's largest score so far, raised to `peak` where that is larger: its sum of weights and running
  * weighted sums are rescaled to the new peak first. Returns the largest score so far. */
 static ALWAYS_INLINE float raise_peak(struct prefill_tiles *t, int64_t i, float peak, int64_t head_dim) {
@@ -1509,10 +1518,10 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
              * instead measured 5-10 % slower). */
             for (int64_t i0 = 0; i0 < vectors; i0 += TILE_ROWS) {
                 const int64_t last = i0 + TILE_ROWS < vectors ? i0 + TILE_ROWS - 1 : vectors - 1;
-                const int64_t end = ctx + r0 + last / group + 1 - klo;
-                if (end > kb)
-                    amx_scores16(q2 + i0 * pairs, (const uint32_t *)t.kt, (end < kb + count ? end : kb + count) - kb,
-                                 head_dim, t.scores + i0 * PREFILL_KEYS);
+                int64_t lo, hi;
+                vector_keys(ctx + r0 + last / group, klo, kb, count, window, &lo, &hi);
+                if (hi > 0)
+                    amx_scores16(q2 + i0 * pairs, (const uint32_t *)t.kt, hi, head_dim, t.scores + i0 * PREFILL_KEYS);
             }
             for (int64_t i = 0; i < vectors; i++) {
                 int64_t lo, hi;
@@ -1527,9 +1536,8 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
             }
             for (int64_t i0 = 0; i0 < vectors; i0 += TILE_ROWS) {
                 const int64_t last = i0 + TILE_ROWS < vectors ? i0 + TILE_ROWS - 1 : vectors - 1;
-                const int64_t begin = window_start(ctx + r0 + i0 / group + 1, window) - klo;
-                const int64_t end = ctx + r0 + last / group + 1 - klo;
-                const int64_t from = (begin > kb ? begin : kb) - kb, to = (end < kb + count ? end : kb + count) - kb;
+                int64_t from, to;
+                rows_keys(ctx + r0 + i0 / group, ctx + r0 + last / group, klo, kb, count, window, &from, &to);
                 if (to > from)
                     amx_weigh16(t.scores + i0 * PREFILL_KEYS, (const uint32_t *)t.v, from / 32 * 32, (to + 31) / 32 * 32,
                                 head_dim, t.acc + i0 * head_dim);
@@ -1600,9 +1608,8 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
         /* Weighted sums, 4 vectors at a time over the block's keys any of them attends. */
         for (int64_t i0 = 0; i0 < vectors; i0 += 4) {
             const int64_t last = i0 + 4 < vectors ? i0 + 3 : vectors - 1;
-            const int64_t r_first = r0 + i0 / group, r_last = r0 + last / group;
-            const int64_t begin = window_start(ctx + r_first + 1, window) - klo, end = ctx + r_last + 1 - klo;
-            const int64_t from = (begin > kb ? begin : kb) - kb, to = (end < kb + count ? end : kb + count) - kb;
+            int64_t from, to;
+            rows_keys(ctx + r0 + i0 / group, ctx + r0 + last / group, klo, kb, count, window, &from, &to);
             if (to <= from) continue;
             const float *weights = t.scores + i0 * PREFILL_KEYS;
             float *acc = t.acc + i0 * head_dim;
@@ -1671,6 +1678,18 @@ int prefill_tiles(void) {
 #endif
 }
 
+/* Work items of a prompt at `rows` rows an item: its rows' groups times the KV heads. */
+static inline int64_t prompt_items(const int64_t *prompt, int64_t rows, int64_t num_kv_heads) {
+    return (prompt[2] + rows - 1) / rows * num_kv_heads;
+}
+
+/* How many work items n prompts make at `rows` rows an item. */
+static int64_t prefill_items(const int64_t *prompts, int64_t n, int64_t rows, int64_t num_kv_heads) {
+    int64_t items = 0;
+    for (int64_t i = 0; i < n; i++) items += prompt_items(prompts + i * PROMPT_FIELDS, rows, num_kv_heads);
+    return items;
+}
+
 /* Attention of the new rows of n prompts (query_len > 1), each over its own keys, causally.
  *   prompts     [n, PROMPT_FIELDS]: block table row, first row in q / out, query_len, seq_len
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart)
@@ -1679,13 +1698,6 @@ int prefill_tiles(void) {
  *               there for the argument list paged_decode shares)
  *   dtype       q's and out's; kv_dtype the caches' (dtype's, or DTYPE_FP8_E4M3)
  * Returns 0, or 1 when scratch memory could not be allocated (out is then incomplete). */
-/* How many work items n prompts make at `rows` rows an item. */
-static int64_t prefill_items(const int64_t *prompts, int64_t n, int64_t rows, int64_t num_kv_heads) {
-    int64_t items = 0;
-    for (int64_t i = 0; i < n; i++) items += (prompts[i * PROMPT_FIELDS + 2] + rows - 1) / rows * num_kv_heads;
-    return items;
-}
-
 int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                   int64_t table_stride, const int64_t *prompts, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype, void *out,
@@ -1699,10 +1711,8 @@ int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, cons
     int64_t *item_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
     if (item_starts == NULL) return 1;
     item_starts[0] = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t row_groups = (prompts[i * PROMPT_FIELDS + 2] + rows - 1) / rows;
-        item_starts[i + 1] = item_starts[i] + row_groups * num_kv_heads;
-    }
+    for (int64_t i = 0; i < n; i++)
+        item_starts[i + 1] = item_starts[i] + prompt_items(prompts + i * PROMPT_FIELDS, rows, num_kv_heads);
     const struct prefill_call call = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .prompts = prompts,
         .item_starts = item_starts, .items = item_starts[n], .q_row_stride = q_row_stride,
