@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from inflight.engine.attention.backend import AttentionBackend, get_attention_backend
+from inflight.engine.cpu import huge_pages
 from inflight.engine.cpu.quant_layout import Layout, whole_blocks
 from inflight.engine.cpu.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from inflight.engine.dtypes import DTYPE_NAMES
@@ -103,6 +104,8 @@ def load_model(
     if quantization == "fp8":
         _swap_fp8(model)
     model = model.to_empty(device=device)
+    # The float weights fault in as huge pages as they are read in (prepare_linears collapses the rest).
+    huge_pages.advise(model.parameters())
     targets = model.weight_targets()
     if gguf is not None:
         _load_gguf_weights(targets, gguf, config, torch_dtype, quantization)

@@ -19,6 +19,7 @@ import torch
 
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.constraints import TokenConstraints
+from inflight.engine.cpu import huge_pages
 from inflight.engine.cpu.quantized import one_token_rows
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
@@ -153,11 +154,16 @@ def allocate_kv_caches(
     device: str | torch.device,
     num_kv_heads: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed (K, V) cache pairs, one per layer."""
+    """Zeroed (K, V) cache pairs, one per layer; on CPU all in one allocation on huge pages where Linux
+    gives them (engine/cpu/huge_pages.py: a decode step reads every cached row)."""
     shape = kv_cache_shape(config, num_blocks, block_size, num_kv_heads)
+    layers = config.num_hidden_layers
+    if torch.device(device).type == "cpu":
+        pool = huge_pages.zeros((layers, 2, *shape), dtype, "KV cache")
+        return [(pool[i, 0], pool[i, 1]) for i in range(layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_hidden_layers)
+        for _ in range(layers)
     ]
 
 

@@ -22,8 +22,10 @@ import time
 import torch
 from torch import nn
 
+from inflight.engine.cpu import huge_pages
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.isa import cpu_isa
+from inflight.engine.cpu.quantized import QuantizedTensor
 from inflight.engine.dtypes import CPU_PREPACKED_DTYPES
 
 logger = logging.getLogger("inflight.engine")
@@ -160,9 +162,26 @@ def prepack_linears(model: nn.Module, batch_size_hint: int) -> int:
 
 def prepare_linears(model: nn.Module, max_batch_size: int) -> None:
     """What a loaded CPU model gets before serving (engine and tensor-parallel ranks alike): prepacked
-    projections, and oneDNN's GEMMs built for every decode batch size up to `max_batch_size` (the slots)."""
+    projections, the weights the C products stream on huge pages, and oneDNN's GEMMs built for every decode
+    batch size up to `max_batch_size` (the slots)."""
     prepack_linears(model, batch_size_hint=max_batch_size)
+    huge_pages.hold_on_huge_pages(streamed_weights(model), "weights")
     warm_batch_sizes(model, max_batch_size)
+
+
+def streamed_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors the C products read a whole pass of in every decode step: the plain float weights and
+    biases (parameters), and, where the C kernels are built, each kept-quantized weight's blocks and
+    scales, put into the kernels' layout here (what its first product would do)."""
+    tensors: list[torch.Tensor] = list(model.parameters())
+    if cpu_kernels.library() is None:
+        return tensors
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, QuantizedTensor):
+            weight.interleave_()
+            tensors += [t for t in (weight.qweight, weight.scales, weight.mins) if t is not None]
+    return tensors
 
 
 def warm_batch_sizes(model: nn.Module, max_batch_size: int) -> int:
