@@ -31,6 +31,8 @@ from inflight.engine.cpu import kernels as cpu_kernels  # noqa: E402
 from inflight.engine.cpu import linear  # noqa: E402
 
 TIMES: dict[str, float] = defaultdict(float)
+# The C calls inside attention (prefill and decode steps alike), printed after the rest.
+INSIDE = "  attention's "
 CALLS: dict[str, int] = defaultdict(int)
 
 
@@ -67,11 +69,11 @@ def main() -> None:
     backend.CPU_KERNEL_BACKEND = backend.AttentionBackend(
         kernel.name, timed("K/V writes", kernel.write_kv_cache), attend
     )
-    # Inside attention: the C calls for the prompts' rows and for the decode rows beside them.
+    # Inside attention, both kinds of step: the C calls for prompt rows and for decode rows.
     library = cpu_kernels.library()
     if library is not None:
-        library.paged_prefill = timed("  of which prompt rows (C)", library.paged_prefill)
-        library.paged_decode = timed("  of which decode rows (C)", library.paged_decode)
+        library.paged_prefill = timed(INSIDE + "prompt rows (C)", library.paged_prefill)
+        library.paged_decode = timed(INSIDE + "decode rows (C)", library.paged_decode)
     linear.PrepackedLinear.forward = timed("linear (oneDNN)", linear.PrepackedLinear.forward)  # type: ignore[method-assign]
     torch.nn.Linear.forward = timed("linear (torch)", torch.nn.Linear.forward)  # type: ignore[method-assign]
     model = bench_checkpoint("builtin:smollm2")
@@ -95,10 +97,13 @@ def main() -> None:
         f"{args.dtype}, {args.num_requests} requests ({prompt} prompt tokens, {tokens} out), chunk {chunk}:"
     )
     print(f"  {run.seconds:.2f} s, {tokens / run.seconds:.1f} tok/s")
-    for name, seconds in sorted(TIMES.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:32s} {seconds:7.2f} s  {100 * seconds / run.seconds:5.1f} %  {CALLS[name]} calls")
-    rest = run.seconds - sum(seconds for name, seconds in TIMES.items() if not name.startswith(" "))
-    print(f"  {'rest':32s} {rest:7.2f} s  {100 * rest / run.seconds:5.1f} %")
+    # The step kinds' timers by time, the rest, then the C calls inside their attention.
+    ordered = sorted(TIMES.items(), key=lambda kv: (kv[0].startswith(INSIDE), -kv[1]))
+    rest = run.seconds - sum(seconds for name, seconds in TIMES.items() if not name.startswith(INSIDE))
+    ordered.insert(sum(not name.startswith(INSIDE) for name, _ in ordered), ("rest", rest))
+    for name, seconds in ordered:
+        calls = f"  {CALLS[name]} calls" if name in CALLS else ""
+        print(f"  {name:32s} {seconds:7.2f} s  {100 * seconds / run.seconds:5.1f} %{calls}")
 
 
 if __name__ == "__main__":
