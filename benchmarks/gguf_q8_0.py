@@ -1,5 +1,5 @@
-"""A Q8_0 (or BF16) GGUF made from the weights of another GGUF file (#30: the quality check's second
-file; #29: a BF16 file for the batch-1 comparison with llama-server on float weights).
+"""A Q8_0 (or BF16, or F32) GGUF made from the weights of another GGUF file (#30: the quality check's second
+file; #29: BF16 and F32 files for the batch-1 comparison with llama-server on float weights).
 
 Every quantized tensor of the source is dequantized to float32 and quantized to Q8_0 (32-weight blocks,
 one float16 scale = max|w|/127, llama.cpp's reference rounding) with the `gguf` package; float32/float16
@@ -7,10 +7,10 @@ tensors (the norms) and all metadata are copied, general.file_type becomes MOSTL
 dequantized values are the only weights the file has, so the Q8_0 file holds the same weights at 8 bits
 (each Q4_1 block's 16 levels land within half an 8-bit step), not the original bfloat16 checkpoint's.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gguf_q8_0.py SOURCE.gguf OUT.gguf [--type bf16]
+    PYTHONPATH=. .venv/bin/python benchmarks/gguf_q8_0.py SOURCE.gguf OUT.gguf [--type bf16|f32]
 
 With `--type bf16` the quantized tensors are dequantized to float32 and rounded to bfloat16 instead
-(general.file_type MOSTLY_BF16).
+(general.file_type MOSTLY_BF16); with `--type f32` they are written as the float32 values (ALL_F32).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ KEPT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 TARGETS = {
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
 }
 
 

@@ -3,8 +3,8 @@ the C products read and the KV caches.
 
 A decode step reads every weight and every cached K/V row of its sequences from memory, at addresses the
 page tables translate 4 KiB at a time, so the TLB misses every few rows and loads and prefetches wait on
-page walks. On 2 MiB pages the same kernels ran a SmolLM2 decode step of one to four rows 1.08-1.10x
-faster on a Sapphire Rapids Xeon (docs/benchmarks.md). Linux gives anonymous memory huge pages by itself
+page walks. On 2 MiB pages a SmolLM2 decode step of one to four rows took 7-17 % less time on a Sapphire
+Rapids Xeon (docs/benchmarks.md). Linux gives anonymous memory huge pages by itself
 where /sys/kernel/mm/transparent_hugepage/enabled is `always`; where it is `madvise` (a common default)
 only ranges advised with MADV_HUGEPAGE get them; where it is `never`, none do. So:
 - `advise` marks the pages of tensors not written yet (the weights before loading, the KV pool before
