@@ -80,11 +80,15 @@ def test_collapsed_pages_are_huge_in_the_kernels_accounts_and_keep_their_content
 
 
 @needs_thp
-def test_a_cpu_kv_cache_is_advised_before_it_is_zeroed() -> None:
+def test_a_cpu_kv_cache_is_one_zeroed_allocation_from_a_huge_page_on_advised_pages() -> None:
     caches = allocate_kv_caches(_config(False, None), 1024, 16, torch.float32, "cpu")
-    for pair in caches:
-        for cache in pair:
-            assert cache.count_nonzero() == 0
+    first = caches[0][0]
+    assert first.data_ptr() % HUGE_PAGE_BYTES == 0
+    layer_bytes = 2 * first.numel() * first.element_size()
+    for i, pair in enumerate(caches):
+        for j, cache in enumerate(pair):
+            assert cache.data_ptr() == first.data_ptr() + i * layer_bytes + j * layer_bytes // 2
+            assert cache.is_contiguous() and cache.count_nonzero() == 0
             assert all("hg" in fields["VmFlags"].split() for fields in _overlapping(cache))
 
 
