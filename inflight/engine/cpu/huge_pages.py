@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import math
 import platform
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -64,12 +66,18 @@ def enclosing_pages(tensors: Iterable[torch.Tensor]) -> list[int]:
     return sorted(pages)
 
 
+@functools.cache
+def _libc_madvise() -> Callable[[int, int, int], int]:
+    """libc's madvise(2), typed once (it is called for every page)."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return cast(Callable[[int, int, int], int], madvise)
+
+
 def _madvise(page: int, advice: int) -> int:
     """madvise(2) of one huge page: 0, or the errno it failed with."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return 0 if libc.madvise(page, HUGE_PAGE_BYTES, advice) == 0 else ctypes.get_errno()
+    return 0 if _libc_madvise()(page, HUGE_PAGE_BYTES, advice) == 0 else ctypes.get_errno()
 
 
 def _pages(tensors: Iterable[torch.Tensor]) -> list[int]:
@@ -86,8 +94,8 @@ def advise(tensors: Iterable[torch.Tensor]) -> None:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
     """A zeroed CPU tensor that starts on a huge page (one page more is allocated): its pages are advised
-    before they are zeroed, so that fresh memory faults in as huge pages, and `what` of them is not is then
-    collapsed (hold_on_huge_pages)."""
+    before they are zeroed, so that fresh memory faults in as huge pages; what did not (memory malloc had
+    used before) is then collapsed, and logged as `what` (hold_on_huge_pages)."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE_BYTES

@@ -1430,6 +1430,18 @@ static ALWAYS_INLINE void rows_keys(int64_t first, int64_t last, int64_t klo, in
     vector_keys(last, klo, kb, count, window, &unused, to);
 }
 
+/* Vector i's scores row of the block and, in *lo and *hi, the block's keys its row (at `position`) attends
+ * (vector_keys); where it attends none of them, its `count_padded` weights are zero and the row is NULL. */
+static ALWAYS_INLINE float *vector_scores(struct prefill_tiles *t, int64_t i, int64_t position, int64_t klo, int64_t kb,
+                                          int64_t count, int64_t count_padded, int64_t window, int64_t *lo,
+                                          int64_t *hi) {
+    vector_keys(position, klo, kb, count, window, lo, hi);
+    float *s = t->scores + i * PREFILL_KEYS;
+    if (*lo < *hi) return s;
+    memset(s, 0, sizeof(float) * (size_t)count_padded);
+    return NULL;
+}
+
 /* Vector i's largest score so far, raised to `peak` where that is larger: its sum of weights and running
  * weighted sums are rescaled to the new peak first. Returns the largest score so far. */
 static ALWAYS_INLINE float raise_peak(struct prefill_tiles *t, int64_t i, float peak, int64_t head_dim) {
@@ -1525,12 +1537,8 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
             }
             for (int64_t i = 0; i < vectors; i++) {
                 int64_t lo, hi;
-                vector_keys(ctx + r0 + i / group, klo, kb, count, window, &lo, &hi);
-                float *s = t.scores + i * PREFILL_KEYS;
-                if (lo >= hi) {
-                    memset(s, 0, sizeof(float) * (size_t)count_padded);
-                    continue;
-                }
+                float *s = vector_scores(&t, i, ctx + r0 + i / group, klo, kb, count, count_padded, window, &lo, &hi);
+                if (s == NULL) continue;
                 const float peak = raise_peak(&t, i, amx_row_peak(s, lo, hi) * scale, head_dim);
                 t.sum[i] += amx_row_weights(s, lo, hi, count_padded, scale, peak);
             }
@@ -1579,12 +1587,8 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
          * so far (a larger one rescales what came before); weights outside the row's keys are zero. */
         for (int64_t i = 0; i < vectors; i++) {
             int64_t lo, hi;
-            vector_keys(ctx + r0 + i / group, klo, kb, count, window, &lo, &hi);
-            float *s = t.scores + i * PREFILL_KEYS;
-            if (lo >= hi) {
-                memset(s, 0, sizeof(float) * (size_t)count_padded);
-                continue;
-            }
+            float *s = vector_scores(&t, i, ctx + r0 + i / group, klo, kb, count, count_padded, window, &lo, &hi);
+            if (s == NULL) continue;
             float peak = t.block_peak[i];
             if (isnan(peak)) {
                 peak = -INFINITY;
