@@ -29,7 +29,8 @@ from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.runner import allocate_kv_caches
 
 BLOCK_SIZE = 8
-NUM_BLOCKS = 48
+# Room for a step of 65 sequences (one more than the tile products take), 4 blocks each at most.
+NUM_BLOCKS = 4 * 65 + 1
 
 
 def _config(bias: bool, window: int | None) -> ModelConfig:

@@ -1,8 +1,9 @@
 """A decode step's layers in one C call each over float weights (model/decode_layer.py, cpu/decode_layer.c)
 against the per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden
-states, residual stream and KV cache bytes, bit for bit, at 1..8 rows, float32 and (where oneDNN prepacks
-it) bfloat16, with and without biases, with a sliding window, on 1 and 2 threads; for the native build and
-each portable one this CPU runs (those without AVX-512 multiply in oneDNN: no one-call layer there).
+states, residual stream and KV cache bytes, bit for bit, at 1..9 rows and the most dense_linear takes
+(8, or 64 for bfloat16 on the AMX tiles) and one more, float32 and (where oneDNN prepacks it) bfloat16,
+with and without biases, with a sliding window, on 1 and 2 threads; for the native build and each
+portable one this CPU runs (those without AVX-512 multiply in oneDNN: no one-call layer there).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture)
-from engine.test_decode_layer import _config, _decode_step, _model, _Spy
+from engine.test_decode_layer import BLOCK_SIZE, NUM_BLOCKS, _config, _decode_step, _model, _Spy
 
 from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
 from inflight.engine.cpu import kernels as cpu_kernels
@@ -23,9 +24,6 @@ from inflight.engine.model import decode_layer
 from inflight.engine.model.decode_layer import DENSE, FusedLayer
 from inflight.engine.model.llama import DecoderLayer, LlamaForCausalLM
 from inflight.engine.runner import allocate_kv_caches
-
-BLOCK_SIZE = 8
-NUM_BLOCKS = 48
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None or not can_prepack(torch.device("cpu"), torch.float32),
@@ -67,14 +65,15 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
     window: int | None,
     torch_threads: int,
 ) -> None:
-    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work); 1..9 rows (9:
-    more than dense_linear takes, the per-op path both times, with oneDNN's products)."""
+    """On 1 thread and on 2 (the kernels' OpenMP loops then split their work); 1..9 rows, and the most
+    dense_linear takes and one more (the per-op path both times, with oneDNN's products)."""
     spy = _Spy(any_library)
     monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
     model = _float_model(dtype, bias, window)  # prepacked with this build's dense_linear_max_rows
-    max_rows = any_library.dense_linear_max_rows(cpu_kernels.DTYPE_CODES[dtype])
+    fused = _dense(model.layers[0])
+    max_rows = 0 if fused is None else fused.max_rows
     rng = random.Random(1)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+    for rows in sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, max_rows, max_rows + 1} - {0}):
         one_call = rows <= max_rows
         meta, positions = _decode_step(rows, rng)
         ids = torch.tensor([rng.randrange(64) for _ in range(rows)])
@@ -105,7 +104,7 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     prepacked, or the torch attention backend: no one-call step or layer."""
     model = _float_model(torch.float32, False, None)
     layer = _dense(model.layers[0])
-    max_rows = cpu_kernels.library().dense_linear_max_rows(cpu_kernels.DTYPE_CODES[torch.float32])
+    max_rows = cpu_kernels.library().dense_linear_max_rows(cpu_kernels.DTYPE_CODES[torch.float32], 64)
     assert layer is not None and layer.max_rows == max_rows
     assert _dense(model.layers[0]) is layer  # built once
     rng = random.Random(2)

@@ -1,7 +1,10 @@
-"""cpu/kernels.c's dense_linear (one to eight rows times float weights) and PrepackedLinear's use of it.
+"""cpu/kernels.c's dense_linear (one to eight rows times float weights; bfloat16 up to 64 rows on the AMX
+tiles) and PrepackedLinear's use of it.
 
 The plain C version (the portable build) defines the result bit for bit: every other build gives the
-same bits, whatever the thread count and whatever the other rows of the batch are."""
+same bits, whatever the thread count and whatever the other rows of the batch are; except the tile
+products (bfloat16, more than four rows, on CPUs with AMX-BF16), which are checked against float64 and
+for the same independence of the thread count and the other rows."""
 
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ SHAPES = [(7, 5), (37, 70), (130, 96), (33, 1537), (960, 576), (576, 1536)]
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2**-8}
 # The most rows dense_linear takes (DENSE_WIDE_ROWS in kernels.c): six in one pass, two more from L1/L2.
 MAX_ROWS = 8
+# On the AMX tiles (bfloat16, inputs a multiple of 32): from 5 rows (more than DENSE_MAX_ROWS) to 64.
+TILE_ROWS = (5, 64)
+BFLOAT16 = cpu_kernels.DTYPE_CODES[torch.bfloat16]
 
 
 def case(
@@ -47,12 +53,23 @@ def plain_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return cpu_kernels.load_library(cpu_kernels.build_library(out_dir=out_dir, flags=flags))
 
 
+def on_tiles(library: ctypes.CDLL, dtype: torch.dtype, rows: int, k: int) -> bool:
+    """Whether `library` multiplies `rows` rows of `dtype` by k inputs on the AMX tiles."""
+    return (
+        dtype == torch.bfloat16
+        and TILE_ROWS[0] <= rows <= TILE_ROWS[1]
+        and library.dense_linear_max_rows(BFLOAT16, k) == TILE_ROWS[1]
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_build_and_thread_count_gives_the_plain_c_bits(
     any_library: ctypes.CDLL, plain_library: ctypes.CDLL, dtype: torch.dtype, rows: int, torch_threads: int
 ) -> None:
     for shape in SHAPES:
+        if on_tiles(any_library, dtype, rows, shape[1]):
+            continue  # tile products: test_tile_products_*
         x, weight, bias = case(dtype, rows, shape)
         for b in (bias, None):
             with_threads = torch.get_num_threads()
@@ -72,6 +89,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(
     any_library: ctypes.CDLL, dtype: torch.dtype
 ) -> None:
     for shape in SHAPES:
+        if on_tiles(any_library, dtype, MAX_ROWS, shape[1]):
+            continue  # test_tile_products_do_not_depend_on_the_other_rows_or_the_threads
         x, weight, bias = case(dtype, MAX_ROWS, shape)
         together = dense_linear(x, weight, bias, any_library)
         for r in range(MAX_ROWS):
@@ -98,6 +117,57 @@ def test_products_and_values_below_the_normal_range(
         assert not actual.any()
     else:
         assert actual.all()
+
+
+# (outputs, inputs): fewer outputs than a tile's 16, tails past 16 and past 32 outputs, SmolLM2's products.
+TILE_SHAPES = [(7, 64), (37, 96), (130, 96), (960, 576), (576, 1536)]
+
+
+def tile_library(any_library: ctypes.CDLL) -> ctypes.CDLL:
+    if not on_tiles(any_library, torch.bfloat16, TILE_ROWS[1], 64):
+        pytest.skip("this build does not multiply on AMX tiles (CPU without AMX-BF16, or not permitted)")
+    return any_library
+
+
+@pytest.mark.parametrize("rows", [5, 9, 16, 17, 33, 64])
+def test_tile_products_equal_float64_within_bfloat16_rounding(any_library: ctypes.CDLL, rows: int) -> None:
+    library = tile_library(any_library)
+    for shape in TILE_SHAPES:
+        x, weight, bias = case(torch.bfloat16, rows, shape)
+        for b in (bias, None):
+            actual = dense_linear(x, weight, b, library)
+            widened = dense_linear(x, weight, b, library, out_dtype=torch.float32)
+            assert widened.dtype == torch.float32 and torch.equal(widened, actual.float())
+            exact = nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+            tolerance = TOLERANCE[torch.bfloat16]
+            torch.testing.assert_close(actual.double(), exact, rtol=tolerance, atol=tolerance)
+
+
+def test_tile_products_do_not_depend_on_the_other_rows_or_the_threads(
+    any_library: ctypes.CDLL, torch_threads: int
+) -> None:
+    library = tile_library(any_library)
+    for shape in TILE_SHAPES:
+        x, weight, bias = case(torch.bfloat16, TILE_ROWS[1], shape)
+        together = dense_linear(x, weight, bias, library)
+        with_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        assert torch.equal(dense_linear(x, weight, bias, library), together)
+        torch.set_num_threads(with_threads)
+        for first, end in ((0, 5), (3, 20), (20, 53), (59, 64)):
+            part = dense_linear(x[first:end].contiguous(), weight, bias, library)
+            assert torch.equal(together[first:end], part), f"{shape}, rows {first}:{end}"
+
+
+def test_tiles_take_inputs_in_whole_steps_of_32_and_at_most_64_rows(any_library: ctypes.CDLL) -> None:
+    library = tile_library(any_library)
+    assert library.dense_linear_max_rows(BFLOAT16, 70) == MAX_ROWS  # 70 inputs: the AVX-512 rows only
+    x, weight, _ = case(torch.bfloat16, TILE_ROWS[1] + 1, (8, 64))
+    out = torch.empty(TILE_ROWS[1] + 1, 8, dtype=torch.bfloat16)
+    args = (weight.data_ptr(), 8, None, BFLOAT16, out.data_ptr(), BFLOAT16, 1)
+    assert library.dense_linear(x.data_ptr(), TILE_ROWS[1] + 1, 64, *args) == -1
+    assert library.dense_linear(x.data_ptr(), TILE_ROWS[1], 64, *args) == 0
+    assert library.dense_linear(x[:, :48].contiguous().data_ptr(), MAX_ROWS + 1, 48, *args) == -1
 
 
 def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL) -> None:
@@ -129,16 +199,17 @@ def test_prepacked_linear_multiplies_a_few_rows_in_c_and_more_with_onednn(
     linear = nn.Linear(96, 80, bias=bias).to(dtype)
     packed = PrepackedLinear(linear, batch_size_hint=64)
     assert packed.dense_rows == dense_rows(linear.weight, linear.bias)
-    assert packed.dense_rows in (0, MAX_ROWS)
-    x = torch.randn(MAX_ROWS + 1, 96).to(dtype)
+    assert packed.dense_rows in (0, MAX_ROWS, TILE_ROWS[1])
+    x = torch.randn(packed.dense_rows + 1, 96).to(dtype)
     with torch.inference_mode():
-        for rows in range(1, MAX_ROWS + 2):
+        for rows in sorted({*range(1, MAX_ROWS + 2), packed.dense_rows, packed.dense_rows + 1} - {0}):
             actual = packed(x[:rows])
             widened = packed.widened(x[:rows])
             assert widened.dtype == torch.float32 and torch.equal(widened, actual.float())
             if rows <= packed.dense_rows:
                 assert torch.equal(actual, dense_linear(x[:rows], linear.weight, linear.bias))
-                assert torch.equal(actual[-1:], packed(x[rows - 1 : rows]))
+                if not on_tiles(cpu_kernels.library(), dtype, rows, 96):  # (there from 5 rows on)
+                    assert torch.equal(actual[-1:], packed(x[rows - 1 : rows]))
             else:
                 onednn = torch.ops.mkldnn._linear_pointwise(
                     x[:rows], packed.packed_weight, packed.bias, "none", [], ""

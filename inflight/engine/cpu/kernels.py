@@ -94,8 +94,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "dense_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _int, _int], _int),
     # 1 where paged_prefill multiplies bfloat16 prompts on the AMX tiles (built for and allowed on this CPU)
     "prefill_tiles": ([], _int),
-    # dtype: how many rows dense_linear takes on this build (0: not vectorized, use oneDNN)
-    "dense_linear_max_rows": ([_int], _int),
+    # dtype, k: how many rows dense_linear takes by k columns on this build (0: not vectorized, use oneDNN)
+    "dense_linear_max_rows": ([_int, _i64], _int),
     # quant_kernels.c: x, rows, k, qweight, scales, mins, format (quant_layout.Layout.kernel_code), n, bias,
     # dtype, out, out_dtype, num_threads
     "quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _ptr, _int, _int], _int),

@@ -9,8 +9,10 @@ swaps the decoder layers' projections after loading; CUDA and other dtypes are l
 At one to eight rows (a decode step of that many sequences) oneDNN streams the weights well below the
 memory's speed, while a step of a small model is nearly all weight reads: there the product runs in
 C instead (`dense_linear` in cpu/kernels.c) on the plain weight, which the module keeps anyway; each row's
-result is then the same whatever the other rows of the batch. So the float weights are held twice, plain
-and packed: sizing.packed_weight_bytes plans that copy (the operator's CPU plans).
+result is then the same whatever the other rows of the batch. On CPUs with AMX-BF16, bfloat16 products of
+five to 64 rows run in C too, on the tiles (`dense_rows` says how many rows a weight's products take).
+So the float weights are held twice, plain and packed (prompts' longer chunks still multiply in oneDNN):
+sizing.packed_weight_bytes plans that copy (the operator's CPU plans).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def dense_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
     library = cpu_kernels.library_for(*tensors)
     if library is None or weight.dim() != 2 or not all(t.is_contiguous() for t in tensors):
         return 0
-    rows: int = library.dense_linear_max_rows(cpu_kernels.DTYPE_CODES[weight.dtype])
+    rows: int = library.dense_linear_max_rows(cpu_kernels.DTYPE_CODES[weight.dtype], weight.shape[1])
     return rows
 
 
