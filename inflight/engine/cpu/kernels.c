@@ -2087,19 +2087,27 @@ static void dense_tile_wide(const void *x, int64_t rows, int64_t k, const void *
 /* ---- products of more rows with bfloat16 weights on the AMX tiles (Sapphire Rapids+) ------------------
  * From DENSE_MAX_ROWS + 1 rows up to AMX_LINEAR_MAX_ROWS (decode steps of five to 64 sequences), bfloat16
  * products on CPUs with AMX-BF16 are tile products on the plain weight as the checkpoint holds it, no
- * packed copy: out^T = W x^T. 32 weight rows at a time (two tiles of 16 rows x 32 columns, loaded with the
+ * packed copy: out^T = W x^T. 32 weight rows at a time (tiles of 16 rows x 32 columns, loaded with the
  * weight's row stride) times x's rows transposed in column pairs (xt: built once a call, each 16 x 16 pair
- * tile contiguous) into four 16 x 16 float32 tiles, 32 rows of x a pass, each tile loaded serving two
- * products; the next 32 weight rows are prefetched into L2 meanwhile. The float32 tiles are transposed back
- * in AVX-512 and stored with the bias in out's dtype, as dense_linear's stores do. SmolLM2's decode steps
- * of 8 to 64 rows took 22-33 % less time than with oneDNN's products (docs/benchmarks.md).
+ * tile contiguous) into float32 tiles: up to 32 rows of x a pass over two weight tiles (amx_weight_rows),
+ * or 48-64 a pass over one (amx_weight_rows16, for long weight rows; AMX_SHORT). The weight rows are
+ * prefetched into L1 a few steps ahead of their tile loads, across into the next 32 rows: a tile load has
+ * to wait for the products that still read its register, so one from memory or L2 stalls them. The
+ * float32 tiles are transposed back in AVX-512 and stored with the bias in out's dtype, as dense_linear's
+ * stores do. Against oneDNN's products: SmolLM2's bfloat16 decode steps of 8 to 64 rows took 22-33 % less
+ * time, llama-1b's offline run 1.18x the tokens/s (docs/benchmarks.md).
  *
  * Each output is the tile instruction's float32 sum over k, 32 columns a step in column order (bfloat16
  * pairs' products, denormals as zero): a row's result does not depend on the other rows or the thread
  * count. It is not the AVX-512 arithmetic (16 lanes, then a tree), so a row's output moves in the last bits
  * between a step of four rows and one of five, as it did with oneDNN above eight. k must be a multiple of
  * 32 (dense_linear_max_rows says eight rows otherwise). */
-enum { AMX_LINEAR_MAX_ROWS = 64, AMX_LINEAR_COLUMNS = 64 };
+/* AMX_AHEAD: how many steps (64 bytes of each weight row) ahead the weights are prefetched into L1: 4, 8 and
+ * 16 measured, 4 the fastest. AMX_SHORT: below this many inputs, 33-64 rows of x go in two passes of 32
+ * over each 32 weight rows (the rows from L1 the second time) instead of one pass over each 16 (x's tiles
+ * from L2 for every 16 weight rows), which gave SmolLM2's 576-input products 10-20 % more speed at 64
+ * rows and llama-1b's 2048-8192-input ones 15-40 % less. */
+enum { AMX_LINEAR_MAX_ROWS = 64, AMX_LINEAR_COLUMNS = 64, AMX_AHEAD = 4, AMX_SHORT = 1024 };
 
 /* x's rows transposed in column pairs for the tile products, 16 x 16 pairs at a time through a register
  * transpose: tile (s, q) (1024 bytes at xt + (s * cols / 16 + q) * 256) holds in its row i, column j x's row
@@ -2117,50 +2125,82 @@ static void amx_pairs_transposed(const uint16_t *x, int64_t rows, int64_t k, int
     }
 }
 
-/* c[16 x 16] = a[16 weight rows x k] . xt[k / 2 pairs x 16] (c's rows AMX_LINEAR_COLUMNS floats apart): tile 4
- * the sums, 0 the weights, 1 the transposed x. While multiplying, the weight rows at `next` (contiguous:
- * 64 k bytes) are prefetched into L2, 2048 bytes a step; NULL: none. */
-static ALWAYS_INLINE void amx_weight_tile(const char *a, int64_t k, const char *xt, int64_t xt_step, const char *next,
-                                          float *c) {
-    _tile_zero(4);
-    for (int64_t s = 0; s < k / 32; s++) {
-        if (next != NULL)
-            for (int j = 0; j < 32; j++) _mm_prefetch(next + s * 2048 + j * 64, _MM_HINT_T1);
-        _tile_loadd(0, a + s * TILE_BYTES, k * 2);
-        _tile_loadd(1, xt + s * xt_step, TILE_BYTES);
-        _tile_dpbf16ps(4, 0, 1);
-    }
-    _tile_stored(4, c, AMX_LINEAR_COLUMNS * (int64_t)sizeof(float));
+/* The weight rows' 64 bytes at step t (32 columns) into L1: `rows` rows of `a` for t < steps, then of `next`
+ * (rows of the same length; NULL: none). */
+static ALWAYS_INLINE void amx_prefetch_step(const char *a, const char *next, int64_t t, int64_t steps,
+                                            int64_t stride, const int rows) {
+    const char *at = t < steps ? a + t * TILE_BYTES : (next != NULL && t - steps < steps ? next + (t - steps) * TILE_BYTES : NULL);
+    if (at != NULL)
+        for (int j = 0; j < rows; j++) _mm_prefetch(at + j * stride, _MM_HINT_T0);
 }
 
-/* c[32 x 32] = a[32 weight rows x k] . xt[k / 2 pairs x 32] (c's rows AMX_LINEAR_COLUMNS floats apart): tiles
- * 4-7 the sums (weight rows 0-15 and 16-31 times x's columns 0-15 and 16-31), 0-1 the weights, 2-3 the
- * transposed x: each tile loaded per step serves two products. `next`: as amx_weight_tile's. */
-static ALWAYS_INLINE void amx_weight_pair(const char *a, int64_t k, const char *xt, int64_t xt_step, const char *next,
-                                          float *c) {
+/* c[32 x 16 * XTILES] = a[32 weight rows x k] . xt[k / 2 pairs x 16 * XTILES] (XTILES 1 or 2; c's rows
+ * AMX_LINEAR_COLUMNS floats apart): tiles 4 and 6 the sums of weight rows 0-15 and 16-31 with x's columns
+ * 0-15, 5 and 7 with columns 16-31; 0-1 the weights, 2-3 the transposed x: each tile loaded per step serves
+ * XTILES or two products. The weight rows are prefetched AMX_AHEAD steps ahead, into the 32 rows at `next`
+ * (NULL: none). */
+static ALWAYS_INLINE void amx_weight_rows(const char *a, int64_t k, const char *xt, int64_t xt_step, const char *next,
+                                          float *c, const int xtiles) {
     _tile_zero(4);
-    _tile_zero(5);
     _tile_zero(6);
-    _tile_zero(7);
-    const int64_t a_stride = k * 2, second = 16 * a_stride;
-    for (int64_t s = 0; s < k / 32; s++) {
+    if (xtiles > 1) {
+        _tile_zero(5);
+        _tile_zero(7);
+    }
+    const int64_t a_stride = k * 2, second = 16 * a_stride, steps = k / 32;
+    for (int64_t s = 0; s < steps; s++) {
         const char *b = xt + s * xt_step;
-        if (next != NULL)
-            for (int j = 0; j < 32; j++) _mm_prefetch(next + s * 2048 + j * 64, _MM_HINT_T1);
+        amx_prefetch_step(a, next, s + AMX_AHEAD, steps, a_stride, 32);
         _tile_loadd(0, a + s * TILE_BYTES, a_stride);
         _tile_loadd(2, b, TILE_BYTES);
         _tile_dpbf16ps(4, 0, 2);
-        _tile_loadd(3, b + 1024, TILE_BYTES);
-        _tile_dpbf16ps(5, 0, 3);
+        if (xtiles > 1) {
+            _tile_loadd(3, b + 1024, TILE_BYTES);
+            _tile_dpbf16ps(5, 0, 3);
+        }
         _tile_loadd(1, a + second + s * TILE_BYTES, a_stride);
         _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
+        if (xtiles > 1) _tile_dpbf16ps(7, 1, 3);
+    }
+    const int64_t c_stride = AMX_LINEAR_COLUMNS * (int64_t)sizeof(float);
+    _tile_stored(4, c, c_stride);
+    _tile_stored(6, c + 16 * AMX_LINEAR_COLUMNS, c_stride);
+    if (xtiles > 1) {
+        _tile_stored(5, c + 16, c_stride);
+        _tile_stored(7, c + 16 * AMX_LINEAR_COLUMNS + 16, c_stride);
+    }
+}
+
+/* c[16 x 16 * XTILES] = a[16 weight rows x k] . xt[k / 2 pairs x 16 * XTILES] (XTILES 3 or 4): tiles 4-7 the
+ * sums, 0 the weights (each loaded once for XTILES products), 1-3 the transposed x in turn. The weight rows
+ * are prefetched AMX_AHEAD steps ahead, into the 16 rows at `next` (NULL: none). */
+static ALWAYS_INLINE void amx_weight_rows16(const char *a, int64_t k, const char *xt, int64_t xt_step, const char *next,
+                                            float *c, const int xtiles) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    if (xtiles > 3) _tile_zero(7);
+    const int64_t a_stride = k * 2, steps = k / 32;
+    for (int64_t s = 0; s < steps; s++) {
+        const char *b = xt + s * xt_step;
+        amx_prefetch_step(a, next, s + AMX_AHEAD, steps, a_stride, 16);
+        _tile_loadd(0, a + s * TILE_BYTES, a_stride);
+        _tile_loadd(1, b, TILE_BYTES);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, b + 1024, TILE_BYTES);
+        _tile_dpbf16ps(5, 0, 2);
+        _tile_loadd(3, b + 2048, TILE_BYTES);
+        _tile_dpbf16ps(6, 0, 3);
+        if (xtiles > 3) {
+            _tile_loadd(1, b + 3072, TILE_BYTES);
+            _tile_dpbf16ps(7, 0, 1);
+        }
     }
     const int64_t c_stride = AMX_LINEAR_COLUMNS * (int64_t)sizeof(float);
     _tile_stored(4, c, c_stride);
     _tile_stored(5, c + 16, c_stride);
-    _tile_stored(6, c + 16 * AMX_LINEAR_COLUMNS, c_stride);
-    _tile_stored(7, c + 16 * AMX_LINEAR_COLUMNS + 16, c_stride);
+    _tile_stored(6, c + 32, c_stride);
+    if (xtiles > 3) _tile_stored(7, c + 48, c_stride);
 }
 
 /* Rows 0 .. count - 1 of out [rows, n], outputs n0 .. n0 + outs - 1: c's columns (transposed) plus the
@@ -2184,11 +2224,11 @@ static void amx_store(const float *c, int64_t count, int64_t n, int64_t n0, int6
     }
 }
 
-/* dense_linear for bfloat16 and DENSE_WIDE_ROWS < rows <= AMX_LINEAR_MAX_ROWS (see above): 0, or -1 where a
+/* dense_linear for bfloat16 and DENSE_MAX_ROWS < rows <= AMX_LINEAR_MAX_ROWS (see above): 0, or -1 where a
  * buffer could not be allocated. */
 static int amx_linear(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, const uint16_t *bias,
                       void *out, int out_bf16, int num_threads) {
-    const int64_t cols = rows <= 16 ? 16 : (rows + 31) / 32 * 32, units = (n + 31) / 32;
+    const int64_t cols = (rows + 15) / 16 * 16, units = (n + 31) / 32;
     uint32_t *xt = aligned_alloc(64, (size_t)(k / 2 * cols) * sizeof(uint32_t));
     if (xt == NULL) return -1;
     int failed = 0;
@@ -2213,12 +2253,16 @@ static int amx_linear(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
                 a = (const char *)padded;
             }
             const char *next = n - n0 >= 64 ? a + 64 * k : NULL;
-            if (cols == 16) {
-                amx_weight_tile(a, k, (const char *)xt, cols * 64, next, c);
-                amx_weight_tile(a + 32 * k, k, (const char *)xt, cols * 64, NULL, c + 16 * AMX_LINEAR_COLUMNS);
-            } else {
-                for (int64_t m = 0; m < cols; m += 32)
-                    amx_weight_pair(a, k, (const char *)(xt + m * 16), cols * 64, m == 0 ? next : NULL, c + m);
+            if (cols <= 32 || k < AMX_SHORT)
+                for (int64_t m = 0; m < cols; m += 32) { /* the second pass's rows are in cache */
+                    const char *ahead = m + 32 >= cols ? next : NULL, *xm = (const char *)(xt + m * 16);
+                    if (cols - m == 16) amx_weight_rows(a, k, xm, cols * 64, ahead, c + m, 1);
+                    else amx_weight_rows(a, k, xm, cols * 64, ahead, c + m, 2);
+                }
+            else {
+                const char *half = a + 32 * k;
+                amx_weight_rows16(a, k, (const char *)xt, cols * 64, half, c, (int)(cols / 16));
+                amx_weight_rows16(half, k, (const char *)xt, cols * 64, next, c + 16 * AMX_LINEAR_COLUMNS, (int)(cols / 16));
             }
             amx_store(c, rows, n, n0, outs < 16 ? outs : 16, bias, out, out_bf16);
             if (outs > 16) amx_store(c + 16 * AMX_LINEAR_COLUMNS, rows, n, n0 + 16, outs - 16, bias, out, out_bf16);
