@@ -1,5 +1,5 @@
-"""cpu/kernels.c's dense_linear (one to eight rows times float weights; bfloat16 up to 64 rows on the AMX
-tiles) and PrepackedLinear's use of it.
+"""cpu/kernels.c's dense_linear (one to eight rows times float weights, float32 up to 24; bfloat16 up to 64
+rows on the AMX tiles) and PrepackedLinear's use of it.
 
 The plain C version (the portable build) defines the result bit for bit: every other build gives the
 same bits, whatever the thread count and whatever the other rows of the batch are; except the tile
@@ -29,8 +29,10 @@ pytestmark = pytest.mark.skipif(
 SHAPES = [(7, 5), (37, 70), (130, 96), (33, 1537), (960, 576), (576, 1536)]
 # float32 sums of up to 1537 products against float64; bfloat16 adds one rounding of the result.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2**-8}
-# The most rows dense_linear takes (DENSE_WIDE_ROWS in kernels.c): six in one pass, two more from L1/L2.
+# The most rows dense_linear takes (DENSE_WIDE_ROWS in kernels.c): six in one pass, two more from L1/L2;
+# float32 (DENSE_FLOAT32_ROWS) in passes of six over the same weight rows.
 MAX_ROWS = 8
+FLOAT32_ROWS = 24
 # On the AMX tiles (bfloat16, inputs a multiple of 32): from 5 rows (more than DENSE_MAX_ROWS) to 64.
 TILE_ROWS = (5, 64)
 BFLOAT16 = cpu_kernels.DTYPE_CODES[torch.bfloat16]
@@ -63,10 +65,12 @@ def on_tiles(library: ctypes.CDLL, dtype: torch.dtype, rows: int, k: int) -> boo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 24])
 def test_every_build_and_thread_count_gives_the_plain_c_bits(
     any_library: ctypes.CDLL, plain_library: ctypes.CDLL, dtype: torch.dtype, rows: int, torch_threads: int
 ) -> None:
+    if rows > MAX_ROWS and dtype == torch.bfloat16:
+        pytest.skip("bfloat16 takes up to 8 rows in AVX-512 (more on the AMX tiles: test_tile_products_*)")
     for shape in SHAPES:
         if on_tiles(any_library, dtype, rows, shape[1]):
             continue  # tile products: test_tile_products_*
@@ -88,14 +92,15 @@ def test_every_build_and_thread_count_gives_the_plain_c_bits(
 def test_a_rows_result_does_not_depend_on_the_other_rows(
     any_library: ctypes.CDLL, dtype: torch.dtype
 ) -> None:
+    most = FLOAT32_ROWS if dtype == torch.float32 else MAX_ROWS
     for shape in SHAPES:
         if on_tiles(any_library, dtype, MAX_ROWS, shape[1]):
             continue  # test_tile_products_do_not_depend_on_the_other_rows_or_the_threads
-        x, weight, bias = case(dtype, MAX_ROWS, shape)
+        x, weight, bias = case(dtype, most, shape)
         together = dense_linear(x, weight, bias, any_library)
-        for r in range(MAX_ROWS):
+        for r in range(most):
             assert torch.equal(together[r : r + 1], dense_linear(x[r : r + 1], weight, bias, any_library))
-        for first, end in ((1, 3), (3, 7), (5, 8)):
+        for first, end in [(1, 3), (3, 7), (5, 8)] + ([(0, 17)] if most > 17 else []):
             part = dense_linear(x[first:end].contiguous(), weight, bias, any_library)
             assert torch.equal(together[first:end], part)
 
@@ -170,13 +175,16 @@ def test_tiles_take_inputs_in_whole_steps_of_32_and_at_most_64_rows(any_library:
     assert library.dense_linear(x[:, :48].contiguous().data_ptr(), MAX_ROWS + 1, 48, *args) == -1
 
 
-def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL) -> None:
-    x, weight, bias = case(torch.float32, MAX_ROWS + 1, (8, 16))
-    out = torch.empty(MAX_ROWS + 1, 8)
-    args = (weight.data_ptr(), 8, bias.data_ptr(), 0, out.data_ptr(), 0, 1)
-    assert any_library.dense_linear(x.data_ptr(), MAX_ROWS + 1, 16, *args) == -1
+@pytest.mark.parametrize(("dtype", "most"), [(torch.float32, FLOAT32_ROWS), (torch.bfloat16, MAX_ROWS)])
+def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL, dtype: torch.dtype, most: int) -> None:
+    """16 inputs: not the AMX tiles' (whole steps of 32), so bfloat16 takes AVX-512's eight rows at most."""
+    x, weight, bias = case(dtype, most + 1, (8, 16))
+    out = torch.empty(most + 1, 8, dtype=dtype)
+    code = cpu_kernels.DTYPE_CODES[dtype]
+    args = (weight.data_ptr(), 8, bias.data_ptr(), code, out.data_ptr(), code, 1)
+    assert any_library.dense_linear(x.data_ptr(), most + 1, 16, *args) == -1
     assert any_library.dense_linear(x.data_ptr(), 0, 16, *args) == -1
-    assert any_library.dense_linear(x.data_ptr(), MAX_ROWS, 16, *args) == 0
+    assert any_library.dense_linear(x.data_ptr(), most, 16, *args) == 0
 
 
 def test_a_float32_product_into_bfloat16_is_refused(any_library: ctypes.CDLL) -> None:
@@ -199,7 +207,7 @@ def test_prepacked_linear_multiplies_a_few_rows_in_c_and_more_with_onednn(
     linear = nn.Linear(96, 80, bias=bias).to(dtype)
     packed = PrepackedLinear(linear, batch_size_hint=64)
     assert packed.dense_rows == dense_rows(linear.weight, linear.bias)
-    assert packed.dense_rows in (0, MAX_ROWS, TILE_ROWS[1])
+    assert packed.dense_rows in (0, MAX_ROWS, FLOAT32_ROWS, TILE_ROWS[1])
     x = torch.randn(packed.dense_rows + 1, 96).to(dtype)
     with torch.inference_mode():
         for rows in sorted({*range(1, MAX_ROWS + 2), packed.dense_rows, packed.dense_rows + 1} - {0}):

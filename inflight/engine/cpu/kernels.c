@@ -1916,13 +1916,14 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
 }
 
 /* ---- products of a few rows with float weights -------------------------------------------------------
- * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_WIDE_ROWS (a decode step of one to a few sequences),
+ * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_WIDE_ROWS (a decode step of one to a few sequences;
+ * float32 up to DENSE_FLOAT32_ROWS),
  * W [n, k] float32 or bfloat16 as the checkpoint holds it (row-major, one row per output). oneDNN's GEMM
  * runs these shapes at about half of the memory's speed (docs/benchmarks.md); here each weight row is read
  * from memory once, four rows at a time, and multiplied into up to DENSE_MAX_ROWS x rows while it is in
- * registers. More x rows, up to DENSE_WIDE_ROWS, take their own loop (dense_linear_wide), so that the
- * code of the one-to-four-row loop (batch 1's) stays what it was: up to DENSE_PASS_ROWS x rows in one pass
- * over each tile of weight rows, the rest over the same tile again from L1 or L2.
+ * registers. More x rows take their own loop (dense_linear_wide), so that the code of the one-to-four-row
+ * loop (batch 1's) stays what it was: up to DENSE_PASS_ROWS x rows in one pass over each tile of weight
+ * rows, the rest in more passes over the same tile, from L1 or L2.
  *
  * The arithmetic is fixed, whatever the thread count or the number of rows, so a row's output does not
  * depend on the other rows of the batch. Each output sums in float32 over 16 lanes, then adds the lanes in
@@ -1937,7 +1938,18 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
 /* DENSE_MAX_ROWS (DENSE_PASS_ROWS in the wide loop) x rows times DENSE_TILE weight rows: the register tile.
  * Up to DENSE_WIDE_ROWS rows this runs most of llama-1b's products faster than oneDNN (float32 and
  * bfloat16); from 10 rows it is level or behind (docs/benchmarks.md, "Decode steps of 5-8 rows in C"). */
-enum { DENSE_MAX_ROWS = 4, DENSE_PASS_ROWS = 6, DENSE_WIDE_ROWS = 8, DENSE_TILE = 4, DENSE_PREFETCH_BYTES = 8192 };
+/* DENSE_FLOAT32_ROWS: float32 takes up to 24 rows, DENSE_PASS_ROWS at a time over each tile of weight rows:
+ * with a decode step's layers in one C call, SmolLM2's float32 steps of 12-24 rows took 12-28 % less time
+ * than with oneDNN's products (32 rows level, 64 rows 15 % more; bfloat16 on the AVX512-BF16 path 30 % and
+ * more at 16 rows and up, so it keeps DENSE_WIDE_ROWS). */
+enum {
+    DENSE_MAX_ROWS = 4,
+    DENSE_PASS_ROWS = 6,
+    DENSE_WIDE_ROWS = 8,
+    DENSE_FLOAT32_ROWS = 24,
+    DENSE_TILE = 4,
+    DENSE_PREFETCH_BYTES = 8192
+};
 
 /* s[0] + ... + s[15] in the tree the vector path adds them in: lanes i and i + 8, then i + 4, i + 2, i + 1. */
 static inline float lanes_sum(float s[16]) {
@@ -2067,17 +2079,22 @@ static ALWAYS_INLINE int dense_tile_pass(const void *x, int64_t rows, int64_t k,
     return 0;
 }
 
-/* dense_tile for DENSE_MAX_ROWS < rows <= DENSE_WIDE_ROWS: the first DENSE_PASS_ROWS rows or fewer in one
- * pass over the tile's weight rows (from memory), the rest by dense_tile (the weight rows from L1 or L2).
+/* dense_tile for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS: DENSE_PASS_ROWS rows or fewer a pass over the
+ * tile's weight rows (from memory the first time, then from L1 or L2), the last one to four by dense_tile.
  * Not vectorized, dense_tile DENSE_MAX_ROWS rows at a time (dense_tile_plain called here too would no
  * longer be inlined into dense_tile, changing the one-to-four-row code). */
 static void dense_tile_wide(const void *x, int64_t rows, int64_t k, const void *w, int bf16, int64_t n0,
                             int64_t outs, float *sums) {
     const int64_t row_bytes = k * (bf16 ? 2 : 4);
-    int64_t done = rows < DENSE_PASS_ROWS ? rows : DENSE_PASS_ROWS;
-    if (!dense_tile_pass(x, done, k, w, bf16, n0, outs, sums)) {
-        done = DENSE_MAX_ROWS;
-        dense_tile(x, done, k, w, bf16, n0, outs, sums);
+    int64_t done = 0;
+    while (rows - done > DENSE_MAX_ROWS) {
+        const char *xs = (const char *)x + done * row_bytes;
+        int64_t pass = rows - done < DENSE_PASS_ROWS ? rows - done : DENSE_PASS_ROWS;
+        if (!dense_tile_pass(xs, pass, k, w, bf16, n0, outs, sums + done * DENSE_TILE)) {
+            pass = DENSE_MAX_ROWS;
+            dense_tile(xs, pass, k, w, bf16, n0, outs, sums + done * DENSE_TILE);
+        }
+        done += pass;
     }
     if (done < rows)
         dense_tile((const char *)x + done * row_bytes, rows - done, k, w, bf16, n0, outs, sums + done * DENSE_TILE);
@@ -2287,19 +2304,19 @@ static int amx_linear_takes(int dtype, int64_t rows, int64_t k) {
 }
 
 /* How many rows dense_linear takes for weights of `dtype` with k columns on this build: AMX_LINEAR_MAX_ROWS
- * for bfloat16 where it multiplies on the AMX tiles; DENSE_WIDE_ROWS where it runs vectorized (AVX-512;
- * AVX512-BF16 for bfloat16); else 0: the plain C version is slower than oneDNN, so the engine keeps oneDNN
- * there (tests still call dense_linear on such builds). */
+ * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512; AVX512-BF16 for
+ * bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_WIDE_ROWS for bfloat16; else 0: the plain C version
+ * is slower than oneDNN, so the engine keeps oneDNN there (tests still call dense_linear on such builds). */
 int dense_linear_max_rows(int dtype, int64_t k) {
 #if defined(AMX_TILES)
     if (amx_linear_takes(dtype, AMX_LINEAR_MAX_ROWS, k)) return AMX_LINEAR_MAX_ROWS;
 #endif
 #if defined(DENSE_BFLOAT16_VECTOR)
-    (void)dtype, (void)k;
-    return DENSE_WIDE_ROWS;
+    (void)k;
+    return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : DENSE_WIDE_ROWS;
 #elif defined(DENSE_FLOAT32_VECTOR)
     (void)k;
-    return dtype == DTYPE_FLOAT32 ? DENSE_WIDE_ROWS : 0;
+    return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : 0;
 #else
     (void)dtype, (void)k;
     return 0;
@@ -2319,8 +2336,8 @@ int dense_linear_max_rows(int dtype, int64_t k) {
             else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;                  \
         }
 
-/* dense_linear for DENSE_MAX_ROWS < rows <= DENSE_WIDE_ROWS: each tile of weight rows multiplied into up to
- * DENSE_PASS_ROWS x rows in one pass (read from memory), then into the others (from L1 or L2;
+/* dense_linear for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS: each tile of weight rows multiplied into up
+ * to DENSE_PASS_ROWS x rows in one pass (read from memory), then into the others (from L1 or L2;
  * dense_tile_wide). Its own loop and buffer, though the same as dense_linear's below, so that the
  * one-to-four-row loop's code is the same as without it. */
 static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias,
@@ -2329,16 +2346,17 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
 #pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {
         const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
-        float sums[DENSE_WIDE_ROWS * DENSE_TILE];
+        float sums[DENSE_FLOAT32_ROWS * DENSE_TILE];
         dense_tile_wide(x, rows, k, w, bf16, n0, outs, sums);
         DENSE_STORE(sums)
     }
 }
 
 /* out [rows, n] = x [rows, k] W^T (+ bias [n]), x, W and bias of `dtype` (float32 or bfloat16), 1 <= rows <=
- * dense_linear_max_rows(dtype, k) (see the top of this section, and the AMX tiles' above). `out` is of `out_dtype`: `dtype`, or float32 holding the
- * result rounded to `dtype` (for bfloat16, what widening the bfloat16 output would give: the LM head's
- * logits without a separate pass). Returns 0, or -1 for another number of rows or output dtype. */
+ * dense_linear_max_rows(dtype, k) (see the top of this section, and the AMX tiles' above). `out` is of
+ * `out_dtype`: `dtype`, or float32 holding the result rounded to `dtype` (for bfloat16, what widening the
+ * bfloat16 output would give: the LM head's logits without a separate pass). Returns 0, or -1 for another
+ * number of rows or output dtype. */
 int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int dtype,
                  void *out, int out_dtype, int num_threads) {
     if (out_dtype != dtype && out_dtype != DTYPE_FLOAT32) return -1;
@@ -2346,7 +2364,7 @@ int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t 
 #if defined(AMX_TILES)
     if (amx_linear_takes(dtype, rows, k)) return amx_linear(x, rows, k, w, n, bias, out, out_bf16, num_threads);
 #endif
-    if (rows < 1 || rows > DENSE_WIDE_ROWS) return -1;
+    if (rows < 1 || rows > (bf16 ? DENSE_WIDE_ROWS : DENSE_FLOAT32_ROWS)) return -1;
     if (rows > DENSE_MAX_ROWS) {
         dense_linear_wide(x, rows, k, w, n, bias, bf16, out, out_bf16, num_threads);
         return 0;
