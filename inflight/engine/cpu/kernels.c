@@ -2123,7 +2123,7 @@ static void dense_tile_wide(const void *x, int64_t rows, int64_t k, const void *
  * 16 measured, 4 the fastest. AMX_SHORT: below this many inputs, 33-64 rows of x go in two passes of 32
  * over each 32 weight rows (the rows from L1 the second time) instead of one pass over each 16 (x's tiles
  * from L2 for every 16 weight rows), which gave SmolLM2's 576-input products 10-20 % more speed at 64
- * rows and llama-1b's 2048-8192-input ones 15-40 % less. */
+ * rows and llama-1b's 2048-8192-input ones 11-27 % less. */
 enum { AMX_LINEAR_MAX_ROWS = 64, AMX_LINEAR_COLUMNS = 64, AMX_AHEAD = 4, AMX_SHORT = 1024 };
 
 /* x's rows transposed in column pairs for the tile products, 16 x 16 pairs at a time through a register
