@@ -1,9 +1,9 @@
 """A decode step's layers in one C call each over float weights (model/decode_layer.py, cpu/decode_layer.c)
 against the per-op path (model/llama.py's DecoderLayer.forward), which is the definition: the same hidden
 states, residual stream and KV cache bytes, bit for bit, at 1..9 rows and the most dense_linear takes
-(8, or 64 for bfloat16 on the AMX tiles) and one more, float32 and (where oneDNN prepacks it) bfloat16,
-with and without biases, with a sliding window, on 1 and 2 threads; for the native build and each
-portable one this CPU runs (those without AVX-512 multiply in oneDNN: no one-call layer there).
+(float32 24, bfloat16 8, or 64 on the AMX tiles) and one more, float32 and (where oneDNN prepacks it)
+bfloat16, with and without biases, with a sliding window, on 1 and 2 threads; for the native build and
+each portable one this CPU runs (those without AVX-512 multiply in oneDNN: no one-call layer there).
 """
 
 from __future__ import annotations
