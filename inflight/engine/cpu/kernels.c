@@ -2146,7 +2146,9 @@ static void amx_pairs_transposed(const uint16_t *x, int64_t rows, int64_t k, int
  * (rows of the same length; NULL: none). */
 static ALWAYS_INLINE void amx_prefetch_step(const char *a, const char *next, int64_t t, int64_t steps,
                                             int64_t stride, const int rows) {
-    const char *at = t < steps ? a + t * TILE_BYTES : (next != NULL && t - steps < steps ? next + (t - steps) * TILE_BYTES : NULL);
+    const char *at = NULL;
+    if (t < steps) at = a + t * TILE_BYTES;
+    else if (next != NULL && t - steps < steps) at = next + (t - steps) * TILE_BYTES;
     if (at != NULL)
         for (int j = 0; j < rows; j++) _mm_prefetch(at + j * stride, _MM_HINT_T0);
 }
@@ -2278,8 +2280,9 @@ static int amx_linear(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
                 }
             else {
                 const char *half = a + 32 * k;
-                amx_weight_rows16(a, k, (const char *)xt, cols * 64, half, c, (int)(cols / 16));
-                amx_weight_rows16(half, k, (const char *)xt, cols * 64, next, c + 16 * AMX_LINEAR_COLUMNS, (int)(cols / 16));
+                const int xtiles = (int)(cols / 16);
+                amx_weight_rows16(a, k, (const char *)xt, cols * 64, half, c, xtiles);
+                amx_weight_rows16(half, k, (const char *)xt, cols * 64, next, c + 16 * AMX_LINEAR_COLUMNS, xtiles);
             }
             amx_store(c, rows, n, n0, outs < 16 ? outs : 16, bias, out, out_bf16);
             if (outs > 16) amx_store(c + 16 * AMX_LINEAR_COLUMNS, rows, n, n0 + 16, outs - 16, bias, out, out_bf16);
