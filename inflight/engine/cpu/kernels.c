@@ -176,6 +176,29 @@ static ALWAYS_INLINE __m512 exp_approx16(__m512 x) {
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+/* Lanes j .. j + 15 that lie in [lo, hi). */
+static ALWAYS_INLINE __mmask16 lanes_between(int64_t j, int64_t lo, int64_t hi) {
+    const uint32_t from = lo <= j ? 0 : (lo - j >= 16 ? 16 : (uint32_t)(lo - j));
+    const uint32_t to = hi >= j + 16 ? 16 : (hi <= j ? 0 : (uint32_t)(hi - j));
+    return from >= to ? 0 : (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
+}
+
+/* A vector's softmax weights over a block of keys, in place of its scores s: e^(s[j] - peak) for j in
+ * [lo, hi), else 0, over [0, span) (a multiple of 16; scores outside [lo, hi) are never read as numbers);
+ * returns their sum. */
+static ALWAYS_INLINE float row_weights16(float *s, int64_t lo, int64_t hi, int64_t span, float peak) {
+    const __m512 b = _mm512_set1_ps(peak);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < span; j += 16) {
+        const __mmask16 keep = lanes_between(j, lo, hi);
+        const __m512 p = keep ? _mm512_maskz_mov_ps(keep, exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(s + j), b)))
+                              : _mm512_setzero_ps();
+        sum = _mm512_add_ps(sum, p);
+        _mm512_storeu_ps(s + j, p);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
 #endif
 
 /* `n` elements at `offset` as floats, copied into dst. */
@@ -966,8 +989,9 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
  * The new rows of prompts (prefill, chunked prefill): each attends causally to its sequence's keys up to
  * its own position. A work item is PREFILL_ROWS consecutive rows of one prompt and one KV head
  * (AMX_PREFILL_ROWS where the products run on the AMX tiles: the keys' conversion, then the largest cost
- * left, is shared by twice the rows: 2048 rows 6.3 -> 5.8 ms, 2048 after 2048 keys 18.9 -> 16.6; twice that
- * again where a call still has eight items per thread, 5-15 % on chunks of 1024-4096 rows). The item
+ * left, is shared by twice the rows: 2048 rows 6.3 -> 5.8 ms, 2048 after 2048 keys 18.9 -> 16.6), and twice
+ * that where a call still has eight items per thread (the tiles: 5-15 % on chunks of 1024-4096 rows; float32:
+ * 1.05-1.1x on chunks of 256-4096 rows, where each block of keys then serves twice the vectors). The item
  * goes over the keys its rows attend PREFILL_KEYS at a time (flash-attention style): each block of keys is
  * converted once into tiles, K transposed ([head_dim][keys]) and V as rows (float32 V rows are read where
  * they lie in the cache), and every query head of the KV head's group, for every row of the item, scores
@@ -978,12 +1002,13 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
  * computes exactly the two-pass softmax. Query vectors are ordered row by row, each row's group heads
  * together.
  * 32 rows: the keys of a long prompt are converted once per 32 rows instead of once per 16 (1.2-1.5x the
- * 16-row items' speed on a 2048-token step of SmolLM2 prompts; 64 rows measured the same as 32). Blocks of
- * keys keep an item's tiles and scores in L2 however long the prompt (they took 3 MB per item at 4096
- * keys). Where the CPU has AVX512-BF16, bfloat16 scores take its dot product on keys and queries kept in
+ * 16-row items' speed on a 2048-token step of SmolLM2 prompts). Blocks of keys keep an item's tiles and
+ * scores in L2 however long the prompt (they took 3 MB per item at 4096 keys); blocks of 128 keys keep a
+ * block's K or V tile (32 KB at head_dim 64) within L1 while the vectors go over it (float32 attention
+ * 1.03-1.1x the speed with 256-key blocks, the tiles level). Where the CPU has AVX512-BF16, bfloat16 scores take its dot product on keys and queries kept in
  * bfloat16 (prefill_scores8_bf16: 1.25-1.3x the float tiles' attention), and so do the weighted sums, on
  * the weights rounded to bfloat16 as torch's CPU attention rounds them (prefill_weigh4_bf16). */
-enum { PREFILL_ROWS = 32, AMX_PREFILL_ROWS = 64, PREFILL_KEYS = 256, KEY_PAD = 16 };
+enum { PREFILL_ROWS = 32, AMX_PREFILL_ROWS = 64, PREFILL_KEYS = 128, KEY_PAD = 16 };
 
 /* A prompt as the kernel reads it: [table row, first query row, query_len, seq_len] (int64 each). */
 enum { PROMPT_FIELDS = 4 };
@@ -1051,29 +1076,31 @@ static ALWAYS_INLINE void prefill_scores8(const float *queries, const float *kt,
     store_peaks8(m, peaks);
 }
 
-/* out[i] += sum over keys [from, to) of weights[i][j] * V row j (at rows[j]) for 4 vectors, 64 dimensions at a time
- * (head_dim a multiple of 64): 4 x 64 running sums in registers, four V loads per 16 multiply-adds. The
- * empty asm keeps each V load in a register: without it gcc folds the load into all four multiply-adds
- * that use it (16 loads per key from L2 instead of 4: float32 attention 1.2x slower). */
-static ALWAYS_INLINE void prefill_weigh4(const float *weights, int64_t stride, const float *const *rows, int64_t from,
+/* out[i] += sum over keys [from, to) of weights[i][j] * V row j (at rows[j]) for 8 vectors, 32 dimensions at a
+ * time (head_dim a multiple of 32): 8 x 32 running sums in registers, two V loads per 16 multiply-adds (4
+ * vectors x 64 dimensions, four loads per 16, was 1.1-1.15x slower: the V rows come from L2, and each pass
+ * over them now serves twice the vectors). The empty asm keeps each V load in a register: without it gcc
+ * folds the load into the multiply-adds that use it (a load per multiply-add from L2: float32 attention
+ * 1.2x slower). */
+static ALWAYS_INLINE void prefill_weigh8(const float *weights, int64_t stride, const float *const *rows, int64_t from,
                                          int64_t to, int64_t head_dim, float *out) {
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-        __m512 a[4][4];
-        for (int i = 0; i < 4; i++)
-            for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(out + i * head_dim + d0 + 16 * c);
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+        __m512 a[8][2];
+        for (int i = 0; i < 8; i++)
+            for (int c = 0; c < 2; c++) a[i][c] = _mm512_loadu_ps(out + i * head_dim + d0 + 16 * c);
         for (int64_t j = from; j < to; j++) {
-            __m512 x[4];
-            for (int c = 0; c < 4; c++) {
+            __m512 x[2];
+            for (int c = 0; c < 2; c++) {
                 x[c] = _mm512_loadu_ps(rows[j] + d0 + 16 * c);
                 __asm__("" : "+v"(x[c]));
             }
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < 8; i++) {
                 const __m512 p = _mm512_set1_ps(weights[i * stride + j]);
-                for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(p, x[c], a[i][c]);
+                for (int c = 0; c < 2; c++) a[i][c] = _mm512_fmadd_ps(p, x[c], a[i][c]);
             }
         }
-        for (int i = 0; i < 4; i++)
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + i * head_dim + d0 + 16 * c, a[i][c]);
+        for (int i = 0; i < 8; i++)
+            for (int c = 0; c < 2; c++) _mm512_storeu_ps(out + i * head_dim + d0 + 16 * c, a[i][c]);
     }
 }
 #endif
@@ -1111,10 +1138,10 @@ static ALWAYS_INLINE void prefill_scores8_bf16(const uint32_t *queries, const ui
     store_peaks8(m, peaks);
 }
 
-/* prefill_weigh4 for bfloat16 weights and values, with the AVX512-BF16 dot product over pairs of keys:
- * weights row i holds bfloat16 weights, key pair jp in the 32 bits at weights[i * stride + jp]; the value
- * tile holds dimension d of keys 2jp and 2jp + 1 in the 32 bits at v2[jp * head_dim + d]. Key pairs
- * [from, to), added to out; products exact, sums in float32. */
+/* The weighted sums for bfloat16 weights and values, 4 vectors x 64 dimensions, with the AVX512-BF16 dot
+ * product over pairs of keys: weights row i holds bfloat16 weights, key pair jp in the 32 bits at
+ * weights[i * stride + jp]; the value tile holds dimension d of keys 2jp and 2jp + 1 in the 32 bits at
+ * v2[jp * head_dim + d]. Key pairs [from, to), added to out; products exact, sums in float32. */
 static ALWAYS_INLINE void prefill_weigh4_bf16(const uint32_t *weights, int64_t stride, const uint32_t *v2,
                                               int64_t from, int64_t to, int64_t head_dim, float *out) {
     for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
@@ -1354,13 +1381,6 @@ static void amx_scores16(const uint32_t *queries, const uint32_t *kt2, int64_t k
                          TILE_ROWS * key_row, head_dim / 32, (char *)(scores + j), key_row, 0);
 }
 
-/* Lanes j .. j + 15 that lie in [lo, hi). */
-static ALWAYS_INLINE __mmask16 lanes_between(int64_t j, int64_t lo, int64_t hi) {
-    const uint32_t from = lo <= j ? 0 : (lo - j >= 16 ? 16 : (uint32_t)(lo - j));
-    const uint32_t to = hi >= j + 16 ? 16 : (hi <= j ? 0 : (uint32_t)(hi - j));
-    return from >= to ? 0 : (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
-}
-
 /* 2^x on 16 lanes: x = n + f with |f| <= 1/2, 2^f by a degree-4 polynomial fitted for relative error
  * (below 2.7e-6 over the interval: the weights are then rounded to bfloat16, 2^-9), times 2^n by vscalefps,
  * which gives 0 where 2^n underflows. Finite x only (-inf gives NaN): the callers mask lanes outside a
@@ -1596,6 +1616,9 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
                 for (int64_t j = lo; j < hi; j++) peak = s[j] > peak ? s[j] : peak;
             }
             peak = raise_peak(&t, i, peak, head_dim);
+#if defined(__AVX512F__)
+            t.sum[i] += row_weights16(s, lo, hi, count_padded, peak);
+#else
             float sum = 0.0f;
             for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -1605,13 +1628,20 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
             }
             for (int64_t j = hi; j < count_padded; j++) s[j] = 0.0f;
             t.sum[i] += sum;
+#endif
 #if defined(__AVX512BF16__)
             if (value_pairs) to_bf16_in_place(s, count_padded);
 #endif
         }
-        /* Weighted sums, 4 vectors at a time over the block's keys any of them attends. */
-        for (int64_t i0 = 0; i0 < vectors; i0 += 4) {
-            const int64_t last = i0 + 4 < vectors ? i0 + 3 : vectors - 1;
+        /* Weighted sums, 8 vectors (float) or 4 (bfloat16 pairs) at a time over the block's keys any of them
+         * attends. */
+#if defined(__AVX512F__)
+        const int64_t weigh_step = !value_pairs && head_dim % 32 == 0 ? 8 : 4;
+#else
+        const int64_t weigh_step = 4;
+#endif
+        for (int64_t i0 = 0; i0 < vectors; i0 += weigh_step) {
+            const int64_t last = i0 + weigh_step < vectors ? i0 + weigh_step - 1 : vectors - 1;
             int64_t from, to;
             rows_keys(ctx + r0 + i0 / group, ctx + r0 + last / group, klo, kb, count, window, &from, &to);
             if (to <= from) continue;
@@ -1625,8 +1655,8 @@ static void prefill_item(const void *q, int64_t q_row_stride, const void *k_cach
             }
 #endif
 #if defined(__AVX512F__)
-            if (head_dim % 64 == 0) {
-                prefill_weigh4(weights, PREFILL_KEYS, t.vrows, from, to, head_dim, acc);
+            if (weigh_step == 8) {
+                prefill_weigh8(weights, PREFILL_KEYS, t.vrows, from, to, head_dim, acc);
                 continue;
             }
 #endif
@@ -1709,8 +1739,8 @@ int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, cons
     (void)max_seq_len;
     const int tiles = prefill_tiles() && dtype == DTYPE_BFLOAT16 && kv_dtype == DTYPE_BFLOAT16 && head_dim % 64 == 0;
     int64_t rows = tiles ? AMX_PREFILL_ROWS : PREFILL_ROWS;
-    /* On the tiles, items of twice the rows where there are still enough of them for the threads. */
-    if (tiles && prefill_items(prompts, n, 2 * rows, num_kv_heads) >= 8 * (int64_t)num_threads) rows *= 2;
+    /* Items of twice the rows where there are still enough of them for the threads. */
+    if (prefill_items(prompts, n, 2 * rows, num_kv_heads) >= 8 * (int64_t)num_threads) rows *= 2;
     /* Item k of prompt i is tile k / num_kv_heads, KV head k % num_kv_heads; item_starts: prefix sums. */
     int64_t *item_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
     if (item_starts == NULL) return 1;
