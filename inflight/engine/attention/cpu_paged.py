@@ -4,16 +4,15 @@ The torch path (torch_paged.py) gathers every sequence's blocks into a contiguou
 over it: on CPU that is two trips through memory for every key and value, and the gather alone was a third
 of decode attention's time. Here decode rows go through `paged_decode` (one work item per row, or per
 (row, KV head) when there are few rows: scores, exact softmax and weighted sum straight from the blocks),
-the rows of prompts through `paged_prefill` (one work item per 32 rows of a prompt and KV head: the keys
-those rows attend converted, 256 at a time, into tiles that every query head of the group shares, with an
-online softmax across the blocks of keys; faster than SDPA at every prompt length measured, 256 to 2048
-tokens and chunks after a 3,584-token prefix, on CPUs without AMX). Where the CPU has AMX-BF16 (Intel
-Sapphire Rapids+), bfloat16 items of 64 rows multiply their scores and weighted sums on the AMX tiles
-(1.3-1.6x torch's CPU flash attention from 64 rows after 4032 keys to 4096-row prompts, 4.8x the
-AVX512-BF16 items at 2048 rows; docs/benchmarks.md). New keys
-and values are stored with one C call per layer (a row copy per token) instead of two index_copy_
-dispatches. Where the kernels are unavailable (see cpu/kernels.py) or cannot take the inputs, this is the
-torch path.
+the rows of prompts through `paged_prefill` (one work item per 32 rows of a prompt and KV head, 64 where a
+call still has eight items per thread: the keys those rows attend converted, 128 at a time, into tiles
+that every query head of the group shares, with an online softmax across the blocks of keys; faster than
+SDPA at every prompt length measured, 256 to 2048 tokens and chunks after a 3,584-token prefix, on CPUs
+without AMX). Where the CPU has AMX-BF16 (Intel Sapphire Rapids+), bfloat16 items of 64 rows multiply
+their scores and weighted sums on the AMX tiles (1.3-1.6x torch's CPU flash attention from 64 rows after
+4032 keys to 4096-row prompts, 4.8x the AVX512-BF16 items at 2048 rows; docs/benchmarks.md). New keys and
+values are stored with one C call per layer (a row copy per token) instead of two index_copy_ dispatches.
+Where the kernels are unavailable (see cpu/kernels.py) or cannot take the inputs, this is the torch path.
 """
 
 from __future__ import annotations

@@ -184,6 +184,25 @@ static ALWAYS_INLINE __mmask16 lanes_between(int64_t j, int64_t lo, int64_t hi) 
     return from >= to ? 0 : (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
 }
 
+/* e^x on 16 lanes for x <= 0 (the prompt softmax's scores minus their peak): exp_approx16's reduction and
+ * polynomial without its clamps, the reduction in fused multiply-adds, and 2^n applied by vscalefps (which
+ * underflows gradually to 0) instead of built in the exponent bits: 11 instructions instead of 19 (float32
+ * prompt attention 1.02-1.03x). */
+static ALWAYS_INLINE __m512 exp_scalef16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* A vector's softmax weights over a block of keys, in place of its scores s: e^(s[j] - peak) for j in
  * [lo, hi), else 0, over [0, span) (a multiple of 16; scores outside [lo, hi) are never read as numbers);
  * returns their sum. */
@@ -192,7 +211,7 @@ static ALWAYS_INLINE float row_weights16(float *s, int64_t lo, int64_t hi, int64
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < span; j += 16) {
         const __mmask16 keep = lanes_between(j, lo, hi);
-        const __m512 p = keep ? _mm512_maskz_mov_ps(keep, exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(s + j), b)))
+        const __m512 p = keep ? _mm512_maskz_mov_ps(keep, exp_scalef16(_mm512_sub_ps(_mm512_loadu_ps(s + j), b)))
                               : _mm512_setzero_ps();
         sum = _mm512_add_ps(sum, p);
         _mm512_storeu_ps(s + j, p);
