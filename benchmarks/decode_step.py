@@ -1,9 +1,10 @@
-"""The median decode step of `builtin:smollm2` with float weights (`--quantization none`) at a few batch
-sizes: for each size, that many requests (64-token prompts, 80 greedy tokens) added at once to an engine
-of 64 slots, every `engine.step()` timed; the median leaves out the first two (prefill) and last two.
+"""The median decode step of `builtin:smollm2` (or the model named third) with float weights
+(`--quantization none`) at a few batch sizes: for each size, that many requests (64-token prompts, 80
+greedy tokens) added at once to an engine of 64 slots, every `engine.step()` timed; the median leaves out
+the first two (prefill) and last two.
 Point PYTHONPATH at a checkout to measure that version (the float-weight A/B of #29, docs/benchmarks.md).
 
-    PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/decode_step.py float32|bfloat16 1,4
+    PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/decode_step.py float32|bfloat16 1,4 [builtin:llama-1b]
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def main() -> None:
     dtype, sizes = sys.argv[1], [int(size) for size in sys.argv[2].split(",")]
     torch.set_num_threads(2)
     config = EngineConfig(dtype=dtype, device="cpu", quantization="none", max_num_seqs=64)
-    engine = LLMEngine(resolve_model("builtin:smollm2"), config)
+    model = sys.argv[3] if len(sys.argv) > 3 else "builtin:smollm2"
+    engine = LLMEngine(resolve_model(model), config)
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     for size in sizes:
         for i in range(size):
