@@ -124,7 +124,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
-    base = {"dtype": args.dtype, "device": "cpu", "max_num_seqs": max(args.concurrency)}
+    # No prefix cache: every round computes its prompts as the first did. With it, a later round's prompts
+    # come from the cache and only their last rows are computed, in steps of other sizes, whose float32
+    # products may differ from the first round's in the last bits; a near-tie then flips a greedy token
+    # (seen at 64 at once), and the rounds would time cache hits rather than speculation.
+    base = {
+        "dtype": args.dtype,
+        "device": "cpu",
+        "max_num_seqs": max(args.concurrency),
+        "enable_prefix_caching": False,
+    }
     speculation = {
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_running": args.speculative_max_running,

@@ -18,7 +18,7 @@ import torch
 from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture)
 
 from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
-from inflight.engine.attention.metadata import AttentionMetadata
+from inflight.engine.attention.metadata import SHORT_QUERY_LEN, AttentionMetadata
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu import quantized
 from inflight.engine.cpu.quantized import KERNEL_MAX_ROWS, QuantizedLinear, quantized_linear
@@ -164,8 +164,8 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
 
 
 def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None:
-    """A prefill row, more than KERNEL_MAX_ROWS rows, float weights or the torch attention backend: no
-    one-call step or layer."""
+    """A sequence of more than SHORT_QUERY_LEN new rows, more than KERNEL_MAX_ROWS rows, float weights or the
+    torch attention backend: no one-call step or layer."""
     model = _model("q4_1", torch.float32, False, None)
     rng = random.Random(2)
     k_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")[0][0]
@@ -174,7 +174,8 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     for rows in (2, KERNEL_MAX_ROWS + 1):
         meta, _ = _decode_step(rows, rng)
         rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
-        prefill = replace(meta, query_lens_list=[2] + [1] * (rows - 1), max_query_len=2)
+        longer = SHORT_QUERY_LEN + 1
+        prefill = replace(meta, query_lens_list=[longer] + [1] * (rows - 1), max_query_len=longer)
         assert start(layer, torch.zeros(rows, 64), prefill, rope, k_cache) is None
         decode = start(layer, torch.zeros(rows, 64), meta, rope, k_cache)
         assert (decode is not None) == (rows <= KERNEL_MAX_ROWS)
@@ -199,6 +200,107 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     assert model.layers[0].fused() is not None
     model.layers[0].input_layernorm.to(torch.float64)  # its weight moved (and no kernel dtype)
     assert model.layers[0].fused() is None
+
+
+def _short_query_step(query_lens: list[int], rng: random.Random) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Sequences with `query_lens` new tokens each (a speculative verify step) after 1..24 earlier ones, in
+    shuffled blocks; and the new tokens' positions."""
+    free = list(range(1, NUM_BLOCKS))
+    rng.shuffle(free)
+    seq_lens = [rng.randint(1, 24) + q for q in query_lens]
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    width = max(len(t) for t in tables)
+    positions = [p for n, q in zip(seq_lens, query_lens, strict=True) for p in range(n - q, n)]
+    owners = [t for t, q in zip(tables, query_lens, strict=True) for _ in range(q)]
+    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, p in zip(owners, positions, strict=True)]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_lens_list=query_lens,
+        seq_lens_list=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return meta, torch.tensor(positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_step_runs_each_row_as_a_decode_of_its_sequence(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Sequences of up to SHORT_QUERY_LEN new rows (a speculative verify step) run one call a layer, each row
+    a decode over its sequence's keys up to its own position: the outputs and later layers' keys and values
+    agree with the per-op path's prompt attention within rounding (the first layer's bit for bit); a row's
+    output is the same bits as the same row alone in a decode step after the rows before it."""
+    library = cpu_kernels.library()
+    assert library is not None
+    spy = _Spy(library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    model = _model("q8_0", dtype, False, None)
+    rng = random.Random(4)
+    query_lens = [3, 1, 2]
+    meta, positions = _short_query_step(query_lens, rng)
+    ids = torch.tensor([rng.randrange(64) for _ in range(sum(query_lens))])
+    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape).clamp(-4, 4).to(dtype))
+        v.copy_(torch.randn(v.shape).clamp(-4, 4).to(dtype))
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        spy.calls.clear()
+        fused = model(ids, positions, caches, meta)
+        assert spy.calls.count("decode_layer") == 2
+        with monkeypatch.context() as patch:
+            patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
+            per_op = model(ids, positions, per_op_caches, meta)
+    # The first layer's keys and values come before any attention: bit for bit; later ones within rounding.
+    assert torch.equal(_bits(caches[0][0]), _bits(per_op_caches[0][0]))
+    assert torch.equal(_bits(caches[0][1]), _bits(per_op_caches[0][1]))
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    for (k, v), (k_ref, v_ref) in zip(caches[1:], per_op_caches[1:], strict=True):
+        torch.testing.assert_close(k.float(), k_ref.float(), atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(v.float(), v_ref.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(fused.float(), per_op.float(), atol=tolerance, rtol=tolerance)
+    # The first sequence's last row (its third) as a one-row decode step over the same keys: the first two
+    # rows' keys and values are in the cache as the verify step wrote them.
+    row = query_lens[0] - 1
+    alone = replace(
+        meta,
+        slot_mapping=meta.slot_mapping[row : row + 1],
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=meta.seq_lens[:1],
+        block_tables=meta.block_tables[:1],
+        query_lens_list=[1],
+        seq_lens_list=meta.seq_lens_list[:1],
+        max_query_len=1,
+        max_seq_len=meta.seq_lens_list[0],
+    )
+    caches_alone = [(k.clone(), v.clone()) for k, v in before]
+    with torch.inference_mode(), quantized.one_token_rows():
+        model(
+            ids[:row],
+            positions[:row],
+            caches_alone,
+            replace(
+                meta,
+                slot_mapping=meta.slot_mapping[:row],
+                query_start_loc=torch.tensor([0, row], dtype=torch.int32),
+                seq_lens=meta.seq_lens[:1] - 1,
+                block_tables=meta.block_tables[:1],
+                query_lens_list=[row],
+                seq_lens_list=[meta.seq_lens_list[0] - 1],
+                max_query_len=row,
+                max_seq_len=meta.seq_lens_list[0] - 1,
+            ),
+        )
+        single = model(ids[row : row + 1], positions[row : row + 1], caches_alone, alone)
+    assert torch.equal(_bits(single[0]), _bits(fused[row]))
 
 
 def _step_against_per_op(

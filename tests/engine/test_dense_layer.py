@@ -18,6 +18,7 @@ from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture
 from engine.test_decode_layer import BLOCK_SIZE, NUM_BLOCKS, _config, _decode_step, _model, _Spy
 
 from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
+from inflight.engine.attention.metadata import SHORT_QUERY_LEN
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.model import decode_layer
@@ -100,8 +101,8 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
 
 
 def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None:
-    """A prefill row, more rows than dense_linear takes, a float8 KV cache, weights kept quantized or not
-    prepacked, or the torch attention backend: no one-call step or layer."""
+    """A sequence of more than SHORT_QUERY_LEN new rows, more rows than dense_linear takes, a float8 KV cache,
+    weights kept quantized or not prepacked, or the torch attention backend: no one-call step or layer."""
     model = _float_model(torch.float32, False, None)
     layer = _dense(model.layers[0])
     max_rows = cpu_kernels.library().dense_linear_max_rows(cpu_kernels.DTYPE_CODES[torch.float32], 64)
@@ -115,7 +116,8 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
         meta, _ = _decode_step(rows, rng)
         rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
         hidden = torch.zeros(rows, 64)
-        prefill = replace(meta, query_lens_list=[2] + [1] * (rows - 1), max_query_len=2)
+        longer = SHORT_QUERY_LEN + 1
+        prefill = replace(meta, query_lens_list=[longer] + [1] * (rows - 1), max_query_len=longer)
         assert start(layer, hidden, prefill, rope, caches[0][0]) is None
         assert start(layer, hidden, meta, rope, fp8_cache) is None
         assert start(None, hidden, meta, rope, caches[0][0]) is None

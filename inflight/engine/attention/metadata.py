@@ -19,6 +19,10 @@ from functools import cached_property
 
 import torch
 
+# A step whose sequences have at most this many new rows each (decode steps, speculative verify steps of up
+# to seven proposals, the shortest prompts) may run every row as a one-token decode (rows_as_decodes).
+SHORT_QUERY_LEN = 8
+
 
 @dataclass
 class AttentionMetadata:
@@ -45,6 +49,30 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def is_short_queries(self) -> bool:
+        return self.max_query_len <= SHORT_QUERY_LEN
+
+    @cached_property
+    def rows_as_decodes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([T] int64, [T] int64, [T] int32) on the host: every query row as a one-token decode: the row, its
+        sequence's index and how many keys it attends (its position + 1; the step's keys and values are
+        written before attention reads them, so a sequence's later rows see its earlier ones). For a
+        decode-only step this is decode_rows."""
+        starts = self.query_start_loc.tolist()
+        rows: list[int] = []
+        seqs: list[int] = []
+        lens: list[int] = []
+        for i, (query_len, seq_len) in enumerate(zip(self.query_lens_list, self.seq_lens_list, strict=True)):
+            rows += range(starts[i], starts[i] + query_len)
+            seqs += [i] * query_len
+            lens += range(seq_len - query_len + 1, seq_len + 1)
+        return (
+            torch.tensor(rows, dtype=torch.int64),
+            torch.tensor(seqs, dtype=torch.int64),
+            torch.tensor(lens, dtype=torch.int32),
+        )
 
     @cached_property
     def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

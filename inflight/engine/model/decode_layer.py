@@ -8,7 +8,8 @@ SmolLM2 layer's ~0.4-0.8 ms of products at one to four rows. `decode_layer` in e
 runs the same kernels with the same arguments in one call, so its outputs are bit-identical to the per-op
 path (tests/engine/test_decode_layer.py, tests/engine/test_dense_layer.py).
 
-It runs a step of only decode rows (AttentionMetadata.is_decode_only), float32 or bfloat16 activations,
+It runs a step whose sequences have a few new rows each (AttentionMetadata.is_short_queries: decode steps,
+speculative verify steps), every row as a one-token decode (rows_as_decodes), float32 or bfloat16 activations,
 on one rank, with the C kernels available, where every projection of the layer is
 - a `QuantizedLinear` (products by quant_linear): the rows the per-op path would also give the kernel
   (`quantized.kernel_takes`: the run_model of a decode step takes any count where the kernel rounds x to
@@ -288,7 +289,7 @@ class DecodeStep:
         k_cache: torch.Tensor,
     ) -> None:
         cos, sin = rope
-        query_rows, seqs, lens = meta.decode_rows
+        query_rows, seqs, lens = meta.rows_as_decodes
         slots = meta.slot_mapping.contiguous()
         block_tables = meta.block_tables.to(torch.int32).contiguous()
         # Held: the step struct points into them.
@@ -325,7 +326,7 @@ class DecodeStep:
         """The step, where decode_layer.c can run it with `layer` (the first layer's; see the top of the
         file), else None. `rope`: the step's cos and sin from ops.rotary_tables; `k_cache`: a layer's
         (every layer's is alike)."""
-        if layer is None or not meta.is_decode_only or hidden.dim() != 2:
+        if layer is None or not meta.is_short_queries or hidden.dim() != 2:
             return None
         library = cpu_kernels.library_for(hidden)
         if library is None or not layer.takes_rows(hidden.shape[0], library):

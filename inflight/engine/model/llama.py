@@ -388,9 +388,10 @@ class LlamaForCausalLM(nn.Module):
         rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
         residual: torch.Tensor | None = None
         last = len(self.layers) - 1
-        # A decode step runs each layer as one C call where it can, by the rules (rows, KV dtype) of the
-        # first layer that can (a GGUF file's first layers may hold a type the kernels do not keep).
-        plan = self._one_call_plan() if kv_caches and attn_metadata.is_decode_only else None
+        # A decode step (or a speculative verify step: a few rows a sequence) runs each layer as one C call
+        # where it can, by the rules (rows, KV dtype) of the first layer that can (a GGUF file's first
+        # layers may hold a type the kernels do not keep).
+        plan = self._one_call_plan() if kv_caches and attn_metadata.is_short_queries else None
         first = None if plan is None else plan.first
         step = DecodeStep.start(first, hidden, attn_metadata, rope, kv_caches[0][0]) if kv_caches else None
         if step is not None and plan is not None and not plan.rest.current():
