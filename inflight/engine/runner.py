@@ -97,9 +97,10 @@ def run_model(
         max_query_len=max(inputs.query_lens),
         max_seq_len=max(inputs.seq_lens),
     )
-    # A decode-only step's rows are each a sequence's one new token: weights kept quantized multiply them
-    # as they would at batch 1, however many share the step (cpu/quantized.py).
-    with one_token_rows(meta.is_decode_only):
+    # A decode step's rows are each a sequence's one new token, and a speculative verify step's (a few new
+    # rows a sequence) tokens a decode step would also take one at a time: weights kept quantized multiply
+    # them as they would at batch 1, however many share the step (cpu/quantized.py).
+    with one_token_rows(meta.is_short_queries):
         if inputs.last_rows_of is not None:
             hidden = model(input_ids, positions, kv_caches, meta, last_rows_of=inputs.last_rows_of)
         else:

@@ -23,6 +23,7 @@ from gguf import quants as gguf_quants
 
 from inflight import sizing
 from inflight.engine import runner
+from inflight.engine.attention.metadata import SHORT_QUERY_LEN
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu import quantized
@@ -438,7 +439,8 @@ def test_decode_steps_of_many_sequences_multiply_by_the_kernel_not_by_dequantize
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """12 sequences decoding together: their decode-only steps (12 rows, above KERNEL_MAX_ROWS) run the
-    quantized kernel where it rounds x to int8, and only the prompt step dequantizes weights."""
+    quantized kernel where it rounds x to int8, and only the prompt step (prompts longer than
+    SHORT_QUERY_LEN: a verify step's few rows a sequence would take the kernel too) dequantizes weights."""
     library = cpu_kernels.library()
     assert library is not None
     if not library.quant_linear_int8_activations():
@@ -464,7 +466,7 @@ def test_decode_steps_of_many_sequences_multiply_by_the_kernel_not_by_dequantize
     monkeypatch.setattr(runner, "run_model", watched_run_model)
     engine = LLMEngine(gguf, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64))
     try:
-        prompts = [[5 + i, 77, 300, 12, 901, 4, 64] for i in range(12)]
+        prompts = [[5 + i, 77, 300, 12, 901, 4, 64, 8, 19, 250][: SHORT_QUERY_LEN + 1] for i in range(12)]
         engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     finally:
         engine.close()
