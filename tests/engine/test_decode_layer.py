@@ -28,6 +28,8 @@ from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.runner import allocate_kv_caches
 
+from support.paged_cases import make_case
+
 BLOCK_SIZE = 8
 # Room for a step of 65 sequences (one more than the tile products take), 4 blocks each at most.
 NUM_BLOCKS = 4 * 65 + 1
@@ -202,33 +204,6 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     assert model.layers[0].fused() is None
 
 
-def _short_query_step(query_lens: list[int], rng: random.Random) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Sequences with `query_lens` new tokens each (a speculative verify step) after 1..24 earlier ones, in
-    shuffled blocks; and the new tokens' positions."""
-    free = list(range(1, NUM_BLOCKS))
-    rng.shuffle(free)
-    seq_lens = [rng.randint(1, 24) + q for q in query_lens]
-    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
-    width = max(len(t) for t in tables)
-    positions = [p for n, q in zip(seq_lens, query_lens, strict=True) for p in range(n - q, n)]
-    owners = [t for t, q in zip(tables, query_lens, strict=True) for _ in range(q)]
-    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t, p in zip(owners, positions, strict=True)]
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_lens_list=query_lens,
-        seq_lens_list=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
-    return meta, torch.tensor(positions)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_verify_step_runs_each_row_as_a_decode_of_its_sequence(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
@@ -244,7 +219,17 @@ def test_a_verify_step_runs_each_row_as_a_decode_of_its_sequence(
     model = _model("q8_0", dtype, False, None)
     rng = random.Random(4)
     query_lens = [3, 1, 2]
-    meta, positions = _short_query_step(query_lens, rng)
+    seq_lens = [rng.randint(1, 24) + q for q in query_lens]
+    config = model.config
+    meta = make_case(
+        seq_lens,
+        query_lens,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        block_size=BLOCK_SIZE,
+    ).meta
+    positions = torch.tensor([p for n, q in zip(seq_lens, query_lens, strict=True) for p in range(n - q, n)])
     ids = torch.tensor([rng.randrange(64) for _ in range(sum(query_lens))])
     caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, dtype, "cpu")
     for k, v in caches:

@@ -466,7 +466,7 @@ def test_decode_steps_of_many_sequences_multiply_by_the_kernel_not_by_dequantize
     monkeypatch.setattr(runner, "run_model", watched_run_model)
     engine = LLMEngine(gguf, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64))
     try:
-        prompts = [[5 + i, 77, 300, 12, 901, 4, 64, 8, 19, 250][: SHORT_QUERY_LEN + 1] for i in range(12)]
+        prompts = [[5 + i] + [77 + 13 * j for j in range(SHORT_QUERY_LEN)] for i in range(12)]
         engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     finally:
         engine.close()

@@ -2486,9 +2486,9 @@ static void dense_linear_blocked(const float *x, int64_t rows, int64_t k, const 
 }
 #endif
 
-/* dense_linear for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS: each tile of weight rows multiplied into up
- * to DENSE_PASS_ROWS x rows in one pass (read from memory), then into the others (from L1 or L2;
- * dense_tile_wide). Its own loop and buffer, though the same as dense_linear's below, so that the
+/* dense_linear for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS (float32 only below DENSE_BLOCKED_K inputs;
+ * dense_linear_blocked above): each tile of weight rows multiplied into up to DENSE_PASS_ROWS x rows in one
+ * pass (read from memory), then into the others (from L1 or L2; dense_tile_wide). Its own loop and buffer, though the same as dense_linear's below, so that the
  * one-to-four-row loop's code is the same as without it. */
 static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias,
                               int bf16, void *out, int out_bf16, int num_threads) {

@@ -5,12 +5,14 @@ The per-op path (model/llama.py: RMSNorm, the qkv product, rotary, the KV write,
 RMSNorm, gate_up, SiLU * up, down) made about ten Python calls a layer, each with its checks, allocations
 and ctypes call: at batch 1 more time than the layer's quantized products, ~0.2 ms a layer beside a float
 SmolLM2 layer's ~0.4-0.8 ms of products at one to four rows. `decode_layer` in engine/cpu/decode_layer.c
-runs the same kernels with the same arguments in one call, so its outputs are bit-identical to the per-op
-path (tests/engine/test_decode_layer.py, tests/engine/test_dense_layer.py).
+runs the same kernels with the same arguments in one call, so a decode step's outputs are bit-identical to
+the per-op path (tests/engine/test_decode_layer.py, tests/engine/test_dense_layer.py). A speculative verify
+step's rows are each a one-token decode here, bit for bit the same row decoded alone, where the per-op path
+gives its sequences' rows to the prompt kernel (the two agree within rounding).
 
 It runs a step whose sequences have a few new rows each (AttentionMetadata.is_short_queries: decode steps,
-speculative verify steps), every row as a one-token decode (rows_as_decodes), float32 or bfloat16 activations,
-on one rank, with the C kernels available, where every projection of the layer is
+verify steps), every row as a one-token decode (rows_as_decodes), float32 or bfloat16 activations, on one
+rank, with the C kernels available, where every projection of the layer is
 - a `QuantizedLinear` (products by quant_linear): the rows the per-op path would also give the kernel
   (`quantized.kernel_takes`: the run_model of a decode step takes any count where the kernel rounds x to
   int8, else at most KERNEL_MAX_ROWS rows), a KV cache of the activations' dtype or float8;
