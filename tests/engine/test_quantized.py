@@ -351,10 +351,11 @@ def test_interleaving_keeps_the_matrix_and_refuses_row_changes(fmt: str) -> None
 
 
 def test_the_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The products above are the C kernels', not the PyTorch fallback's: the fused one for a few rows,
-    the dequantizing one for more."""
+    """The products above are the C kernels', not the PyTorch fallback's: the fused one for a few rows;
+    for more, float32 rows by the panel product where the build has it, bfloat16 rows (and float32 ones
+    elsewhere) by dequantized rows."""
     weight = quantize(torch.randn(16, 64), "q4_1")
-    calls = []
+    calls: list[str] = []
     library = cpu_kernels.library()
     assert library is not None
 
@@ -366,8 +367,50 @@ def test_the_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernels, "library", lambda: Spy())
     quantized_linear(torch.randn(quantized.KERNEL_MAX_ROWS, 64), weight)
     assert calls == ["quant_linear"]
+    panels = bool(library.quant_linear_float_built())
+    calls.clear()
     quantized_linear(torch.randn(quantized.KERNEL_MAX_ROWS + 1, 64), weight)
-    assert calls == ["quant_linear", "quant_rows"]
+    assert calls[-1] == ("quant_linear_float" if panels else "quant_rows")
+    calls.clear()
+    quantized_linear(torch.randn(quantized.KERNEL_MAX_ROWS + 1, 64).bfloat16(), weight)
+    assert calls[-1] == "quant_rows" and "quant_linear_float" not in calls
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_float32_prompt_rows_are_multiplied_by_the_dequantized_weights_panel_by_panel(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+    fmt: str,
+) -> None:
+    """More than KERNEL_MAX_ROWS float32 rows: within RTOL of x times the dequantized matrix (float64
+    sums) and never through a whole dequantized matrix where the build has the panel product; for panels
+    of 48 outputs with a partial group (100 rows: 7 groups, the last panel one group; 20 rows: a panel
+    with one group missing), 160 inputs (a chunk of 4 blocks and one of 1), tiles of 8 rows and a
+    remainder, and more rows than one pass over a panel takes (300 > 256); the same bits on one thread
+    and on two."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
+    panels = bool(any_library.quant_linear_float_built())
+    if panels:
+        monkeypatch.setattr(quantized, "dequantize_rows", None)  # any call would fail
+    gen = torch.Generator().manual_seed(12)
+    before = torch.get_num_threads()
+    try:
+        for n in (100, 20):
+            weight = quantize(torch.randn(n, 160, generator=gen), fmt)
+            dense = weight.dequantize().double()
+            for rows, with_bias in ((9, True), (17, False), (300, True)):
+                x = torch.randn(rows, 160, generator=gen)
+                bias = torch.randn(n, generator=gen) if with_bias else None
+                torch.set_num_threads(2)
+                got = quantized_linear(x, weight, bias)
+                torch.set_num_threads(1)
+                assert torch.equal(quantized_linear(x, weight, bias), got), f"{n} x {rows}"
+                expected = x.double() @ dense.T + (0.0 if bias is None else bias.double())
+                assert got.dtype == torch.float32 and got.shape == (rows, n)
+                atol = RTOL * expected.abs().max().item()
+                torch.testing.assert_close(got.double(), expected, rtol=0, atol=atol)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
@@ -440,7 +483,8 @@ def test_decode_steps_of_many_sequences_multiply_by_the_kernel_not_by_dequantize
 ) -> None:
     """12 sequences decoding together: their decode-only steps (12 rows, above KERNEL_MAX_ROWS) run the
     quantized kernel where it rounds x to int8, and only the prompt step (prompts longer than
-    SHORT_QUERY_LEN: a verify step's few rows a sequence would take the kernel too) dequantizes weights."""
+    SHORT_QUERY_LEN: a verify step's few rows a sequence would take the kernel too) multiplies by the
+    dequantized weights (float32: panel by panel where the build has that product)."""
     library = cpu_kernels.library()
     assert library is not None
     if not library.quant_linear_int8_activations():
@@ -448,12 +492,16 @@ def test_decode_steps_of_many_sequences_multiply_by_the_kernel_not_by_dequantize
     gguf = write_gguf(tiny_llama_dir, tmp_path / "q8.gguf", GGMLQuantizationType.Q8_0, tokenizer=True)
     dequantized_in: list[bool] = []
     in_step: list[bool] = []
-    dequantize_rows = quantized.dequantize_rows
+    dequantize_rows, panel_product = quantized.dequantize_rows, quantized._panel_product
     original_run_model = runner.run_model
 
     def counting_dequantize(*args: object, **kwargs: object) -> torch.Tensor:
         dequantized_in[-1] = True
         return dequantize_rows(*args, **kwargs)  # type: ignore[arg-type]
+
+    def counting_panels(*args: object, **kwargs: object) -> torch.Tensor:
+        dequantized_in[-1] = True
+        return panel_product(*args, **kwargs)  # type: ignore[arg-type]
 
     def watched_run_model(*args: object, **kwargs: object) -> torch.Tensor | None:
         inputs = args[2]
@@ -463,6 +511,7 @@ def test_decode_steps_of_many_sequences_multiply_by_the_kernel_not_by_dequantize
         return original_run_model(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(quantized, "dequantize_rows", counting_dequantize)
+    monkeypatch.setattr(quantized, "_panel_product", counting_panels)
     monkeypatch.setattr(runner, "run_model", watched_run_model)
     engine = LLMEngine(gguf, EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64))
     try:

@@ -103,6 +103,11 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "quant_rows": ([_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _int, _ptr], _int),
     # 1 where quant_linear quantizes x to int8 (AVX-512 VNNI), 0 where it multiplies in float
     "quant_linear_int8_activations": ([], _int),
+    # x (float32), rows, k, qweight, scales, mins, format, n, bias (float32 or NULL), out (float32),
+    # num_threads: prompt rows by the weights dequantized panel by panel (AVX-512 builds)
+    "quant_linear_float": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr, _int], _int),
+    # 1 where this build has quant_linear_float
+    "quant_linear_float_built": ([], _int),
     # decode_layer.c: weights (struct), step (struct), hidden, residual, first, k_cache, v_cache
     "decode_layer": ([_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr], _int),
 }

@@ -487,6 +487,199 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
     return failed ? -1 : 0;
 }
 
+/* ---- AVX-512: float32 prompt rows by the dequantized weights, panel by panel ------------------------------
+ * Prompt rows (more than the fused kernel's 8, outside a decode step) meet the float weights, not int8-rounded
+ * x (docs/models.md). Rather than dequantizing a whole matrix into memory and handing it to a GEMM (which
+ * copies it once more into its own packed layout), this product dequantizes QPANEL_GROUPS groups of 16
+ * output rows, QPANEL_BLOCKS blocks of k at a time, straight into the layout a register tile reads: k-major,
+ * the panel's 48 outputs side by side (the interleaved groups give one row's 4 consecutive values per int32
+ * lane, so value t of a chunk is a shift and a mask away from a 16-output vector). A tile of QPANEL_TILE_ROWS
+ * rows of x by the panel's 3 vectors keeps 24 sums in registers: per k, 3 panel loads and 8 broadcasts of x
+ * for 24 multiply-adds. Each output is one thread's, summed over k in order: the dequantized float product
+ * up to summation order, the same bits for any thread count. */
+#if defined(__AVX512F__)
+#define QUANT_PANELS 1
+enum { QPANEL_GROUPS = 3, QPANEL_WIDTH = QPANEL_GROUPS * QGROUP, QPANEL_TILE_ROWS = 8 };
+/* Blocks of k per dequantized chunk: 128 values x 48 outputs (24 KB, in L1) of the panel; 8 and 16 blocks
+ * measured level or up to 5 % slower (benchmarks/quantized_matmul.py, 100 and 1024 rows). */
+#define QPANEL_BLOCKS 4
+/* Rows of x per pass over a panel: 256 rows x one chunk of k (128 KB of x) stay in L2 while the chunk's
+ * tiles run; a longer prompt dequantizes each panel once per 256 rows. */
+#define QPANEL_ROW_BLOCK 256
+
+/* Blocks b0..b0 + nb of group g (rows 16g..16g+15) as floats into column gi's 16 lanes of `panel` (k-major,
+ * QPANEL_WIDTH floats a row): the values of dequantize_row_as, 16 rows at a time. */
+static Q_INLINE void dequantize_group_blocks(const uint8_t *qweight, const void *scales, const void *mins, int kind,
+                                             int half, int64_t g, int64_t blocks, int64_t b0, int64_t nb, int gi,
+                                             float *panel) {
+    const int64_t group_block = QGROUP * qblock_bytes(kind);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *qb = qweight + (g * blocks + b0 + b) * group_block;
+        const int64_t si = (g * blocks + b0 + b) * QGROUP;
+        const __m512 dv = scales16(scales, si, half);
+        float *o = panel + b * QBLOCK * QPANEL_WIDTH + gi * QGROUP;
+        if (kind == QFORMAT_S8) {
+#pragma GCC unroll 8
+            for (int j = 0; j < QBLOCK / 4; j++) {
+                const __m512i raw = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qb + 64 * j)),
+                                                     _mm512_set1_epi8((char)QS8_OFFSET));
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) {
+                    const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * t), 24);
+                    _mm512_storeu_ps(o + (4 * j + t) * QPANEL_WIDTH, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q)));
+                }
+            }
+        } else {
+            const __m512 mv = scales16(mins, si, half);
+            const __m512i low4 = _mm512_set1_epi32(0x0F);
+#pragma GCC unroll 4
+            for (int j = 0; j < QBLOCK / 8; j++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(qb + 64 * j));
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) {
+                    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * t), low4);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * t + 4), low4);
+                    _mm512_storeu_ps(o + (4 * j + t) * QPANEL_WIDTH,
+                                     _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(lo)), mv));
+                    _mm512_storeu_ps(o + (QBLOCK / 2 + 4 * j + t) * QPANEL_WIDTH,
+                                     _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(hi)), mv));
+                }
+            }
+        }
+    }
+}
+
+/* The panel of groups 3p..3p+2 (zeros past the matrix's last group), blocks b0..b0 + nb. */
+static void dequantize_panel(const uint8_t *qweight, const void *scales, const void *mins, int format,
+                             int64_t panel_index, int64_t groups, int64_t blocks, int64_t b0, int64_t nb,
+                             float *panel) {
+    for (int gi = 0; gi < QPANEL_GROUPS; gi++) {
+        const int64_t g = panel_index * QPANEL_GROUPS + gi;
+        if (g >= groups) {
+            for (int64_t v = 0; v < nb * QBLOCK; v++)
+                _mm512_storeu_ps(panel + v * QPANEL_WIDTH + gi * QGROUP, _mm512_setzero_ps());
+            continue;
+        }
+        if (qkind(format) == QFORMAT_S8) {
+            if (qhalf(format)) dequantize_group_blocks(qweight, scales, mins, QFORMAT_S8, 1, g, blocks, b0, nb, gi, panel);
+            else dequantize_group_blocks(qweight, scales, mins, QFORMAT_S8, 0, g, blocks, b0, nb, gi, panel);
+        } else {
+            if (qhalf(format)) dequantize_group_blocks(qweight, scales, mins, QFORMAT_U4, 1, g, blocks, b0, nb, gi, panel);
+            else dequantize_group_blocks(qweight, scales, mins, QFORMAT_U4, 0, g, blocks, b0, nb, gi, panel);
+        }
+    }
+}
+
+/* out rows 0..mt (stride n, the panel's columns under `mask`) += x rows (stride k) . panel over `kc` values
+ * (from zero where `first`; + bias where `bias` is not NULL: after the last chunk). */
+static Q_INLINE void panel_tile(const float *x, int64_t k, int mt, const float *panel, int64_t kc, float *out,
+                                int64_t n, const __mmask16 mask[QPANEL_GROUPS], int first, const float *bias) {
+    __m512 acc[QPANEL_TILE_ROWS][QPANEL_GROUPS];
+#pragma GCC unroll 8
+    for (int i = 0; i < mt; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < QPANEL_GROUPS; j++)
+            acc[i][j] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], out + i * n + j * QGROUP);
+    for (int64_t p = 0; p < kc; p++) {
+        const float *w = panel + p * QPANEL_WIDTH;
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + QGROUP), w2 = _mm512_loadu_ps(w + 2 * QGROUP);
+#pragma GCC unroll 8
+        for (int i = 0; i < mt; i++) {
+            const __m512 xv = _mm512_set1_ps(x[i * k + p]);
+            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < mt; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < QPANEL_GROUPS; j++) {
+            __m512 v = acc[i][j];
+            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[j], bias + j * QGROUP));
+            _mm512_mask_storeu_ps(out + i * n + j * QGROUP, mask[j], v);
+        }
+}
+
+/* panel_tile for the first `mt` of 8 rows, each count a separate inlined copy. */
+static void panel_tile_rows(const float *x, int64_t k, int mt, const float *panel, int64_t kc, float *out, int64_t n,
+                            const __mmask16 mask[QPANEL_GROUPS], int first, const float *bias) {
+    switch (mt) {
+    case 1: panel_tile(x, k, 1, panel, kc, out, n, mask, first, bias); break;
+    case 2: panel_tile(x, k, 2, panel, kc, out, n, mask, first, bias); break;
+    case 3: panel_tile(x, k, 3, panel, kc, out, n, mask, first, bias); break;
+    case 4: panel_tile(x, k, 4, panel, kc, out, n, mask, first, bias); break;
+    case 5: panel_tile(x, k, 5, panel, kc, out, n, mask, first, bias); break;
+    case 6: panel_tile(x, k, 6, panel, kc, out, n, mask, first, bias); break;
+    case 7: panel_tile(x, k, 7, panel, kc, out, n, mask, first, bias); break;
+    default: panel_tile(x, k, 8, panel, kc, out, n, mask, first, bias); break;
+    }
+}
+#endif
+
+/* Whether this build has quant_linear_float (AVX-512): 1, else 0 (prompt rows dequantize whole chunks). */
+int quant_linear_float_built(void) {
+#if defined(QUANT_PANELS)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [rows, n] (float32) = x [rows, k] (float32) W^T (+ bias [n], float32, or NULL) for W [n, k] in `format`,
+ * interleaved, dequantized panel by panel (above); k a multiple of 32. Returns 0, -1 when out of memory, -2
+ * where the build has no panel product (quant_linear_float_built). */
+int quant_linear_float(const float *x, int64_t rows, int64_t k, const uint8_t *qweight, const void *scales,
+                       const void *mins, int format, int64_t n, const float *bias, float *out, int num_threads) {
+#if defined(QUANT_PANELS)
+    const int64_t groups = (n + QGROUP - 1) / QGROUP, blocks = k / QBLOCK;
+    const int64_t panels = (groups + QPANEL_GROUPS - 1) / QPANEL_GROUPS;
+    const int64_t row_blocks = (rows + QPANEL_ROW_BLOCK - 1) / QPANEL_ROW_BLOCK;
+    const int64_t items = panels * row_blocks;
+    const int64_t by_work = rows * n * k / QWORK_PER_THREAD;
+    const int64_t wanted = by_work < 1 ? 1 : by_work < num_threads ? by_work : num_threads;
+    const int threads = (int)(items < wanted ? items : wanted);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *panel = aligned_alloc(64, (size_t)(QPANEL_BLOCKS * QBLOCK * QPANEL_WIDTH) * sizeof(float));
+        if (panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            if (panel == NULL) continue;
+            const int64_t rb = item / panels, p = item % panels;
+            const int64_t r0 = rb * QPANEL_ROW_BLOCK;
+            const int64_t r1 = r0 + QPANEL_ROW_BLOCK < rows ? r0 + QPANEL_ROW_BLOCK : rows;
+            const int64_t c0 = p * QPANEL_WIDTH;
+            __mmask16 mask[QPANEL_GROUPS];
+            for (int j = 0; j < QPANEL_GROUPS; j++) {
+                const int64_t valid = n - c0 - j * QGROUP;
+                mask[j] = valid >= QGROUP ? (__mmask16)0xFFFF : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+            }
+            for (int64_t b0 = 0; b0 < blocks; b0 += QPANEL_BLOCKS) {
+                const int64_t nb = blocks - b0 < QPANEL_BLOCKS ? blocks - b0 : QPANEL_BLOCKS;
+                dequantize_panel(qweight, scales, mins, format, p, groups, blocks, b0, nb, panel);
+                const int last = b0 + nb == blocks;
+                for (int64_t m0 = r0; m0 < r1; m0 += QPANEL_TILE_ROWS) {
+                    const int mt = r1 - m0 < QPANEL_TILE_ROWS ? (int)(r1 - m0) : QPANEL_TILE_ROWS;
+                    panel_tile_rows(x + m0 * k + b0 * QBLOCK, k, mt, panel, nb * QBLOCK, out + m0 * n + c0, n, mask,
+                                    b0 == 0, last && bias != NULL ? bias + c0 : NULL);
+                }
+            }
+        }
+        free(panel);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)rows, (void)k, (void)qweight, (void)scales, (void)mins, (void)format, (void)n, (void)bias;
+    (void)out, (void)num_threads;
+    return -2;
+#endif
+}
+
 /* out [count, k] = rows ids[0..count) of W [_, k] (interleaved) dequantized (an embedding lookup), in `dtype`.
  * Returns 0, or -1 when out of memory. */
 int quant_rows(const uint8_t *qweight, const void *scales, const void *mins, int format, int64_t k,

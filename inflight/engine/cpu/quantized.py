@@ -239,9 +239,10 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     )
 
 
-# Rows of x up to which the fused kernel runs in a step with prompt rows; above, each weight is
-# dequantized (by the C kernel, into the activations' dtype) and multiplied by oneDNN/MKL, so prompt rows
-# are multiplied by the float weights, not rounded to int8 (docs/models.md). Rows that are each one
+# Rows of x up to which the fused kernel runs in a step with prompt rows; above, prompt rows are multiplied
+# by the float weights, not rounded to int8 (docs/models.md): float32 x by the C kernel that dequantizes
+# the weights panel by panel in cache (AVX-512 builds), else each weight dequantized (by the C kernel,
+# into the activations' dtype) and multiplied by oneDNN/MKL. Rows that are each one
 # sequence's single new token (`one_token_rows`) take the kernel at any count where it rounds x to int8:
 # a token's logits then do not depend on how many others share its step, and the kernel is 2-5x faster
 # than dequantizing every weight for every step.
@@ -286,6 +287,8 @@ def quantized_linear(
     library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
     rows_out, cols = weight.shape
     x2 = x.reshape(-1, cols)
+    if library is not None and not kernel_takes(x2.shape[0], library) and _panels_take(x, out_dtype, library):
+        return _panel_product(x2, weight, bias, library).reshape(*x.shape[:-1], rows_out)
     if library is None or not kernel_takes(x2.shape[0], library):
         parts = [
             F.linear(
@@ -319,6 +322,42 @@ def quantized_linear(
     if status != 0:
         raise MemoryError("quant_linear: out of memory for its buffers")
     return out.reshape(*x.shape[:-1], rows_out)
+
+
+def _panels_take(x: torch.Tensor, out_dtype: torch.dtype | None, library: ctypes.CDLL) -> bool:
+    """Whether float rows of x go through `quant_linear_float` here: float32 in and out, AVX-512 builds."""
+    return (
+        x.dtype == torch.float32
+        and out_dtype in (None, torch.float32)
+        and bool(library.quant_linear_float_built())
+    )
+
+
+def _panel_product(
+    x2: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, library: ctypes.CDLL
+) -> torch.Tensor:
+    """x2 [rows, cols] (float32) W^T (+ bias): the weights dequantized panel by panel inside the C kernel,
+    never as a whole float matrix."""
+    x2 = x2.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    weight.interleave_()
+    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
+    status = library.quant_linear_float(
+        x2.data_ptr(),
+        x2.shape[0],
+        x2.shape[1],
+        weight.qweight.data_ptr(),
+        weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        weight.kernel_code,
+        weight.shape[0],
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("quant_linear_float: out of memory for its panel buffers")
+    return out
 
 
 def dequantize_rows(weight: QuantizedTensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
