@@ -352,8 +352,8 @@ def test_interleaving_keeps_the_matrix_and_refuses_row_changes(fmt: str) -> None
 
 def test_the_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The products above are the C kernels', not the PyTorch fallback's: the fused one for a few rows;
-    for more, float32 rows by the panel product where the build has it, bfloat16 rows (and float32 ones
-    elsewhere) by dequantized rows."""
+    for more, float32 rows (and up to BFLOAT16_PANEL_MAX_ROWS bfloat16 rows) by the panel product where
+    the build has it, more bfloat16 rows (and every count elsewhere) by dequantized rows."""
     weight = quantize(torch.randn(16, 64), "q4_1")
     calls: list[str] = []
     library = cpu_kernels.library()
@@ -373,11 +373,14 @@ def test_the_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls[-1] == ("quant_linear_float" if panels else "quant_rows")
     calls.clear()
     quantized_linear(torch.randn(quantized.KERNEL_MAX_ROWS + 1, 64).bfloat16(), weight)
+    assert calls[-1] == ("quant_linear_float" if panels else "quant_rows")
+    calls.clear()
+    quantized_linear(torch.randn(quantized.BFLOAT16_PANEL_MAX_ROWS + 1, 64).bfloat16(), weight)
     assert calls[-1] == "quant_rows" and "quant_linear_float" not in calls
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_float32_prompt_rows_are_multiplied_by_the_dequantized_weights_panel_by_panel(
+def test_prompt_rows_are_multiplied_by_the_dequantized_weights_panel_by_panel(
     any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
     monkeypatch: pytest.MonkeyPatch,
     fmt: str,
@@ -387,7 +390,8 @@ def test_float32_prompt_rows_are_multiplied_by_the_dequantized_weights_panel_by_
     of 48 outputs with a partial group (100 rows: 7 groups, the last panel one group; 20 rows: a panel
     with one group missing), 160 inputs (a chunk of 4 blocks and one of 1), tiles of 8 rows and a
     remainder, and more rows than one pass over a panel takes (300 > 256); the same bits on one thread
-    and on two."""
+    and on two. bfloat16 rows up to BFLOAT16_PANEL_MAX_ROWS: the float32 product of the widened rows,
+    rounded to bfloat16 once (float32 logits unrounded)."""
     monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
     panels = bool(any_library.quant_linear_float_built())
     if panels:
@@ -409,6 +413,11 @@ def test_float32_prompt_rows_are_multiplied_by_the_dequantized_weights_panel_by_
                 assert got.dtype == torch.float32 and got.shape == (rows, n)
                 atol = RTOL * expected.abs().max().item()
                 torch.testing.assert_close(got.double(), expected, rtol=0, atol=atol)
+                if panels and rows <= quantized.BFLOAT16_PANEL_MAX_ROWS:
+                    xb, bb = x.bfloat16(), None if bias is None else bias.bfloat16()
+                    wide = quantized_linear(xb.float(), weight, None if bb is None else bb.float())
+                    assert torch.equal(quantized_linear(xb, weight, bb), wide.bfloat16())
+                    assert torch.equal(quantized_linear(xb, weight, bb, out_dtype=torch.float32), wide)
     finally:
         torch.set_num_threads(before)
 

@@ -240,17 +240,22 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
 
 
 # Rows of x up to which the fused kernel runs in a step with prompt rows; above, prompt rows are multiplied
-# by the float weights, not rounded to int8 (docs/models.md): float32 x by the C kernel that dequantizes
-# the weights panel by panel in cache (AVX-512 builds), else each weight dequantized (by the C kernel,
-# into the activations' dtype) and multiplied by oneDNN/MKL. Rows that are each one
-# sequence's single new token (`one_token_rows`) take the kernel at any count where it rounds x to int8:
-# a token's logits then do not depend on how many others share its step, and the kernel is 2-5x faster
-# than dequantizing every weight for every step.
+# by the float weights, not rounded to int8 (docs/models.md): float32 x (and a few bfloat16 rows,
+# widened) by the C kernel that dequantizes the weights panel by panel in cache (AVX-512 builds), else
+# each weight dequantized (by the C kernel, into the activations' dtype) and multiplied by oneDNN/MKL.
+# Rows that are each one sequence's single new token (`one_token_rows`) take the kernel at any count
+# where it rounds x to int8: a token's logits then do not depend on how many others share its step, and
+# the kernel is 2-5x faster than dequantizing every weight for every step.
 KERNEL_MAX_ROWS = 8
 _ONE_TOKEN_ROWS: ContextVar[bool] = ContextVar("one_token_rows", default=False)
 # Output rows dequantized at a time above KERNEL_MAX_ROWS: bounds the float copy of a large matrix (an
 # LM head of 49152 x 576) to a few MiB.
 DEQUANTIZE_CHUNK_ROWS = 8192
+# bfloat16 prompt rows up to which the float32 panel product takes them (x widened, exactly; the sums
+# rounded to bfloat16 once): a SmolLM2 layer's four Q4_1 products at 9 / 16 / 32 rows took 384 / 499 / 832
+# us against 1190 / 1286 / 1280 for bfloat16 weights dequantized into memory and oneDNN's AMX product, 64
+# rows 1581 against 1440 (Sapphire Rapids, 2 threads; docs/models.md).
+BFLOAT16_PANEL_MAX_ROWS = 32
 
 
 @contextmanager
@@ -279,17 +284,20 @@ def quantized_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T (+ bias) for a quantized W: the C kernel for up to KERNEL_MAX_ROWS rows of x (for any count
-    of one-token rows where the kernel rounds x to int8), else W dequantized chunk by chunk and the float
-    product; without the kernels, the dequantized PyTorch product.
+    of one-token rows where the kernel rounds x to int8), else the float product: by the panel kernel
+    (`_panels_take`), or W dequantized chunk by chunk; without the kernels, the dequantized PyTorch
+    product.
 
     `out_dtype` (default x's): float32 for bfloat16 x gives the kernel's float sums unrounded (the LM
     head's logits); the other paths compute in x's dtype and convert."""
     library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
     rows_out, cols = weight.shape
     x2 = x.reshape(-1, cols)
-    if library is not None and not kernel_takes(x2.shape[0], library) and _panels_take(x, out_dtype, library):
-        return _panel_product(x2, weight, bias, library).reshape(*x.shape[:-1], rows_out)
-    if library is None or not kernel_takes(x2.shape[0], library):
+    rows = x2.shape[0]
+    if library is not None and not kernel_takes(rows, library) and _panels_take(x2, out_dtype, library):
+        out = _panel_product(x2.float(), weight, None if bias is None else bias.float(), library)
+        return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], rows_out)
+    if library is None or not kernel_takes(rows, library):
         parts = [
             F.linear(
                 x,
@@ -324,20 +332,21 @@ def quantized_linear(
     return out.reshape(*x.shape[:-1], rows_out)
 
 
-def _panels_take(x: torch.Tensor, out_dtype: torch.dtype | None, library: ctypes.CDLL) -> bool:
-    """Whether float rows of x go through `quant_linear_float` here: float32 in and out, AVX-512 builds."""
-    return (
-        x.dtype == torch.float32
-        and out_dtype in (None, torch.float32)
-        and bool(library.quant_linear_float_built())
+def _panels_take(x2: torch.Tensor, out_dtype: torch.dtype | None, library: ctypes.CDLL) -> bool:
+    """Whether prompt rows x2 [rows, cols] go through `quant_linear_float` here (AVX-512 builds): float32
+    rows, and up to BFLOAT16_PANEL_MAX_ROWS bfloat16 rows widened to float32."""
+    if out_dtype not in (None, x2.dtype, torch.float32) or not library.quant_linear_float_built():
+        return False
+    return x2.dtype == torch.float32 or (
+        x2.dtype == torch.bfloat16 and x2.shape[0] <= BFLOAT16_PANEL_MAX_ROWS
     )
 
 
 def _panel_product(
     x2: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, library: ctypes.CDLL
 ) -> torch.Tensor:
-    """x2 [rows, cols] (float32) W^T (+ bias): the weights dequantized panel by panel inside the C kernel,
-    never as a whole float matrix."""
+    """x2 [rows, cols] (float32) W^T (+ bias, float32): the weights dequantized panel by panel inside the C
+    kernel, never as a whole float matrix."""
     x2 = x2.contiguous()
     bias = None if bias is None else bias.contiguous()
     weight.interleave_()
