@@ -183,8 +183,9 @@ def test_float16_scales_give_the_products_of_the_same_float32_scales(
     fmt: str,
 ) -> None:
     """Bit for bit, in every build (the portable one widens float16 in C): the fused product for 1, 5
-    and 64 one-token rows, the dequantizing one for 12 prompt rows, and row lookups. Rows 0-19 are small
-    (|w| ~ 1e-4), so their scales are float16 subnormals; Q4_1's offsets are negative."""
+    and 64 one-token rows, the float one for 12 prompt rows (panels or dequantized rows), and row
+    lookups. Rows 0-19 are small (|w| ~ 1e-4), so their scales are float16 subnormals; Q4_1's offsets
+    are negative."""
     monkeypatch.setattr(cpu_kernels, "library", lambda: any_library)
     gen = torch.Generator().manual_seed(7)
     source = torch.randn(83, 160, generator=gen)
