@@ -256,8 +256,10 @@ static void dot_tile_rows(const float *const x[QTILE_M], int mt, const float *w,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QUANT_VNNI 1
 
-/* rows x [rows, k] (float) as int8 qx [rows, k], and per row and block its scale dx and sum sq. */
-static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t *qx, float *dx, int32_t *sq) {
+/* rows x [rows, k] (float) as int8 qx [rows, k], and per row and block its scale dx, sum sq and dx * sq (the
+ * factor of u4's offsets, computed once here instead of once per group of weight rows). */
+static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t *qx, float *dx, int32_t *sq,
+                                 float *dsq) {
     const int64_t blocks = k / QBLOCK;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
@@ -271,6 +273,7 @@ static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t
             _mm_storeu_si128((__m128i *)(qx + r * k + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
             dx[r * blocks + b] = amax / 127.0f;
             sq[r * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            dsq[r * blocks + b] = dx[r * blocks + b] * (float)sq[r * blocks + b];
         }
 }
 
@@ -285,7 +288,7 @@ static Q_INLINE __m512i broadcast4(const int8_t *p) {
  * `prefetch`, each block's weight lines also prefetched into L2 QPREFETCH_BYTES ahead (for the first tile
  * of x's rows: the later ones find the group in cache). */
 static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
-                                const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const void *dw,
+                                const int32_t *const sq[QTILE_M], const float *const dsq[QTILE_M], int mt, const uint8_t *q, const void *dw,
                                 const void *mw, int kind, int half, int64_t blocks, int prefetch,
                                 __m512 out[QTILE_M]) {
     const int64_t group_block = QGROUP * qblock_bytes(kind);
@@ -329,7 +332,7 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
             const __m512i dot = _mm512_add_epi32(s0, s1);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, _mm512_set1_ps(d)), acc[i]);
             if (kind == QFORMAT_U4)
-                acc[i] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(d * (float)sum), acc[i]);
+                acc[i] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(dsq[i][b]), acc[i]);
         }
     }
 #pragma GCC unroll 4
@@ -338,14 +341,15 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
 
 /* vnni_group with `mt`, the layout and the scale type constants in each copy. */
 static void vnni_groups(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
-                        const int32_t *const sq[QTILE_M], int mt, const uint8_t *q, const void *dw,
+                        const int32_t *const sq[QTILE_M], const float *const dsq[QTILE_M], int mt,
+                        const uint8_t *q, const void *dw,
                         const void *mw, int format, int64_t blocks, int prefetch, __m512 out[QTILE_M]) {
 #define VNNI_CASES(KIND, HALF)                                                                     \
     switch (mt) {                                                                                  \
-    case 1: vnni_group(qx, dx, sq, 1, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
-    case 2: vnni_group(qx, dx, sq, 2, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
-    case 3: vnni_group(qx, dx, sq, 3, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
-    default: vnni_group(qx, dx, sq, 4, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;       \
+    case 1: vnni_group(qx, dx, sq, dsq, 1, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
+    case 2: vnni_group(qx, dx, sq, dsq, 2, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
+    case 3: vnni_group(qx, dx, sq, dsq, 3, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
+    default: vnni_group(qx, dx, sq, dsq, 4, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;       \
     }
     if (qkind(format) == QFORMAT_S8) {
         if (qhalf(format)) {
@@ -412,8 +416,9 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         int8_t *qx = malloc((size_t)(rows * k));
         float *dx = malloc((size_t)(rows * blocks) * sizeof(float));
         int32_t *sq = malloc((size_t)(rows * blocks) * sizeof(int32_t));
-        if (qx == NULL || dx == NULL || sq == NULL) failed = 1;
-        else quantize_activations(xf, rows, k, qx, dx, sq);
+        float *dsq = malloc((size_t)(rows * blocks) * sizeof(float));
+        if (qx == NULL || dx == NULL || sq == NULL || dsq == NULL) failed = 1;
+        else quantize_activations(xf, rows, k, qx, dx, sq, dsq);
         const int64_t group_bytes = blocks * QGROUP * qblock_bytes(format), group_scales = blocks * QGROUP;
 #pragma omp parallel for num_threads(threads) schedule(static) if (!failed)
         for (int64_t g = 0; g < groups; g++) {
@@ -424,14 +429,16 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
                 const int8_t *qrows[QTILE_M];
                 const float *drows[QTILE_M];
                 const int32_t *srows[QTILE_M];
+                const float *dsrows[QTILE_M];
                 for (int i = 0; i < QTILE_M; i++) {
                     const int64_t r = i < mt ? m0 + i : m0;
                     qrows[i] = qx + r * k;
                     drows[i] = dx + r * blocks;
                     srows[i] = sq + r * blocks;
+                    dsrows[i] = dsq + r * blocks;
                 }
                 __m512 values[QTILE_M];
-                vnni_groups(qrows, drows, srows, mt, qweight + g * group_bytes,
+                vnni_groups(qrows, drows, srows, dsrows, mt, qweight + g * group_bytes,
                             scales_from(scales, g * group_scales, qhalf(format)),
                             mins == NULL ? NULL : scales_from(mins, g * group_scales, qhalf(format)), format,
                             blocks, m0 == 0, values);
@@ -446,6 +453,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         free(qx);
         free(dx);
         free(sq);
+        free(dsq);
         free(converted);
         return failed ? -1 : 0;
     }
