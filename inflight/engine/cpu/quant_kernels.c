@@ -54,6 +54,9 @@ _Static_assert(QBLOCK == 32 && QGROUP == 16,
 enum { QDTYPE_FLOAT32 = 0, QDTYPE_BFLOAT16 = 1 };
 /* Activation rows and weight rows per micro-tile of the float product. */
 enum { QTILE_N = 4, QTILE_M = 4 };
+/* Rows of x per pass of the VNNI product over a group of weight rows: one unpacking of the group's weights
+ * serves up to 8 rows (a 5-row verify step's rows in one pass, not 4 and then 1 alone). */
+enum { QVNNI_ROWS = 8 };
 /* Multiply-adds (rows x n x k) per OpenMP thread of quant_linear: a decoder layer's projections at batch 1
  * (SmolLM2's 0.3-1.8 M) are split over the threads as the LM head is: one thread reads the weights at ~15
  * GB/s, two at 25-30 (docs/models.md). Below 64 K (a 64 KB product: a few microseconds) one thread. */
@@ -284,16 +287,16 @@ static Q_INLINE __m512i broadcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* out[i] (16 lanes: the group's rows) = dot(x row i, W's group) for `mt` (1..4) quantized rows of x; with
+/* out[i] (16 lanes: the group's rows) = dot(x row i, W's group) for `mt` (1..8) quantized rows of x; with
  * `prefetch`, each block's weight lines also prefetched into L2 QPREFETCH_BYTES ahead (for the first tile
  * of x's rows: the later ones find the group in cache). */
-static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
-                                const int32_t *const sq[QTILE_M], const float *const dsq[QTILE_M], int mt, const uint8_t *q, const void *dw,
-                                const void *mw, int kind, int half, int64_t blocks, int prefetch,
-                                __m512 out[QTILE_M]) {
+static Q_INLINE void vnni_group(const int8_t *const qx[QVNNI_ROWS], const float *const dx[QVNNI_ROWS],
+                                const int32_t *const sq[QVNNI_ROWS], const float *const dsq[QVNNI_ROWS], int mt,
+                                const uint8_t *q, const void *dw, const void *mw, int kind, int half,
+                                int64_t blocks, int prefetch, __m512 out[QVNNI_ROWS]) {
     const int64_t group_block = QGROUP * qblock_bytes(kind);
-    __m512 acc[QTILE_M];
-#pragma GCC unroll 4
+    __m512 acc[QVNNI_ROWS];
+#pragma GCC unroll 8
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *qb = q + b * group_block;
@@ -316,7 +319,7 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
         /* The group's 16 scales (and offsets) for this block: one load each, widened once for the x rows. */
         const __m512 dwv = scales16(dw, b * QGROUP, half);
         const __m512 mwv = kind == QFORMAT_U4 ? scales16(mw, b * QGROUP, half) : _mm512_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < mt; i++) {
             const int8_t *xb = qx[i] + b * QBLOCK;
             const int32_t sum = sq[i][b];
@@ -335,21 +338,25 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QTILE_M], const float *co
                 acc[i] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(dsq[i][b]), acc[i]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < mt; i++) out[i] = acc[i];
 }
 
 /* vnni_group with `mt`, the layout and the scale type constants in each copy. */
-static void vnni_groups(const int8_t *const qx[QTILE_M], const float *const dx[QTILE_M],
-                        const int32_t *const sq[QTILE_M], const float *const dsq[QTILE_M], int mt,
+static void vnni_groups(const int8_t *const qx[QVNNI_ROWS], const float *const dx[QVNNI_ROWS],
+                        const int32_t *const sq[QVNNI_ROWS], const float *const dsq[QVNNI_ROWS], int mt,
                         const uint8_t *q, const void *dw,
-                        const void *mw, int format, int64_t blocks, int prefetch, __m512 out[QTILE_M]) {
+                        const void *mw, int format, int64_t blocks, int prefetch, __m512 out[QVNNI_ROWS]) {
 #define VNNI_CASES(KIND, HALF)                                                                     \
     switch (mt) {                                                                                  \
-    case 1: vnni_group(qx, dx, sq, dsq, 1, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
-    case 2: vnni_group(qx, dx, sq, dsq, 2, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
-    case 3: vnni_group(qx, dx, sq, dsq, 3, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;        \
-    default: vnni_group(qx, dx, sq, dsq, 4, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;       \
+    case 1: vnni_group(qx, dx, sq, dsq, 1, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;   \
+    case 2: vnni_group(qx, dx, sq, dsq, 2, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;   \
+    case 3: vnni_group(qx, dx, sq, dsq, 3, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;   \
+    case 4: vnni_group(qx, dx, sq, dsq, 4, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;   \
+    case 5: vnni_group(qx, dx, sq, dsq, 5, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;   \
+    case 6: vnni_group(qx, dx, sq, dsq, 6, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;   \
+    case 7: vnni_group(qx, dx, sq, dsq, 7, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;   \
+    default: vnni_group(qx, dx, sq, dsq, 8, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;  \
     }
     if (qkind(format) == QFORMAT_S8) {
         if (qhalf(format)) {
@@ -424,20 +431,20 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         for (int64_t g = 0; g < groups; g++) {
             if (failed) continue;
             const int64_t valid = n - g * QGROUP < QGROUP ? n - g * QGROUP : QGROUP;
-            for (int64_t m0 = 0; m0 < rows; m0 += QTILE_M) {
-                const int mt = rows - m0 < QTILE_M ? (int)(rows - m0) : QTILE_M;
-                const int8_t *qrows[QTILE_M];
-                const float *drows[QTILE_M];
-                const int32_t *srows[QTILE_M];
-                const float *dsrows[QTILE_M];
-                for (int i = 0; i < QTILE_M; i++) {
+            for (int64_t m0 = 0; m0 < rows; m0 += QVNNI_ROWS) {
+                const int mt = rows - m0 < QVNNI_ROWS ? (int)(rows - m0) : QVNNI_ROWS;
+                const int8_t *qrows[QVNNI_ROWS];
+                const float *drows[QVNNI_ROWS];
+                const int32_t *srows[QVNNI_ROWS];
+                const float *dsrows[QVNNI_ROWS];
+                for (int i = 0; i < QVNNI_ROWS; i++) {
                     const int64_t r = i < mt ? m0 + i : m0;
                     qrows[i] = qx + r * k;
                     drows[i] = dx + r * blocks;
                     srows[i] = sq + r * blocks;
                     dsrows[i] = dsq + r * blocks;
                 }
-                __m512 values[QTILE_M];
+                __m512 values[QVNNI_ROWS];
                 vnni_groups(qrows, drows, srows, dsrows, mt, qweight + g * group_bytes,
                             scales_from(scales, g * group_scales, qhalf(format)),
                             mins == NULL ? NULL : scales_from(mins, g * group_scales, qhalf(format)), format,
