@@ -458,6 +458,14 @@ def test_a_quantized_embedding_looks_up_dequantized_rows(
     embedding.weight.copy_(weight)
     ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
     assert torch.equal(embedding(ids), weight.dequantize(dtype)[ids])
+    # A whole matrix large enough for two threads (1100 x 512: quant_rows takes 256 K values a thread).
+    large = quantize(torch.randn(1100, 512, generator=torch.Generator().manual_seed(5)), "q4_1")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(quantized.dequantize_rows(large, 0, 1100, dtype), large.dequantize(dtype))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_q8_0_gguf_stays_quantized_and_generates_the_dequantized_tokens(

@@ -99,8 +99,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     # quant_kernels.c: x, rows, k, qweight, scales, mins, format (quant_layout.Layout.kernel_code), n, bias,
     # dtype, out, out_dtype, num_threads
     "quant_linear": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _int, _ptr, _int, _int], _int),
-    # qweight, scales, mins, format, k, ids, count, dtype, out
-    "quant_rows": ([_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _int, _ptr], _int),
+    # qweight, scales, mins, format, k, ids, count, dtype, out, num_threads
+    "quant_rows": ([_ptr, _ptr, _ptr, _int, _i64, _ptr, _i64, _int, _ptr, _int], _int),
     # 1 where quant_linear quantizes x to int8 (AVX-512 VNNI), 0 where it multiplies in float
     "quant_linear_int8_activations": ([], _int),
     # x (float32), rows, k, qweight, scales, mins, format, n, bias (float32 or NULL), out (float32),

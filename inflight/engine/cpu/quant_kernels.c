@@ -695,25 +695,41 @@ int quant_linear_float(const float *x, int64_t rows, int64_t k, const uint8_t *q
 #endif
 }
 
-/* out [count, k] = rows ids[0..count) of W [_, k] (interleaved) dequantized (an embedding lookup), in `dtype`.
- * Returns 0, or -1 when out of memory. */
+/* Values per OpenMP thread of quant_rows: a prompt step's whole matrix (SmolLM2's gate/up, 1.8 M values)
+ * is dequantized on two threads, an embedding lookup of a few hundred tokens on one. */
+#define QDEQUANTIZE_PER_THREAD ((int64_t)1 << 18)
+
+/* out [count, k] = rows ids[0..count) of W [_, k] (interleaved) dequantized (an embedding lookup, or a whole
+ * matrix for a float product), in `dtype`, on up to num_threads threads. Returns 0, or -1 when out of
+ * memory. */
 int quant_rows(const uint8_t *qweight, const void *scales, const void *mins, int format, int64_t k,
-                const int64_t *ids, int64_t count, int dtype, void *out) {
-    float *row = malloc((size_t)k * sizeof(float));
-    if (row == NULL) return -1;
-    for (int64_t r = 0; r < count; r++) {
-        float *dst = dtype == QDTYPE_FLOAT32 ? (float *)out + r * k : row;
-        dequantize_row(qweight, scales, mins, format, ids[r], k, dst);
-        if (dtype == QDTYPE_BFLOAT16) {
-            uint16_t *o = (uint16_t *)out + r * k;
-            int64_t p = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-            for (; p + 16 <= k; p += 16)
-                _mm256_storeu_si256((__m256i *)(o + p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + p)));
-#endif
-            for (; p < k; p++) o[p] = float_to_bf16(row[p]);
+               const int64_t *ids, int64_t count, int dtype, void *out, int num_threads) {
+    const int64_t by_work = count * k / QDEQUANTIZE_PER_THREAD;
+    const int threads = (int)(by_work < 1 ? 1 : by_work < num_threads ? by_work : num_threads);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *row = malloc((size_t)k * sizeof(float));
+        if (row == NULL) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < count; r++) {
+            if (row == NULL) continue;
+            float *dst = dtype == QDTYPE_FLOAT32 ? (float *)out + r * k : row;
+            dequantize_row(qweight, scales, mins, format, ids[r], k, dst);
+            if (dtype == QDTYPE_BFLOAT16) {
+                uint16_t *o = (uint16_t *)out + r * k;
+                int64_t p = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+                for (; p + 16 <= k; p += 16)
+                    _mm256_storeu_si256((__m256i *)(o + p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + p)));
+#endif
+                for (; p < k; p++) o[p] = float_to_bf16(row[p]);
+            }
+        }
+        free(row);
     }
-    free(row);
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -252,9 +252,9 @@ _ONE_TOKEN_ROWS: ContextVar[bool] = ContextVar("one_token_rows", default=False)
 # LM head of 49152 x 576) to a few MiB.
 DEQUANTIZE_CHUNK_ROWS = 8192
 # bfloat16 prompt rows up to which the float32 panel product takes them (x widened, exactly; the sums
-# rounded to bfloat16 once): a SmolLM2 layer's four Q4_1 products at 9 / 16 / 32 rows took 384 / 499 / 832
-# us against 1190 / 1286 / 1280 for bfloat16 weights dequantized into memory and oneDNN's AMX product, 64
-# rows 1581 against 1440 (Sapphire Rapids, 2 threads; docs/models.md).
+# rounded to bfloat16 once): a SmolLM2 layer's four Q4_1 products at 16 / 32 rows took 490 / 815 us
+# against 909 / 932 for bfloat16 weights dequantized into memory and oneDNN's AMX product, at 48 / 64 rows
+# 1179 / 1484 against 1097 / 1156 (Sapphire Rapids, 2 threads; docs/models.md).
 BFLOAT16_PANEL_MAX_ROWS = 32
 
 
@@ -392,9 +392,10 @@ def lookup_rows(weight: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) 
         ids.numel(),
         cpu_kernels.DTYPE_CODES[dtype],
         out.data_ptr(),
+        torch.get_num_threads(),
     )
     if status != 0:
-        raise MemoryError("quant_rows: out of memory for its buffer")
+        raise MemoryError("quant_rows: out of memory for its buffers")
     return out
 
 
