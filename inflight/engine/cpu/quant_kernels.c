@@ -32,6 +32,9 @@
  * - elsewhere: a group's rows dequantized into a float buffer and a float32 register-tiled micro-kernel
  *   over it (4 rows of x by 4 rows of W; AVX-512 16 lanes, AVX2 + FMA 8 lanes, plain C): the dequantized
  *   float product up to summation order.
+ * Prompt rows (quantized.py sends more than 8 rows outside a decode step to them) take quant_linear_float on
+ * AVX-512 builds: float32 x by the weights dequantized panel by panel (below), the dequantized float product;
+ * quant_rows dequantizes rows (an embedding lookup, or a whole matrix for the other builds' float products).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -345,8 +348,8 @@ static Q_INLINE void vnni_group(const int8_t *const qx[QVNNI_ROWS], const float 
 /* vnni_group with `mt`, the layout and the scale type constants in each copy. */
 static void vnni_groups(const int8_t *const qx[QVNNI_ROWS], const float *const dx[QVNNI_ROWS],
                         const int32_t *const sq[QVNNI_ROWS], const float *const dsq[QVNNI_ROWS], int mt,
-                        const uint8_t *q, const void *dw,
-                        const void *mw, int format, int64_t blocks, int prefetch, __m512 out[QVNNI_ROWS]) {
+                        const uint8_t *q, const void *dw, const void *mw, int format, int64_t blocks, int prefetch,
+                        __m512 out[QVNNI_ROWS]) {
 #define VNNI_CASES(KIND, HALF)                                                                     \
     switch (mt) {                                                                                  \
     case 1: vnni_group(qx, dx, sq, dsq, 1, q, dw, mw, KIND, HALF, blocks, prefetch, out); break;   \
@@ -575,13 +578,16 @@ static void dequantize_panel(const uint8_t *qweight, const void *scales, const v
                 _mm512_storeu_ps(panel + v * QPANEL_WIDTH + gi * QGROUP, _mm512_setzero_ps());
             continue;
         }
+#define DEQUANTIZE_GROUP_AS(KIND, HALF) \
+    dequantize_group_blocks(qweight, scales, mins, KIND, HALF, g, blocks, b0, nb, gi, panel)
         if (qkind(format) == QFORMAT_S8) {
-            if (qhalf(format)) dequantize_group_blocks(qweight, scales, mins, QFORMAT_S8, 1, g, blocks, b0, nb, gi, panel);
-            else dequantize_group_blocks(qweight, scales, mins, QFORMAT_S8, 0, g, blocks, b0, nb, gi, panel);
+            if (qhalf(format)) DEQUANTIZE_GROUP_AS(QFORMAT_S8, 1);
+            else DEQUANTIZE_GROUP_AS(QFORMAT_S8, 0);
         } else {
-            if (qhalf(format)) dequantize_group_blocks(qweight, scales, mins, QFORMAT_U4, 1, g, blocks, b0, nb, gi, panel);
-            else dequantize_group_blocks(qweight, scales, mins, QFORMAT_U4, 0, g, blocks, b0, nb, gi, panel);
+            if (qhalf(format)) DEQUANTIZE_GROUP_AS(QFORMAT_U4, 1);
+            else DEQUANTIZE_GROUP_AS(QFORMAT_U4, 0);
         }
+#undef DEQUANTIZE_GROUP_AS
     }
 }
 
