@@ -12,17 +12,24 @@ rejection sampling keeps the distribution, not the tokens).
     PYTHONPATH=. .venv/bin/python benchmarks/speculative_decoding.py --model builtin:smollm2 \\
         --dtype float32 --concurrency 1 64 [--rounds 2] [--max-tokens 128] [--threads N]
         [--task edit|poem]
-        [--speculative-max-running N] [--draft-model PATH] [--systems off ngram draft]
+        [--speculative-max-running N] [--draft-model PATH] [--systems off ngram draft] [--step-times]
+
+--step-times also prints, per concurrency and system, the target model's steps over all rounds by kind
+(prompt, decode, verify): how many, their time, and the most common row count's time a step.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import defaultdict
+from typing import Any
 
 import torch
 
 from inflight.checkpoints.resolve import resolve_model
+from inflight.engine import runner
+from inflight.engine.attention.metadata import SHORT_QUERY_LEN
 from inflight.engine.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.engine.sequence import SamplingParams
@@ -69,6 +76,42 @@ def prompts(engine: LLMEngine, count: int, task: str) -> list[str]:
             message = f"Request {i}. Write a short poem inspired by this text.\n\n{passage}"
         out.append(engine.tokenizer.apply_chat_template([{"role": "user", "content": message}]))
     return out
+
+
+class StepTimes:
+    """With --step-times: the wall time of each target-model step (`runner.run_model`), by the engine
+    running it and the step's kind: prompt (a sequence with more than SHORT_QUERY_LEN new rows), decode
+    (one row a sequence) or verify (a few rows a sequence), and its rows."""
+
+    def __init__(self) -> None:
+        self.engine = ""
+        self.seconds: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+        original = runner.run_model
+
+        def timed(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+            inputs: runner.StepInputs = args[2]
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            longest = max(inputs.query_lens, default=0)
+            kind = "prompt" if longest > SHORT_QUERY_LEN else "decode" if longest == 1 else "verify"
+            self.seconds[(self.engine, kind, sum(inputs.query_lens))].append(time.perf_counter() - start)
+            return out
+
+        runner.run_model = timed
+
+    def report(self) -> None:
+        by_kind: dict[tuple[str, str], list[tuple[int, list[float]]]] = defaultdict(list)
+        for (engine, kind, rows), seconds in sorted(self.seconds.items()):
+            by_kind[(engine, kind)].append((rows, seconds))
+        for (engine, kind), entries in sorted(by_kind.items()):
+            steps = sum(len(seconds) for _, seconds in entries)
+            total = sum(sum(seconds) for _, seconds in entries)
+            common = max(entries, key=lambda entry: len(entry[1]))
+            print(
+                f"  {engine} {kind} steps: {steps}, {total:.3f} s in all; most often {common[0]} rows, "
+                f"{sum(common[1]) / len(common[1]) * 1e3:.2f} ms each ({len(common[1])} steps)"
+            )
+        self.seconds.clear()
 
 
 def run(
@@ -121,6 +164,11 @@ def main() -> None:
         default=["off", "ngram"],
         help="what to compare (the first is the baseline of the ratios; draft needs --draft-model)",
     )
+    parser.add_argument(
+        "--step-times",
+        action="store_true",
+        help="also print each system's model steps by kind (prompt, decode, verify): count and time",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
@@ -157,16 +205,21 @@ def main() -> None:
         f"up to {args.max_tokens} tokens per answer, draft model {args.draft_model}"
     )
     baseline = args.systems[0]
+    step_times = StepTimes() if args.step_times else None
     for concurrency in args.concurrency:
         texts = prompts(engines[baseline], args.requests_at_1 if concurrency == 1 else concurrency, args.task)
         for engine in engines.values():
             run(engine, texts[:1], 1, 8)  # warm-up
+        if step_times is not None:
+            step_times.seconds.clear()
         rates: dict[str, list[float]] = {name: [] for name in engines}
         results: dict[str, list[list[int]]] = {}
         drafted = dict.fromkeys(engines, 0)
         accepted = dict.fromkeys(engines, 0)
         for _ in range(args.rounds):
             for name, engine in engines.items():
+                if step_times is not None:
+                    step_times.engine = name
                 before = engine.stats()
                 seconds, tokens = run(engine, texts, concurrency, args.max_tokens, args.temperature)
                 after = engine.stats()
@@ -188,6 +241,8 @@ def main() -> None:
                 f"vs {baseline} per round {', '.join(f'{r:.2f}x' for r in ratio)}; "
                 f"proposed {drafted[name]}, accepted {accepted[name]}"
             )
+        if step_times is not None:
+            step_times.report()
         if args.temperature == 0:
             assert identical, "speculative decoding changed greedy tokens"
 
