@@ -452,7 +452,7 @@ def _llama_server_command(args: argparse.Namespace, gguf_file: Path, port: int, 
     return [
         str(args.llama_server), "-m", str(gguf_file), "--host", "127.0.0.1", "--port", str(port),
         "-a", "bench", "-np", str(args.max_slots), "-c", str(_llama_context(args, longest)),
-        "-t", str(args.threads or os.cpu_count() or 1), "--no-webui",
+        "-t", str(args.threads or os.cpu_count() or 1), "--no-webui", *args.llama_server_arg,
     ]  # fmt: skip
 
 

@@ -101,6 +101,14 @@ def _register_serve(benchmarks: argparse._SubParsersAction) -> None:
         "`benchmarks/llama_cpp.py path llama-server` prints its path)",
     )
     parser.add_argument(
+        "--llama-server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for llama-server, after the benchmark's own (repeat it for more; write "
+        "options as --llama-server-arg=--no-repack)",
+    )
+    parser.add_argument(
         "--vllm-python",
         type=Path,
         default=DEFAULT_VLLM_PYTHON,

@@ -274,3 +274,21 @@ def test_llama_server_gets_a_slot_per_request_in_flight(tmp_path: Path) -> None:
     # -c is the context of all slots together: each of the max_slots slots holds the longest request.
     assert flags["-np"] == str(args.max_slots) and flags["-c"] == str(args.max_slots * 300)
     assert flags["-t"] == "2"
+    assert "--no-repack" not in command
+
+
+def test_llama_server_gets_the_extra_arguments_after_the_benchmarks_own(tmp_path: Path) -> None:
+    """--llama-server-arg, repeated, e.g. --no-repack where llama.cpp's repacking of Q4_1 crashes."""
+    from inflight.cli import build_parser
+
+    extra = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--compare",
+            "llama-cpp",
+            "--llama-server-arg=--no-repack",
+            "--llama-server-arg=-fa",
+        ]
+    )
+    assert _llama_server_command(extra, tmp_path / "m.gguf", 8002, 300)[-2:] == ["--no-repack", "-fa"]
