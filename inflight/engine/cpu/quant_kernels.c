@@ -64,6 +64,14 @@ enum { QVNNI_ROWS = 8 };
  * (SmolLM2's 0.3-1.8 M) are split over the threads as the LM head is: one thread reads the weights at ~15
  * GB/s, two at 25-30 (docs/models.md). Below 64 K (a 64 KB product: a few microseconds) one thread. */
 #define QWORK_PER_THREAD ((int64_t)1 << 16)
+/* OpenMP threads for `work` units at `per_thread` units a thread: at least one, at most num_threads and
+ * `parts` (the pieces the work is split into). */
+static inline int threads_for_work(int64_t work, int64_t per_thread, int num_threads, int64_t parts) {
+    int64_t threads = work / per_thread;
+    if (threads > num_threads) threads = num_threads;
+    if (threads > parts) threads = parts;
+    return threads < 1 ? 1 : (int)threads;
+}
 /* The VNNI product prefetches the weights into L2 this many bytes ahead of the block it reads: a group's
  * blocks, and the groups one after another, lie in one stream (see the top of the file). */
 #define QPREFETCH_BYTES 8192
@@ -417,9 +425,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
     /* A thread per QWORK_PER_THREAD products (at least one), at most num_threads and never more than
      * groups. Each group's sums are the same whichever thread computes them: the outputs do not depend on
      * the thread count. */
-    const int64_t by_work = rows * n * k / QWORK_PER_THREAD;
-    const int64_t wanted = by_work < 1 ? 1 : by_work < num_threads ? by_work : num_threads;
-    const int threads = (int)(groups < wanted ? groups : wanted);
+    const int threads = threads_for_work(rows * n * k, QWORK_PER_THREAD, num_threads, groups);
     int failed = 0;
 #if defined(QUANT_VNNI)
     {
@@ -657,9 +663,7 @@ int quant_linear_float(const float *x, int64_t rows, int64_t k, const uint8_t *q
     const int64_t panels = (groups + QPANEL_GROUPS - 1) / QPANEL_GROUPS;
     const int64_t row_blocks = (rows + QPANEL_ROW_BLOCK - 1) / QPANEL_ROW_BLOCK;
     const int64_t items = panels * row_blocks;
-    const int64_t by_work = rows * n * k / QWORK_PER_THREAD;
-    const int64_t wanted = by_work < 1 ? 1 : by_work < num_threads ? by_work : num_threads;
-    const int threads = (int)(items < wanted ? items : wanted);
+    const int threads = threads_for_work(rows * n * k, QWORK_PER_THREAD, num_threads, items);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -710,8 +714,7 @@ int quant_linear_float(const float *x, int64_t rows, int64_t k, const uint8_t *q
  * memory. */
 int quant_rows(const uint8_t *qweight, const void *scales, const void *mins, int format, int64_t k,
                const int64_t *ids, int64_t count, int dtype, void *out, int num_threads) {
-    const int64_t by_work = count * k / QDEQUANTIZE_PER_THREAD;
-    const int threads = (int)(by_work < 1 ? 1 : by_work < num_threads ? by_work : num_threads);
+    const int threads = threads_for_work(count * k, QDEQUANTIZE_PER_THREAD, num_threads, count);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {

@@ -293,11 +293,10 @@ def quantized_linear(
     library = cpu_kernels.library_for(x) if bias is None else cpu_kernels.library_for(x, bias)
     rows_out, cols = weight.shape
     x2 = x.reshape(-1, cols)
-    rows = x2.shape[0]
-    if library is not None and not kernel_takes(rows, library) and _panels_take(x2, out_dtype, library):
-        out = _panel_product(x2.float(), weight, None if bias is None else bias.float(), library)
-        return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], rows_out)
-    if library is None or not kernel_takes(rows, library):
+    if library is None or not kernel_takes(x2.shape[0], library):
+        if library is not None and _panels_take(x2, out_dtype, library):
+            out = _panel_product(x2.float(), weight, None if bias is None else bias.float(), library)
+            return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], rows_out)
         parts = [
             F.linear(
                 x,
