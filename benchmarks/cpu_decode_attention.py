@@ -4,10 +4,11 @@ from memory, not from cache (a real model's caches together are far larger than 
 Builds kernels.c as it is in the working tree, and optionally another kernels.c (e.g. from
 `git show HEAD~1:inflight/engine/cpu/kernels.c > /tmp/old.c`), and times both on the same caches,
 alternating, so machine load hits both alike. Default shape: SmolLM2-135M's attention (30 layers,
-9 query / 3 KV heads, head_dim 64), 16-token blocks at shuffled addresses, contexts uniform in
-0.3-1.7x --context. Reports the median step time and the K/V bytes read per second. With
-`--kv-cache-dtype both` the working tree's kernels also run on float8 (e4m3) copies of the same caches,
-alternating with the --dtype caches (an older kernels.c to --compare must take the same arguments).
+9 query / 3 KV heads, head_dim 64), 16-token blocks at shuffled addresses on huge pages (as the
+engine's pool), contexts uniform in 0.3-1.7x --context. Reports the median step time and the K/V bytes
+read per second. With `--kv-cache-dtype both` the working tree's kernels also run on float8 (e4m3)
+copies of the same caches, alternating with the --dtype caches (an older kernels.c to --compare must
+take the same arguments).
 
     PYTHONPATH=. .venv/bin/python benchmarks/cpu_decode_attention.py [--compare /tmp/old.c]
         [--dtype bfloat16|float32] [--kv-cache-dtype auto|fp8|both] [--seqs 64] [--context 250]
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cpu_attention_common import build, parser_with_shape
+from benchmarks.cpu_attention_common import build, on_huge_pages, parser_with_shape
 from inflight.engine.attention.kv_store import FP8_DTYPE, to_cache
 from inflight.engine.cpu import kernels as cpu_kernels
 
@@ -51,10 +52,15 @@ def main() -> None:
         tables[i, :count] = torch.tensor(order[taken : taken + count], dtype=torch.int32)
         taken += count
     shape = (len(order), args.block_size, args.kv_heads, args.head_dim)
-    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.layers)]
+    caches = [
+        (on_huge_pages(torch.randn(shape).to(dtype)), on_huge_pages(torch.randn(shape).to(dtype)))
+        for _ in range(args.layers)
+    ]
     cache_sets = {"auto": caches}
     if args.kv_cache_dtype != "auto":
-        cache_sets["fp8"] = [(to_cache(k, FP8_DTYPE), to_cache(v, FP8_DTYPE)) for k, v in caches]
+        cache_sets["fp8"] = [
+            (on_huge_pages(to_cache(k, FP8_DTYPE)), on_huge_pages(to_cache(v, FP8_DTYPE))) for k, v in caches
+        ]
     if args.kv_cache_dtype == "fp8":
         del cache_sets["auto"]
     query = torch.randn(args.seqs, args.heads, args.head_dim).to(dtype)

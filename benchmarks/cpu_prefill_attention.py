@@ -1,6 +1,6 @@
 """The CPU prefill-attention kernel (`paged_prefill`) on long-prompt chunks: one layer's call for each
-case, the K/V in 16-token blocks at shuffled addresses (the prompt's own K/V was just written, so it is
-in cache as in the engine).
+case, the K/V in 16-token blocks at shuffled addresses on huge pages, as the engine's (the prompt's own
+K/V was just written, so it is in cache as in the engine).
 
 Builds kernels.c as it is in the working tree, and optionally another kernels.c (e.g. from
 `git show HEAD~1:inflight/engine/cpu/kernels.c > /tmp/old.c`), and times both on the same inputs, with
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cpu_attention_common import build, parser_with_shape
+from benchmarks.cpu_attention_common import build, on_huge_pages, parser_with_shape
 from inflight.engine.attention import torch_paged
 from inflight.engine.cpu import kernels as cpu_kernels
 
@@ -47,7 +47,8 @@ def main() -> None:
     random.Random(0).shuffle(order)
     table = torch.tensor([order], dtype=torch.int32)
     shape = (blocks, args.block_size, args.kv_heads, args.head_dim)
-    k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    k_cache = on_huge_pages(torch.randn(shape).to(dtype))
+    v_cache = on_huge_pages(torch.randn(shape).to(dtype))
     query = torch.randn(longest, args.heads, args.head_dim).to(dtype)
     out = torch.empty_like(query)
 
