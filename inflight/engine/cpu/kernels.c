@@ -2391,16 +2391,19 @@ int dense_linear_max_rows(int dtype, int64_t k) {
 /* float32 dense_linear for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS and k >= DENSE_BLOCKED_K, in blocks
  * of DENSE_BLOCK_COLUMNS columns: for each block, every tile of a group of DENSE_GROUP_TILES tiles of
  * weight rows is multiplied into all the x rows, DENSE_PASS_ROWS at a time, the group's running sums kept
- * in memory between blocks. x's block (24 KB at 24 rows) then stays in L1 for the group's 32 weight rows,
+ * in memory between blocks. x's block (24 KB at 24 rows) then stays in L1 for the group's weight rows,
  * where a pass over whole rows read x from L2 again for every tile of 4 weight rows; each tile's next block
  * of weights is fetched into L2 while the group's blocks are multiplied, and whole steps load without a
  * mask. llama-1b's products from memory: 1.01-1.27x at 8 and 16 rows, 1.1-1.14x at 24 (still about half
- * the FMA peak there; docs/benchmarks.md). Each lane sums its columns in the same order as dense_tile16's, and the lanes add up
- * in the same tree: the same bits. */
+ * the FMA peak there; docs/benchmarks.md). Each lane sums its columns in the same order as dense_tile16's,
+ * and the lanes add up in the same tree: the same bits. */
 /* DENSE_BLOCKED_K: from this many inputs (four blocks); SmolLM2's 576-input products measured 1.05-1.35x
  * slower in blocks (a short last block, the running sums stored per block for little work), its 1536-input
- * ones 1.08-1.13x faster. */
-enum { DENSE_BLOCK_COLUMNS = 256, DENSE_GROUP_TILES = 8, DENSE_BLOCKED_K = 1024 };
+ * ones 1.08-1.13x faster. DENSE_GROUP_TILES: two tiles (8 weight rows, whose blocks the memory streams side
+ * by side) rather than eight (32): llama-1b's products of 6-24 rows from memory 1.02-1.12x faster on
+ * Sapphire Rapids (docs/benchmarks.md); one tile measured the same as two, blocks of 512 or 1024 columns
+ * slower. */
+enum { DENSE_BLOCK_COLUMNS = 256, DENSE_GROUP_TILES = 2, DENSE_BLOCKED_K = 1024 };
 
 /* acc[r * DENSE_TILE + t] += x row r . W row n0 + t over columns [c0, c1), for ROWS (<= DENSE_PASS_ROWS)
  * rows and OUTS (DENSE_TILE or 1) outputs, constants after inlining; columns past k count as 0 * 0. Each
