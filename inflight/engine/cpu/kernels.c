@@ -2392,10 +2392,10 @@ int dense_linear_max_rows(int dtype, int64_t k) {
  * of DENSE_BLOCK_COLUMNS columns: for each block, every tile of a group of DENSE_GROUP_TILES tiles of
  * weight rows is multiplied into all the x rows, DENSE_PASS_ROWS at a time, the group's running sums kept
  * in memory between blocks. x's block (24 KB at 24 rows) then stays in L1 for the group's weight rows,
- * where a pass over whole rows read x from L2 again for every tile of 4 weight rows; each tile's next block
- * of weights is fetched into L2 while the group's blocks are multiplied, and whole steps load without a
- * mask. llama-1b's products from memory: 1.01-1.27x at 8 and 16 rows, 1.1-1.14x at 24 (still about half
- * the FMA peak there; docs/benchmarks.md). Each lane sums its columns in the same order as dense_tile16's,
+ * where a pass over whole rows read x from L2 again for every tile of 4 weight rows; the weights are
+ * fetched into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's blocks are multiplied (dense_block16),
+ * and whole steps load without a mask. llama-1b's products from memory: 1.01-1.27x at 8 and 16 rows,
+ * 1.1-1.14x at 24 (still about half the FMA peak there; docs/benchmarks.md). Each lane sums its columns in the same order as dense_tile16's,
  * and the lanes add up in the same tree: the same bits. */
 /* DENSE_BLOCKED_K: from this many inputs (four blocks); SmolLM2's 576-input products measured 1.05-1.35x
  * slower in blocks (a short last block, the running sums stored per block for little work), its 1536-input
