@@ -2395,8 +2395,8 @@ int dense_linear_max_rows(int dtype, int64_t k) {
  * where a pass over whole rows read x from L2 again for every tile of 4 weight rows; the weights are
  * fetched into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's blocks are multiplied (dense_block16),
  * and whole steps load without a mask. llama-1b's products from memory: 1.01-1.27x at 8 and 16 rows,
- * 1.1-1.14x at 24 (still about half the FMA peak there; docs/benchmarks.md). Each lane sums its columns in the same order as dense_tile16's,
- * and the lanes add up in the same tree: the same bits. */
+ * 1.1-1.14x at 24 (still about half the FMA peak there; docs/benchmarks.md). Each lane sums its columns
+ * in the same order as dense_tile16's, and the lanes add up in the same tree: the same bits. */
 /* DENSE_BLOCKED_K: from this many inputs (four blocks); SmolLM2's 576-input products measured 1.05-1.35x
  * slower in blocks (a short last block, the running sums stored per block for little work), its 1536-input
  * ones 1.08-1.13x faster. DENSE_GROUP_TILES: two tiles (8 weight rows, whose blocks the memory streams side
