@@ -979,15 +979,19 @@ static void run_decode_item(const void *context, int64_t item, float *scratch) {
  *   window      keys older than `window` positions are skipped (0 = no sliding window)
  *   max_seq_len the longest lens[i] (sizes the per-thread scratch)
  *   dtype       q's and out's; kv_dtype the caches' (dtype's, or DTYPE_FP8_E4M3)
- * A work item is a whole row when there are enough of them to keep every thread busy, else one KV head
- * of a row. Returns 0, or 1 when scratch memory could not be allocated (out is then incomplete).
+ * A work item is a whole row (every KV head of it) when there are at least as many rows as threads, else
+ * one KV head of a row. A KV head's rows are a quarter to a third of each token's K/V bytes, so items of
+ * one KV head read the memory in strided pieces: on Sapphire Rapids, float32 and bfloat16 steps over 2-7
+ * sequences of 1.6-3.9 K tokens read their K/V 1.2-1.4x faster as whole rows on 2 threads, odd counts'
+ * uneven split included (docs/benchmarks.md). Returns 0, or 1 when scratch memory could not be allocated
+ * (out is then incomplete).
  */
 int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *lens, const int64_t *rows, const int64_t *seqs,
                  int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t window, float scale, int dtype, int kv_dtype, void *out, int64_t max_seq_len,
                  int num_threads) {
-    const int64_t heads_per_item = n >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
+    const int64_t heads_per_item = n >= (int64_t)num_threads ? num_kv_heads : 1;
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t query_heads = heads_per_item * (num_heads / num_kv_heads);
     const size_t scratch_floats = (size_t)(query_heads * (max_seq_len + 2 * head_dim) + CHUNK * head_dim);

@@ -43,9 +43,12 @@ def test_decode_ragged_lengths_across_block_boundaries(
     assert_close(out, dense_reference(case), dtype)
 
 
-def test_many_sequences_take_whole_sequence_work_items(torch_threads: int) -> None:
-    # n >= 4 * threads: one work item per sequence (all KV heads); fewer: one per (sequence, KV head).
-    seq_lens = [(7 * i) % 90 + 1 for i in range(4 * torch_threads + 3)]
+@pytest.mark.parametrize("extra_rows", [-1, 0, 3])
+def test_work_items_whole_rows_or_one_kv_head(torch_threads: int, extra_rows: int) -> None:
+    # At least as many rows as threads: one work item per row (all KV heads); fewer (one row on two
+    # threads): one per (row, KV head).
+    rows = max(1, torch_threads + extra_rows)
+    seq_lens = [(7 * i) % 90 + 1 + 50 * (i % 2) for i in range(rows)]
     case = make_case(seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=4, seed=7)
     out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
     assert_close(out, dense_reference(case), torch.float32)
