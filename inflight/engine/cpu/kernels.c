@@ -263,6 +263,11 @@ enum { CHUNK = 4 };
  * rows). 8 KiB: 4-32 KiB measured within 5-10 %. */
 enum { PREFETCH_BYTES = 8192 };
 
+/* A decode row attending more keys than this is split into parts of this many keys (from the first it
+ * attends), each a work item of its own, merged at the end; by the row's own length only, never by what
+ * else shares the call, so a row's outputs are the same bits whatever shares the step. */
+enum { DECODE_PART_KEYS = 1024 };
+
 /* Into L2 (prefetcht1), as the dense and quantized products prefetch their weights. The non-temporal hint
  * (prefetchnta, used before 5 December) left a 30-layer float32 decode step's K/V at 15 GB/s on an AMD
  * EPYC (Zen 4): this hint reads them at 25 GB/s (bfloat16 15 -> 18 GB/s; docs/benchmarks.md). */
@@ -609,8 +614,9 @@ static void load_queries(const void *q, int64_t offset, int64_t heads, int64_t h
 }
 
 /* Exact softmax of each head's scores in place, unnormalized: the 1 / sum of head h goes to b->queries[h]
- * (the queries are no longer needed) and is applied to the weighted sum at the end. */
-static void softmax_rows(int64_t heads, int64_t len, const struct item_buffers *b) {
+ * (the queries are no longer needed) and is applied to the weighted sum at the end; with `stats`, head h's
+ * largest score and sum of weights also go to stats[h * (head_dim + 2)] and the float after it. */
+static void softmax_rows(int64_t heads, int64_t len, const struct item_buffers *b, float *stats, int64_t head_dim) {
     for (int64_t h = 0; h < heads; h++) {
         float *sh = b->scores + h * len;
         float peak = -INFINITY;
@@ -622,6 +628,10 @@ static void softmax_rows(int64_t heads, int64_t len, const struct item_buffers *
             sum += sh[j];
         }
         b->queries[h] = 1.0f / sum;
+        if (stats != NULL) {
+            stats[h * (head_dim + 2)] = peak;
+            stats[h * (head_dim + 2) + 1] = sum;
+        }
     }
 }
 
@@ -845,18 +855,27 @@ static inline int64_t window_start(int64_t keys, int64_t window) {
     return window > 0 && keys > window ? keys - window : 0;
 }
 
-/* One item: KV heads [head_begin, head_end) of one sequence. For each chunk of tokens every head of the
- * range is done before the next chunk, so a block is read from memory once while it is hot; `wide`: the
- * AVX-512 chunks (AVX-512 builds only), for `dtype` (q, out) and `kv_dtype` (the caches) fixed at compile time. */
+/* How many parts of at most DECODE_PART_KEYS keys a row attending `keys` keys (before the window) has. */
+static inline int64_t decode_parts(int64_t keys, int64_t window) {
+    const int64_t len = keys - window_start(keys, window);
+    return len > DECODE_PART_KEYS ? (len + DECODE_PART_KEYS - 1) / DECODE_PART_KEYS : 1;
+}
+
+/* One item: KV heads [head_begin, head_end) of one sequence, over its keys' part `part` (DECODE_PART_KEYS keys
+ * from the first it attends). For each chunk of tokens every head of the range is done before the next chunk,
+ * so a block is read from memory once while it is hot; `wide`: the AVX-512 chunks (AVX-512 builds only), for
+ * `dtype` (q, out) and `kv_dtype` (the caches) fixed at compile time. Without `partial` the item's keys are
+ * all the row's and its outputs go to `out`; with it, head h's largest score, sum of weights and unnormalized
+ * weighted sum go to partial[h * (head_dim + 2)] on, for paged_decode to merge the parts. */
 static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                                         const int32_t *table, int64_t seq_len, int64_t row, int64_t head_begin,
-                                         int64_t head_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                         int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype,
-                                         void *out, float *scratch, int wide) {
+                                         const int32_t *table, int64_t seq_len, int64_t part, int64_t row,
+                                         int64_t head_begin, int64_t head_end, int64_t num_heads, int64_t num_kv_heads,
+                                         int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype,
+                                         int kv_dtype, void *out, float *partial, float *scratch, int wide) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t heads = (head_end - head_begin) * group; /* query heads of this item */
-    const int64_t first = window_start(seq_len, window);
-    const int64_t len = seq_len - first;
+    const int64_t first = window_start(seq_len, window) + part * DECODE_PART_KEYS;
+    const int64_t len = seq_len - first < DECODE_PART_KEYS || partial == NULL ? seq_len - first : DECODE_PART_KEYS;
     struct item_buffers b = item_buffers(scratch, heads, len, head_dim);
     const int64_t query_offset = row * q_row_stride + head_begin * group * head_dim;
     b.raw_queries = dtype == DTYPE_BFLOAT16 ? (const uint16_t *)q + query_offset : NULL;
@@ -870,10 +889,15 @@ static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, co
     prefetch_until(&c, &pf, ahead);
     load_queries(q, query_offset, heads, head_dim, scale, dtype, &b);
     visit_chunks(&c, &b, &pf, ahead, group, 0, wide, kv_dtype);
-    softmax_rows(heads, len, &b);
+    float *stats = partial == NULL ? NULL : partial + head_begin * group * (head_dim + 2);
+    softmax_rows(heads, len, &b, stats, head_dim);
     memset(b.acc, 0, sizeof(float) * (size_t)(heads * head_dim));
     visit_chunks(&c, &b, &pf, ahead, group, 1, wide, kv_dtype);
-
+    if (stats != NULL) {
+        for (int64_t h = 0; h < heads; h++)
+            memcpy(stats + h * (head_dim + 2) + 2, b.acc + h * head_dim, sizeof(float) * (size_t)head_dim);
+        return;
+    }
     store_outputs(out, (row * num_heads + head_begin * group) * head_dim, heads, head_dim, dtype, &b);
 }
 
@@ -881,29 +905,29 @@ static ALWAYS_INLINE void decode_item_as(const void *q, int64_t q_row_stride, co
  * for float32, for bfloat16 and for a float8 cache (queries of either dtype). */
 #define DECODE_ITEM_PARAMS                                                                                           \
     const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *table,             \
-        int64_t seq_len, int64_t row, int64_t head_begin, int64_t head_end, int64_t num_heads, int64_t num_kv_heads, \
-        int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype, void *out,       \
-        float *scratch
+        int64_t seq_len, int64_t part, int64_t row, int64_t head_begin, int64_t head_end, int64_t num_heads,         \
+        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale, int dtype,          \
+        int kv_dtype, void *out, float *partial, float *scratch
 #define DECODE_ITEM_ARGS                                                                                             \
-    q, q_row_stride, k_cache, v_cache, table, seq_len, row, head_begin, head_end, num_heads, num_kv_heads, head_dim, \
-        block_size, window, scale
+    q, q_row_stride, k_cache, v_cache, table, seq_len, part, row, head_begin, head_end, num_heads, num_kv_heads,     \
+        head_dim, block_size, window, scale
 typedef void (*decode_item_fn)(DECODE_ITEM_PARAMS);
 
-static void decode_item(DECODE_ITEM_PARAMS) { decode_item_as(DECODE_ITEM_ARGS, dtype, kv_dtype, out, scratch, 0); }
+static void decode_item(DECODE_ITEM_PARAMS) { decode_item_as(DECODE_ITEM_ARGS, dtype, kv_dtype, out, partial, scratch, 0); }
 #if defined(__AVX512F__)
 static void decode_item_wide_float32(DECODE_ITEM_PARAMS) {
     (void)dtype;
     (void)kv_dtype;
-    decode_item_as(DECODE_ITEM_ARGS, DTYPE_FLOAT32, DTYPE_FLOAT32, out, scratch, 1);
+    decode_item_as(DECODE_ITEM_ARGS, DTYPE_FLOAT32, DTYPE_FLOAT32, out, partial, scratch, 1);
 }
 static void decode_item_wide_bfloat16(DECODE_ITEM_PARAMS) {
     (void)dtype;
     (void)kv_dtype;
-    decode_item_as(DECODE_ITEM_ARGS, DTYPE_BFLOAT16, DTYPE_BFLOAT16, out, scratch, 1);
+    decode_item_as(DECODE_ITEM_ARGS, DTYPE_BFLOAT16, DTYPE_BFLOAT16, out, partial, scratch, 1);
 }
 static void decode_item_wide_fp8(DECODE_ITEM_PARAMS) {
     (void)kv_dtype;
-    decode_item_as(DECODE_ITEM_ARGS, dtype, DTYPE_FP8_E4M3, out, scratch, 1);
+    decode_item_as(DECODE_ITEM_ARGS, dtype, DTYPE_FP8_E4M3, out, partial, scratch, 1);
 }
 #endif
 
@@ -951,7 +975,9 @@ struct decode_call {
     const int32_t *block_tables, *lens;
     const int64_t *rows, *seqs;
     int64_t q_row_stride, table_stride, num_heads, num_kv_heads, head_dim, block_size, window;
-    int64_t items_per_seq, heads_per_item;
+    int64_t n, items_per_part, heads_per_item;
+    const int64_t *part_starts; /* row i's parts are [part_starts[i], part_starts[i + 1]); NULL: one part a row */
+    float *partials;            /* [parts][num_heads][head_dim + 2]: each part's stats (rows of several parts) */
     float scale;
     int dtype, kv_dtype;
     void *out;
@@ -960,11 +986,46 @@ struct decode_call {
 
 static void run_decode_item(const void *context, int64_t item, float *scratch) {
     const struct decode_call *c = (const struct decode_call *)context;
-    const int64_t i = item / c->items_per_seq;
-    const int64_t head_begin = (item % c->items_per_seq) * c->heads_per_item;
+    const int64_t global_part = item / c->items_per_part;
+    const int64_t head_begin = (item % c->items_per_part) * c->heads_per_item;
+    int64_t i = global_part, part = 0;
+    float *partial = NULL;
+    if (c->part_starts != NULL) {
+        /* The row whose parts hold global_part: the last i with part_starts[i] <= global_part. */
+        int64_t lo = 0, hi = c->n;
+        while (hi - lo > 1) {
+            const int64_t mid = (lo + hi) / 2;
+            if (c->part_starts[mid] <= global_part) lo = mid;
+            else hi = mid;
+        }
+        i = lo;
+        part = global_part - c->part_starts[i];
+        if (c->part_starts[i + 1] - c->part_starts[i] > 1)
+            partial = c->partials + global_part * c->num_heads * (c->head_dim + 2);
+    }
     c->item_fn(c->q, c->q_row_stride, c->k_cache, c->v_cache, c->block_tables + c->seqs[i] * c->table_stride, c->lens[i],
-               c->rows[i], head_begin, head_begin + c->heads_per_item, c->num_heads, c->num_kv_heads, c->head_dim,
-               c->block_size, c->window, c->scale, c->dtype, c->kv_dtype, c->out, scratch);
+               part, c->rows[i], head_begin, head_begin + c->heads_per_item, c->num_heads, c->num_kv_heads, c->head_dim,
+               c->block_size, c->window, c->scale, c->dtype, c->kv_dtype, c->out, partial, scratch);
+}
+
+/* Row i's output from its parts' stats: each head's weighted sums rescaled to the largest score of all its
+ * parts, added, over the parts' sums of weights rescaled alike. */
+static void merge_parts(const struct decode_call *c, int64_t i, float *row_out) {
+    const int64_t first = c->part_starts[i], parts = c->part_starts[i + 1] - first, width = c->head_dim + 2;
+    for (int64_t h = 0; h < c->num_heads; h++) {
+        const float *stats = c->partials + first * c->num_heads * width + h * width;
+        float peak = -INFINITY;
+        for (int64_t p = 0; p < parts; p++) peak = fmaxf(peak, stats[p * c->num_heads * width]);
+        float sum = 0.0f;
+        for (int64_t d = 0; d < c->head_dim; d++) row_out[d] = 0.0f;
+        for (int64_t p = 0; p < parts; p++) {
+            const float *part = stats + p * c->num_heads * width, factor = expf(part[0] - peak);
+            sum += factor * part[1];
+            for (int64_t d = 0; d < c->head_dim; d++) row_out[d] += factor * part[2 + d];
+        }
+        for (int64_t d = 0; d < c->head_dim; d++) row_out[d] /= sum;
+        store_row(c->out, (c->rows[i] * c->num_heads + h) * c->head_dim, row_out, c->head_dim, c->dtype);
+    }
 }
 
 /* Query-key products (rows x longest context x query heads x head_dim) from which paged_decode uses more
@@ -979,32 +1040,67 @@ static void run_decode_item(const void *context, int64_t item, float *scratch) {
  *   window      keys older than `window` positions are skipped (0 = no sliding window)
  *   max_seq_len the longest lens[i] (sizes the per-thread scratch)
  *   dtype       q's and out's; kv_dtype the caches' (dtype's, or DTYPE_FP8_E4M3)
- * A work item is a whole row (every KV head of it) when there are at least as many rows as threads, else
- * one KV head of a row. A KV head's rows are a quarter to a third of each token's K/V bytes, so items of
- * one KV head read the memory in strided pieces: on Sapphire Rapids, float32 and bfloat16 steps over 2-7
- * sequences of 1.6-3.9 K tokens read their K/V 1.2-1.4x faster as whole rows on 2 threads, odd counts'
- * uneven split included (docs/benchmarks.md). Returns 0, or 1 when scratch memory could not be allocated
- * (out is then incomplete).
+ * A row over more than DECODE_PART_KEYS keys is split into parts of that many keys, and the parts' softmax
+ * sums and weighted sums merged at the end (merge_parts): one row over 13 K float32 keys read 12.0 -> 18.9
+ * GB/s on 2 threads (Sapphire Rapids; docs/benchmarks.md). A work item is a whole part (every KV head of its
+ * row) when there are at least as many parts as threads, else one KV head of a part. A KV head's rows are a
+ * quarter to a third of each token's K/V bytes, so items of one KV head read the memory in strided pieces:
+ * float32 and bfloat16 steps over 2-7 sequences of 1.6-3.9 K tokens read their K/V 1.2-1.4x faster as whole
+ * rows on 2 threads, odd counts' uneven split included. Returns 0, or 1 when memory for the scratch or the
+ * parts could not be allocated (out is then incomplete).
  */
 int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *lens, const int64_t *rows, const int64_t *seqs,
                  int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t window, float scale, int dtype, int kv_dtype, void *out, int64_t max_seq_len,
                  int num_threads) {
-    const int64_t heads_per_item = n >= (int64_t)num_threads ? num_kv_heads : 1;
-    const int64_t items_per_seq = num_kv_heads / heads_per_item;
+    /* Each row's parts: rows longer than DECODE_PART_KEYS are split, and their parts merged below. */
+    int64_t parts = 0;
+    int split = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row_parts = decode_parts(lens[i], window);
+        parts += row_parts;
+        split |= row_parts > 1;
+    }
+    int64_t *part_starts = NULL;
+    float *partials = NULL;
+    if (split) {
+        part_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
+        partials = (float *)malloc(sizeof(float) * (size_t)(parts * num_heads * (head_dim + 2)));
+        if (part_starts == NULL || partials == NULL) {
+            free(part_starts);
+            free(partials);
+            return 1;
+        }
+        part_starts[0] = 0;
+        for (int64_t i = 0; i < n; i++) part_starts[i + 1] = part_starts[i] + decode_parts(lens[i], window);
+    }
+    const int64_t heads_per_item = parts >= (int64_t)num_threads ? num_kv_heads : 1;
+    const int64_t items_per_part = num_kv_heads / heads_per_item;
     const int64_t query_heads = heads_per_item * (num_heads / num_kv_heads);
-    const size_t scratch_floats = (size_t)(query_heads * (max_seq_len + 2 * head_dim) + CHUNK * head_dim);
+    const int64_t longest = split && max_seq_len > DECODE_PART_KEYS ? DECODE_PART_KEYS : max_seq_len;
+    const size_t scratch_floats = (size_t)(query_heads * (longest + 2 * head_dim) + CHUNK * head_dim);
     const struct decode_call call = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .lens = lens, .rows = rows,
         .seqs = seqs, .q_row_stride = q_row_stride, .table_stride = table_stride, .num_heads = num_heads,
-        .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size, .window = window,
-        .items_per_seq = items_per_seq, .heads_per_item = heads_per_item, .scale = scale, .dtype = dtype,
-        .kv_dtype = kv_dtype, .out = out, .item_fn = pick_decode_item(head_dim, dtype, kv_dtype)};
+        .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size, .window = window, .n = n,
+        .items_per_part = items_per_part, .heads_per_item = heads_per_item, .part_starts = part_starts,
+        .partials = partials, .scale = scale, .dtype = dtype, .kv_dtype = kv_dtype, .out = out,
+        .item_fn = pick_decode_item(head_dim, dtype, kv_dtype)};
     /* Threads only for enough work to pay for waking them: one row over a few hundred keys (a decode
      * step of one sequence) took longer on two threads than on one (docs/models.md). */
     const int threads = n * max_seq_len * num_heads * head_dim >= DECODE_WORK_FOR_THREADS ? num_threads : 1;
-    return run_items(n * items_per_seq, scratch_floats, threads, run_decode_item, &call);
+    int failed = run_items(parts * items_per_part, scratch_floats, threads, run_decode_item, &call);
+    if (split && !failed) {
+        float *row_out = (float *)malloc(sizeof(float) * (size_t)head_dim);
+        if (row_out == NULL) failed = 1;
+        for (int64_t i = 0; i < n && row_out != NULL; i++)
+            if (part_starts[i + 1] - part_starts[i] > 1) merge_parts(&call, i, row_out);
+        free(row_out);
+    }
+    free(part_starts);
+    free(partials);
+    return failed;
 }
 
 /* ---- paged prefill attention -------------------------------------------------------------------

@@ -136,6 +136,45 @@ def test_the_last_keys_large_score_leaves_the_rows_before_it_alone(dtype: torch.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_split_into_parts_keep_their_bits_on_any_thread_count(dtype: torch.dtype) -> None:
+    # Rows over 1024 keys are split into parts of 1024 (the last shorter) and merged: by the row's own
+    # length, so one thread (whole-row items) and two (items split by KV head for a single row, whole rows
+    # otherwise) give the same bits, alone or with other rows.
+    seq_lens = [2100, 300, 1025, 40]
+    case = make_case(
+        seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=3
+    )
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(
+                cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], dense_reference(case), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_window_longer_than_a_part(dtype: torch.dtype) -> None:
+    # A 1500-key window: its rows' keys split into parts from the window's start, not from key 0.
+    case = make_case(
+        [3000, 1200, 700],
+        [1, 1, 1],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+        sliding_window=1500,
+    )
+    out = cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, dense_reference(case), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sliding_window_longer_than_a_block_of_keys(dtype: torch.dtype) -> None:
     # A 300-key window spans two of the prefill kernel's 256-key blocks, starting inside the first.
     case = make_case(
