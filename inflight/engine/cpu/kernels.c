@@ -1078,7 +1078,8 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
     const int64_t heads_per_item = parts >= (int64_t)num_threads ? num_kv_heads : 1;
     const int64_t items_per_part = num_kv_heads / heads_per_item;
     const int64_t query_heads = heads_per_item * (num_heads / num_kv_heads);
-    const int64_t longest = split && max_seq_len > DECODE_PART_KEYS ? DECODE_PART_KEYS : max_seq_len;
+    /* No item attends more keys than a part. */
+    const int64_t longest = max_seq_len < DECODE_PART_KEYS ? max_seq_len : DECODE_PART_KEYS;
     const size_t scratch_floats = (size_t)(query_heads * (longest + 2 * head_dim) + CHUNK * head_dim);
     const struct decode_call call = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .lens = lens, .rows = rows,
