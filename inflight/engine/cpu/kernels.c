@@ -1055,25 +1055,16 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
                  int64_t window, float scale, int dtype, int kv_dtype, void *out, int64_t max_seq_len,
                  int num_threads) {
     /* Each row's parts: rows longer than DECODE_PART_KEYS are split, and their parts merged below. */
-    int64_t parts = 0;
-    int split = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t row_parts = decode_parts(lens[i], window);
-        parts += row_parts;
-        split |= row_parts > 1;
-    }
-    int64_t *part_starts = NULL;
-    float *partials = NULL;
-    if (split) {
-        part_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
-        partials = (float *)malloc(sizeof(float) * (size_t)(parts * num_heads * (head_dim + 2)));
-        if (part_starts == NULL || partials == NULL) {
-            free(part_starts);
-            free(partials);
-            return 1;
-        }
-        part_starts[0] = 0;
-        for (int64_t i = 0; i < n; i++) part_starts[i + 1] = part_starts[i] + decode_parts(lens[i], window);
+    int64_t *part_starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (part_starts == NULL) return 1;
+    part_starts[0] = 0;
+    for (int64_t i = 0; i < n; i++) part_starts[i + 1] = part_starts[i] + decode_parts(lens[i], window);
+    const int64_t parts = part_starts[n];
+    const int split = parts > n;
+    float *partials = split ? (float *)malloc(sizeof(float) * (size_t)(parts * num_heads * (head_dim + 2))) : NULL;
+    if (split && partials == NULL) {
+        free(part_starts);
+        return 1;
     }
     const int64_t heads_per_item = parts >= (int64_t)num_threads ? num_kv_heads : 1;
     const int64_t items_per_part = num_kv_heads / heads_per_item;
@@ -1085,7 +1076,7 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .lens = lens, .rows = rows,
         .seqs = seqs, .q_row_stride = q_row_stride, .table_stride = table_stride, .num_heads = num_heads,
         .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size, .window = window, .n = n,
-        .items_per_part = items_per_part, .heads_per_item = heads_per_item, .part_starts = part_starts,
+        .items_per_part = items_per_part, .heads_per_item = heads_per_item, .part_starts = split ? part_starts : NULL,
         .partials = partials, .scale = scale, .dtype = dtype, .kv_dtype = kv_dtype, .out = out,
         .item_fn = pick_decode_item(head_dim, dtype, kv_dtype)};
     /* Threads only for enough work to pay for waking them: one row over a few hundred keys (a decode

@@ -137,9 +137,9 @@ def test_the_last_keys_large_score_leaves_the_rows_before_it_alone(dtype: torch.
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_rows_split_into_parts_keep_their_bits_on_any_thread_count(dtype: torch.dtype) -> None:
-    # Rows over 1024 keys are split into parts of 1024 (the last shorter) and merged: by the row's own
-    # length, so one thread (whole-row items) and two (items split by KV head for a single row, whole rows
-    # otherwise) give the same bits, alone or with other rows.
+    # Rows over 1024 keys are split into parts of 1024 (the last shorter) and merged, by the row's own
+    # length: the 7 parts here run as whole-part items on one or two threads and as one KV head of a part
+    # each on eight (fewer parts than threads), and all three give the same bits.
     seq_lens = [2100, 300, 1025, 40]
     case = make_case(
         seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=3
@@ -147,7 +147,7 @@ def test_decode_rows_split_into_parts_keep_their_bits_on_any_thread_count(dtype:
     before = torch.get_num_threads()
     try:
         outs = []
-        for threads in (1, 2):
+        for threads in (1, 2, 8):
             torch.set_num_threads(threads)
             outs.append(
                 cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -155,6 +155,7 @@ def test_decode_rows_split_into_parts_keep_their_bits_on_any_thread_count(dtype:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[2])
     assert_close(outs[0], dense_reference(case), dtype)
 
 
