@@ -42,7 +42,7 @@ import httpx
 
 from inflight.bench import vllm_cpu
 from inflight.bench.servers_mode import MEMORY_MARGIN, ONE_AT_A_TIME, TOGETHER
-from inflight.bench.workload import BenchRequest, load_workload
+from inflight.bench.workload import BenchRequest, load_workload, warmup_prompt
 from inflight.engine.cpu import openmp
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.dtypes import resolve_dtype_name
@@ -824,8 +824,9 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
         "estimated_gib": {name: round(size / GIB, 2) for name, size in needs.items()},
         "available_gib": None if available is None else round(available / GIB, 2),
     }
-    # Untimed, like the offline runner's warm-up: two short requests through the HTTP path.
-    warmup = [BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)] * 2
+    # Untimed, like the offline runner's warm-up: two short requests through the HTTP path, on a prompt no
+    # timed one shares a prefix with (llama-server keeps each slot's last prompt even without prefix caching).
+    warmup = [BenchRequest(warmup_prompt(requests), WARMUP_TOKENS)] * 2
 
     def warm_up(system: ServedSystem) -> None:
         asyncio.run(run_clients(system.url, system.model, warmup, math.inf, args.seed))

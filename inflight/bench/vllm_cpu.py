@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from inflight.bench.system import BenchSettings, System, SystemRun
+from inflight.bench.workload import warmup_prompt
 from inflight.engine.cpu import openmp
 from inflight.sizing import CPU_RUNTIME_BYTES, GIB, ModelShape, weight_bytes_per_gpu
 
@@ -69,6 +70,7 @@ def run(settings: BenchSettings) -> SystemRun:
         "max_num_batched_tokens": max(settings.max_num_batched_tokens, longest),
         "max_model_len": longest,
         "requests": [{"prompt": r.prompt_token_ids, "output_len": r.output_len} for r in settings.requests],
+        "warmup_prompt": warmup_prompt(settings.requests),
     }
     with tempfile.TemporaryDirectory(prefix="inflight-vllm-") as tmp:
         work = Path(tmp)

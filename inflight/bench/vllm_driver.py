@@ -30,14 +30,9 @@ def main(spec_path: str, result_path: str) -> None:
     )
     requests = spec["requests"]
     warmup = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    llm.generate([TokensPrompt(prompt_token_ids=requests[0]["prompt"])], warmup, use_tqdm=False)
-    # The warm-up left request 0's prompt in vLLM's prefix cache: the timed run would skip its prefill (2,601
-    # of the 16-request long-prompt workload's 41,696 prompt tokens), where inflight's warm-up prompt is not
-    # one of the workload's.
-    if not llm.reset_prefix_cache():
-        raise RuntimeError(
-            "vLLM did not empty its prefix cache after the warm-up: the timed run would reuse it"
-        )
+    # On a prompt no timed one shares a prefix with (workload.warmup_prompt), so that vLLM's prefix cache
+    # holds nothing the timed run can reuse.
+    llm.generate([TokensPrompt(prompt_token_ids=spec["warmup_prompt"])], warmup, use_tqdm=False)
     setup = time.perf_counter() - start
 
     prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]

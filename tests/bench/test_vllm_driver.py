@@ -1,9 +1,10 @@
-"""The vLLM driver (run in vLLM's own virtualenv) against a stand-in `vllm` package: what it asks of vLLM
-and in which order, so that the timed run starts from the same state as inflight's."""
+"""The vLLM system (vllm_cpu.run and the driver it runs in vLLM's own virtualenv) against a stand-in `vllm`
+package: what it asks of vLLM and in which order, so that the timed run starts from the same state as
+inflight's."""
 
 from __future__ import annotations
 
-import json
+import subprocess
 import sys
 import types
 from dataclasses import dataclass
@@ -12,7 +13,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from inflight.bench import vllm_driver
+from inflight.bench import vllm_cpu, vllm_driver
+from inflight.bench.system import BenchSettings
+from inflight.bench.workload import BenchRequest, warmup_prompt
 
 
 @dataclass
@@ -26,22 +29,17 @@ class _Output:
 
 
 class _FakeLLM:
-    """Records the calls the driver makes; `reset_ok` is what reset_prefix_cache answers."""
+    """Records the prompts of each generate call the driver makes."""
 
-    calls: ClassVar[list[str]] = []
-    reset_ok: ClassVar[bool] = True
+    calls: ClassVar[list[list[list[int]]]] = []
 
     def __init__(self, **kwargs: Any) -> None:
-        self.calls.append("init")
+        pass
 
     def generate(self, prompts: list[dict[str, Any]], params: Any, use_tqdm: bool) -> list[_Output]:
-        self.calls.append(f"generate {len(prompts)}")
+        self.calls.append([p["prompt_token_ids"] for p in prompts])
         lengths = params if isinstance(params, list) else [params] * len(prompts)
         return [_Output([_Completion([7] * p.max_tokens)]) for p in lengths]
-
-    def reset_prefix_cache(self) -> bool:
-        self.calls.append("reset_prefix_cache")
-        return self.reset_ok
 
 
 @dataclass
@@ -60,42 +58,33 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> type[_FakeLLM]:
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     monkeypatch.setattr(_FakeLLM, "calls", [])
-    monkeypatch.setattr(_FakeLLM, "reset_ok", True)
     return _FakeLLM
 
 
-def _spec(tmp_path: Path) -> tuple[str, str]:
-    spec = {
-        "model_dir": "unused",
-        "dtype": "float32",
-        "max_slots": 4,
-        "max_num_batched_tokens": 64,
-        "max_model_len": 64,
-        "requests": [{"prompt": [1, 2, 3], "output_len": 5}, {"prompt": [4, 5], "output_len": 2}],
-    }
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    return str(spec_path), str(tmp_path / "result.json")
-
-
-def test_the_warm_up_prompt_is_dropped_from_the_prefix_cache_before_the_timed_run(
-    fake_vllm: type[_FakeLLM], tmp_path: Path
+def test_vllm_is_warmed_up_on_a_prompt_no_timed_request_starts_with(
+    fake_vllm: type[_FakeLLM], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    spec_path, result_path = _spec(tmp_path)
-    vllm_driver.main(spec_path, result_path)
-    # The warm-up is request 0's prompt: left cached, the timed run would skip that prompt's prefill.
-    assert fake_vllm.calls == ["init", "generate 1", "reset_prefix_cache", "generate 2"]
-    result = json.loads(Path(result_path).read_text())
-    assert result["outputs"] == [[7] * 5, [7] * 2]
-    assert result["vllm_version"] == "0.0-fake"
+    """vllm_cpu.run writes the spec, the driver reads it (called in-process here instead of in vLLM's
+    virtualenv): the warm-up generate gets workload.warmup_prompt, the timed one every request in order."""
+    requests = [BenchRequest([11, 12, 13], 5), BenchRequest([14, 15], 2)]
 
+    def run_driver(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+        vllm_driver.main(command[3], command[4])
+        return subprocess.CompletedProcess(command, 0)
 
-def test_a_prefix_cache_that_cannot_be_emptied_stops_the_run(
-    fake_vllm: type[_FakeLLM], tmp_path: Path
-) -> None:
-    fake_vllm.reset_ok = False
-    spec_path, result_path = _spec(tmp_path)
-    with pytest.raises(RuntimeError, match="prefix cache"):
-        vllm_driver.main(spec_path, result_path)
-    assert "generate 2" not in fake_vllm.calls
-    assert not Path(result_path).exists()
+    monkeypatch.setattr(vllm_cpu.subprocess, "run", run_driver)
+    settings = BenchSettings(
+        model_dir=tmp_path,
+        requests=requests,
+        max_slots=4,
+        dtype="float32",
+        vllm_python=Path("python"),
+        max_num_batched_tokens=64,
+        threads=1,
+    )
+    run = vllm_cpu.SYSTEM.run(settings)
+    # Warmed up on request 0's own prompt, vLLM's prefix cache let the timed run skip that prompt's prefill.
+    assert fake_vllm.calls == [[warmup_prompt(requests)], [[11, 12, 13], [14, 15]]]
+    assert warmup_prompt(requests)[0] not in (11, 14)
+    assert run.outputs == [[7] * 5, [7] * 2]
+    assert run.config["vllm_version"] == "0.0-fake"

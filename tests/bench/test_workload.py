@@ -8,9 +8,11 @@ import pytest
 
 from inflight.bench.workload import (
     BENCH_SCHEMA,
+    BenchRequest,
     load_workload,
     make_workload,
     special_token_ids,
+    warmup_prompt,
     with_schemas,
 )
 
@@ -45,6 +47,21 @@ def test_long_prompts_workload_is_prefill_heavy(tiny_llama_dir: Path) -> None:
     requests = load_workload(tiny_llama_dir, num_requests=16, workload="long-prompts")
     assert all(1024 <= len(r.prompt_token_ids) <= 4096 and 32 <= r.output_len <= 64 for r in requests)
     assert load_workload(tiny_llama_dir, 16) != requests
+
+
+def test_the_warm_up_prompt_starts_no_prompt_of_the_workload() -> None:
+    requests = make_workload(vocab=1000, excluded_ids=set(), num_requests=64, seed=0)
+    prompt = warmup_prompt(requests)
+    # As long as request 0's and of its tokens (the same shapes and vocabulary for the warm-up step).
+    assert sorted(prompt) == sorted(requests[0].prompt_token_ids)
+    # No cache a warm-up fills can give a timed prompt its first token, let alone a 16-token block.
+    assert all(prompt[0] != r.prompt_token_ids[0] for r in requests)
+
+
+def test_the_warm_up_prompt_rotates_past_tokens_that_start_other_prompts() -> None:
+    requests = [BenchRequest([5, 6, 7, 8], 4), BenchRequest([8, 1], 4), BenchRequest([7, 2], 4)]
+    # Reversed, request 0's prompt would start with 8, rotated once with 7: each starts another prompt.
+    assert warmup_prompt(requests) == [6, 5, 8, 7]
 
 
 def test_a_schema_share_marks_requests_evenly() -> None:
