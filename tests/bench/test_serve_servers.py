@@ -19,7 +19,7 @@ from inflight.bench import served, vllm_cpu
 from inflight.bench.served import ServedSystem, available_memory_bytes, choose_servers, memory_needs
 from inflight.cli import build_parser
 from inflight.engine.model.config import ModelConfig
-from inflight.sizing import GIB, shape_of_config
+from inflight.sizing import GIB, MODEL_CATALOG, shape_of_config
 
 FAKE_SERVER = Path(__file__).parents[1] / "support" / "fake_completion_server.py"
 
@@ -46,6 +46,14 @@ def test_the_memory_available_is_the_kernels_memavailable(tmp_path: Path) -> Non
     meminfo.write_text("MemTotal:       24683792 kB\nMemFree: 100 kB\nMemAvailable:   20855052 kB\n")
     assert available_memory_bytes(meminfo) == 20855052 * 1024
     assert available_memory_bytes(tmp_path / "missing") is None
+
+
+def test_the_vllm_estimate_covers_what_its_server_was_measured_to_hold() -> None:
+    # SmolLM2 float32 served by vLLM-CPU with its 4 GiB of KV cache: 7.3-7.7 GiB of RSS over its three
+    # processes (5 December). One runtime's allowance instead of three had put it at 5.5 GiB, and `auto`
+    # ran both servers together at 93 % of the memory available.
+    smollm2 = MODEL_CATALOG["builtin:smollm2"]
+    assert 7.3 * GIB <= vllm_cpu.memory_bytes(smollm2, "float32") <= 8 * GIB
 
 
 def test_the_estimates_count_every_server_and_the_offline_engine(
