@@ -122,7 +122,8 @@ def load_workload(
 
 def warmup_prompt(requests: Sequence[BenchRequest]) -> list[int]:
     """The prompt a system is warmed up on before its timed run: as long as the first request's (the same
-    shapes), its tokens reversed and rotated until the first is one no request starts with. A prefix cache
+    shapes), its tokens reversed and rotated until the first is one no request starts with (reversed only,
+    where every one of its tokens starts some request: then at most that one token is shared). A prefix cache
     (vLLM's, inflight's) or llama-server's per-slot prompt cache then holds nothing the workload's prompts
     begin with, so no system skips part of a timed prompt's prefill (warmed up on request 0's own prompt,
     vLLM's offline run skipped that prompt's 2,601 of the long-prompt workload's 41,696 prompt tokens)."""
