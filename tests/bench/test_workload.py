@@ -52,7 +52,7 @@ def test_long_prompts_workload_is_prefill_heavy(tiny_llama_dir: Path) -> None:
 def test_the_warm_up_prompt_starts_no_prompt_of_the_workload() -> None:
     requests = make_workload(vocab=1000, excluded_ids=set(), num_requests=64, seed=0)
     prompt = warmup_prompt(requests)
-    # As long as request 0's and of its tokens (the same shapes and vocabulary for the warm-up step).
+    # As long as request 0's prompt and made of its tokens (the warm-up step's shapes and vocabulary).
     assert sorted(prompt) == sorted(requests[0].prompt_token_ids)
     # No cache a warm-up fills can give a timed prompt its first token, let alone a 16-token block.
     assert all(prompt[0] != r.prompt_token_ids[0] for r in requests)
