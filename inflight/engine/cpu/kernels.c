@@ -20,6 +20,7 @@
 #include "float_bits.h"
 #include "kernels.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -2446,20 +2447,45 @@ static int amx_linear_takes(int dtype, int64_t rows, int64_t k) {
 #endif
 }
 
+#if defined(DENSE_FLOAT32_VECTOR)
+/* DENSE_BLOCKED_K: float32 products by this many inputs or more run in blocks of columns (why this many: at
+ * dense_linear_blocked). DENSE_ZEN4_BLOCKED_ROWS: how many rows those take on AMD Zen 4 (family 19h; its
+ * 512-bit multiply-adds run as two 256-bit halves). There, llama-1b's products from memory measured C ahead
+ * of oneDNN's prepacked product up to 12 rows (1.0-1.3x), level at 13 and 14, and behind from 15 rows on
+ * (oneDNN 1.05-1.27x faster at 15-24 rows), where on Sapphire Rapids C is ahead up to DENSE_FLOAT32_ROWS;
+ * products by fewer inputs (SmolLM2's) measured level or ahead up to DENSE_FLOAT32_ROWS on both
+ * (docs/benchmarks.md). */
+enum { DENSE_BLOCKED_K = 1024, DENSE_ZEN4_BLOCKED_ROWS = 12 };
+
+/* Whether this CPU is AMD family 19h: Zen 3 or Zen 4, and Zen 4 where this build runs (it needs AVX-512). */
+static int amd_family_19h(void) {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx) || ebx != 0x68747541u) return 0; /* "Auth"enticAMD */
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+    return ((eax >> 8) & 0xfu) + ((eax >> 20) & 0xffu) == 0x19u; /* base family + extended family */
+}
+
+/* How many rows dense_linear multiplies in float32 by k inputs on this CPU. */
+static int dense_float32_max_rows(int64_t k) {
+    static int zen4 = -1; /* probed once; every thread would store the same value */
+    if (zen4 < 0) zen4 = amd_family_19h();
+    return k >= DENSE_BLOCKED_K && zen4 ? DENSE_ZEN4_BLOCKED_ROWS : DENSE_FLOAT32_ROWS;
+}
+#endif
+
 /* How many rows dense_linear takes for weights of `dtype` with k columns on this build: AMX_LINEAR_MAX_ROWS
  * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512; AVX512-BF16 for
- * bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_WIDE_ROWS for bfloat16; else 0: the plain C version
- * is slower than oneDNN, so the engine keeps oneDNN there (tests still call dense_linear on such builds). */
+ * bfloat16), dense_float32_max_rows(k) for float32 and DENSE_WIDE_ROWS for bfloat16; else 0: the plain C
+ * version is slower than oneDNN, so the engine keeps oneDNN there (tests still call dense_linear on such
+ * builds). */
 int dense_linear_max_rows(int dtype, int64_t k) {
 #if defined(AMX_TILES)
     if (amx_linear_takes(dtype, AMX_LINEAR_MAX_ROWS, k)) return AMX_LINEAR_MAX_ROWS;
 #endif
 #if defined(DENSE_BFLOAT16_VECTOR)
-    (void)k;
-    return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : DENSE_WIDE_ROWS;
+    return dtype == DTYPE_FLOAT32 ? dense_float32_max_rows(k) : DENSE_WIDE_ROWS;
 #elif defined(DENSE_FLOAT32_VECTOR)
-    (void)k;
-    return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : 0;
+    return dtype == DTYPE_FLOAT32 ? dense_float32_max_rows(k) : 0;
 #else
     (void)dtype, (void)k;
     return 0;
@@ -2486,8 +2512,8 @@ int dense_linear_max_rows(int dtype, int64_t k) {
  * in memory between blocks. x's block (24 KB at 24 rows) then stays in L1 for the group's weight rows,
  * where a pass over whole rows read x from L2 again for every tile of 4 weight rows; the weights are
  * fetched into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's blocks are multiplied (dense_block16),
- * and whole steps load without a mask. llama-1b's products from memory: 1.01-1.27x at 8 and 16 rows,
- * 1.1-1.14x at 24 (still about half the FMA peak there; docs/benchmarks.md). Each lane sums its columns
+ * and whole steps load without a mask. llama-1b's products from memory on Sapphire Rapids: 1.01-1.27x at 8
+ * and 16 rows, 1.1-1.14x at 24 (still about half the FMA peak there; docs/benchmarks.md). Each lane sums its columns
  * in the same order as dense_tile16's, and the lanes add up in the same tree: the same bits. */
 /* DENSE_BLOCKED_K: from this many inputs (four blocks); SmolLM2's 576-input products measured 1.05-1.35x
  * slower in blocks (a short last block, the running sums stored per block for little work), its 1536-input
@@ -2498,7 +2524,7 @@ int dense_linear_max_rows(int dtype, int64_t k) {
  * next group, left the next group's first blocks unfetched when it began; four, across into the next
  * group, made the same products another 1.02-1.16x faster (two measured about the same, eight a little
  * slower). */
-enum { DENSE_BLOCK_COLUMNS = 256, DENSE_GROUP_TILES = 2, DENSE_BLOCKED_K = 1024, DENSE_BLOCKS_AHEAD = 4 };
+enum { DENSE_BLOCK_COLUMNS = 256, DENSE_GROUP_TILES = 2, DENSE_BLOCKS_AHEAD = 4 };
 
 /* acc[r * DENSE_TILE + t] += x row r . W row n0 + t over columns [c0, c1), for ROWS (<= DENSE_PASS_ROWS)
  * rows and OUTS (DENSE_TILE or 1) outputs, constants after inlining; columns past k count as 0 * 0. Each
