@@ -1,0 +1,79 @@
+"""In one process, a float32 model's decode steps of ROWS sequences with its products by 1024 inputs or more
+taken in C up to each of two row counts (the C kernel's own limit, kernels.c's DENSE_FLOAT32_ROWS, and its
+AMD Zen 4 one, DENSE_ZEN4_BLOCKED_ROWS; above the limit oneDNN's prepacked product multiplies them),
+switched every ROUND_TOKENS tokens for ROUNDS rounds so that the machine's drift falls on both alike;
+prints each limit's median decode step and whether both generated the same greedy tokens.
+
+    flock /tmp/bench.lock env PYTHONPATH=. .venv/bin/python benchmarks/float32_rows_ab.py 16 [MODEL]
+
+MODEL: default builtin:llama-1b.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+from inflight.engine.cpu import openmp
+
+# The engine's OpenMP spin count, set as the `inflight` command sets it, before torch loads OpenMP.
+openmp.configure(os.environ)
+
+import torch  # noqa: E402
+
+from benchmarks.quantized_scales_ab import ROUND_TOKENS, ROUNDS, timed_steps  # noqa: E402
+from inflight.checkpoints.resolve import resolve_model  # noqa: E402
+from inflight.engine.cpu.linear import PrepackedLinear  # noqa: E402
+from inflight.engine.llm import LLM  # noqa: E402
+from inflight.engine.sequence import SamplingParams  # noqa: E402
+
+LIMITS = (24, 12)  # DENSE_FLOAT32_ROWS, DENSE_ZEN4_BLOCKED_ROWS
+BLOCKED_INPUTS = 1024  # DENSE_BLOCKED_K
+PROMPT_TOKENS = 64
+
+
+def limit_rows(llm: LLM, limit: int) -> None:
+    """Make every product by BLOCKED_INPUTS or more inputs, and every one-call decoder layer, take up to
+    `limit` rows in C (the products' own dense_rows stay for fewer inputs)."""
+    model = llm.engine.model
+    for module in model.modules():
+        if isinstance(module, PrepackedLinear) and module.in_features >= BLOCKED_INPUTS and module.dense_rows:
+            module.dense_rows = limit
+    for layer in model.layers:
+        fused = layer.fused()
+        if fused is not None:
+            fused.max_rows = limit
+
+
+def main() -> None:
+    rows = int(sys.argv[1])
+    path = resolve_model(sys.argv[2] if len(sys.argv) > 2 else "builtin:llama-1b")
+    torch.set_num_threads(2)
+    llm = LLM(path, max_slots=rows, dtype="float32", quantization="none")
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.tokenizer.vocab_size
+    prompts = [torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)]
+    params = SamplingParams(temperature=0.0, max_tokens=ROUND_TOKENS, ignore_eos=True)
+    steps = timed_steps(llm, rows)
+    times: dict[int, list[float]] = {limit: [] for limit in LIMITS}
+    outputs: dict[int, list[list[int]]] = {}
+    for round_ in range(ROUNDS + 1):  # round 0: warm-up, not counted
+        for limit in LIMITS if round_ % 2 else LIMITS[::-1]:
+            limit_rows(llm, limit)
+            steps.clear()
+            generated = llm.generate(prompts, params)
+            if round_ > 0:
+                times[limit] += steps
+                outputs[limit] = [list(o.outputs[0].token_ids) for o in generated]
+    same = len({repr(tokens) for tokens in outputs.values()}) == 1
+    print(
+        f"{path.name} float32, rows={rows}, {ROUNDS} rounds of {ROUND_TOKENS} tokens alternated, "
+        f"same tokens: {same}"
+    )
+    for limit, seconds in times.items():
+        print(f"  up to {limit} rows in C: median decode step {statistics.median(seconds) * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
