@@ -11,6 +11,7 @@ MODEL: default builtin:llama-1b.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -22,15 +23,13 @@ openmp.configure(os.environ)
 
 import torch  # noqa: E402
 
-from benchmarks.quantized_scales_ab import ROUND_TOKENS, ROUNDS, timed_steps  # noqa: E402
+from benchmarks.step_timing import ROUND_TOKENS, ROUNDS, alternate  # noqa: E402
 from inflight.checkpoints.resolve import resolve_model  # noqa: E402
 from inflight.engine.cpu.linear import PrepackedLinear  # noqa: E402
 from inflight.engine.llm import LLM  # noqa: E402
-from inflight.engine.sequence import SamplingParams  # noqa: E402
 
 LIMITS = (24, 12)  # DENSE_FLOAT32_ROWS, DENSE_ZEN4_BLOCKED_ROWS
 BLOCKED_INPUTS = 1024  # DENSE_BLOCKED_K
-PROMPT_TOKENS = 64
 
 
 def limit_rows(llm: LLM, limit: int) -> None:
@@ -51,28 +50,14 @@ def main() -> None:
     path = resolve_model(sys.argv[2] if len(sys.argv) > 2 else "builtin:llama-1b")
     torch.set_num_threads(2)
     llm = LLM(path, max_slots=rows, dtype="float32", quantization="none")
-    gen = torch.Generator().manual_seed(0)
-    vocab = llm.tokenizer.vocab_size
-    prompts = [torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)]
-    params = SamplingParams(temperature=0.0, max_tokens=ROUND_TOKENS, ignore_eos=True)
-    steps = timed_steps(llm, rows)
-    times: dict[int, list[float]] = {limit: [] for limit in LIMITS}
-    outputs: dict[int, list[list[int]]] = {}
-    for round_ in range(ROUNDS + 1):  # round 0: warm-up, not counted
-        for limit in LIMITS if round_ % 2 else LIMITS[::-1]:
-            limit_rows(llm, limit)
-            steps.clear()
-            generated = llm.generate(prompts, params)
-            if round_ > 0:
-                times[limit] += steps
-                outputs[limit] = [list(o.outputs[0].token_ids) for o in generated]
-    same = len({repr(tokens) for tokens in outputs.values()}) == 1
+    variants = {f"up to {limit} rows in C": functools.partial(limit_rows, llm, limit) for limit in LIMITS}
+    result = alternate(llm, rows, variants)
     print(
         f"{path.name} float32, rows={rows}, {ROUNDS} rounds of {ROUND_TOKENS} tokens alternated, "
-        f"same tokens: {same}"
+        f"same tokens: {result.same_tokens}"
     )
-    for limit, seconds in times.items():
-        print(f"  up to {limit} rows in C: median decode step {statistics.median(seconds) * 1e3:.1f} ms")
+    for name, seconds in result.seconds.items():
+        print(f"  {name}: median decode step {statistics.median(seconds) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """In one process, a model's decode step with the C kernels of another commit against this checkout's:
 both libraries loaded, the engine's library swapped between them every ROUND_TOKENS tokens for ROUNDS
-rounds (so the machine's drift falls on both alike); prints each one's median decode step (steps with
-all ROWS sequences decoding) and whether both generated the same greedy tokens. Python code is this
+rounds, in an order reversed every round (benchmarks/step_timing.py), so the machine's drift falls on
+both alike; prints each one's median decode step (steps with all ROWS sequences decoding) and whether
+both generated the same greedy tokens. Python code is this
 checkout's for both: only engine/cpu's C files (kernels.c, quant_kernels.c, decode_layer.c and their
 headers) come from REV.
 
@@ -15,6 +16,7 @@ The OpenMP spin count is the engine's (inflight/engine/cpu/openmp.py), set befor
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import statistics
 import subprocess
@@ -29,12 +31,10 @@ openmp.configure(os.environ)
 
 import torch  # noqa: E402
 
-from benchmarks.quantized_decode_step import PROMPT_TOKENS  # noqa: E402
-from benchmarks.quantized_scales_ab import ROUND_TOKENS, ROUNDS, timed_steps  # noqa: E402
+from benchmarks.step_timing import ROUND_TOKENS, ROUNDS, alternate  # noqa: E402
 from inflight.checkpoints.resolve import resolve_model  # noqa: E402
 from inflight.engine.cpu import kernels  # noqa: E402
 from inflight.engine.llm import LLM  # noqa: E402
-from inflight.engine.sequence import SamplingParams  # noqa: E402
 
 
 def library_at(rev: str, folder: Path) -> ctypes.CDLL:
@@ -62,6 +62,11 @@ def library_at(rev: str, folder: Path) -> ctypes.CDLL:
     return kernels.load_library(kernels.build_library(out_dir=folder / "build", source_dir=sources))
 
 
+def use_library(library: ctypes.CDLL) -> None:
+    """Make the engine call `library`'s kernels from its next step on."""
+    kernels._LIBRARY.library = library
+
+
 def main() -> None:
     path = resolve_model(sys.argv[1])
     rows = int(sys.argv[2])
@@ -72,31 +77,18 @@ def main() -> None:
     assert current is not None, kernels.unavailable_reason()
     with tempfile.TemporaryDirectory() as tmp:
         libraries = {rev: library_at(rev, Path(tmp)), "this checkout": current}
-        gen = torch.Generator().manual_seed(0)
-        vocab = llm.tokenizer.vocab_size
-        prompts = [
-            torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)
-        ]
-        params = SamplingParams(temperature=0.0, max_tokens=ROUND_TOKENS, ignore_eos=True)
-        steps = timed_steps(llm, rows)
-        times: dict[str, list[float]] = {name: [] for name in libraries}
-        outputs: dict[str, list[list[int]]] = {}
         load_before = os.getloadavg()[0]
-        for round_ in range(ROUNDS + 1):  # round 0: warm-up, not counted
-            for name, library in libraries.items():
-                kernels._LIBRARY.library = library
-                steps.clear()
-                generated = llm.generate(prompts, params)
-                if round_ > 0:
-                    times[name] += steps
-                    outputs[name] = [list(o.outputs[0].token_ids) for o in generated]
-        kernels._LIBRARY.library = current
-    same = len({repr(tokens) for tokens in outputs.values()}) == 1
+        result = alternate(
+            llm,
+            rows,
+            {name: functools.partial(use_library, library) for name, library in libraries.items()},
+        )
+        use_library(current)
     print(
-        f"{path.name} rows={rows}, {ROUNDS} rounds of {ROUND_TOKENS} tokens alternated, same tokens: {same}, "
-        f"load average {load_before:.2f}-{os.getloadavg()[0]:.2f}"
+        f"{path.name} rows={rows}, {ROUNDS} rounds of {ROUND_TOKENS} tokens alternated, "
+        f"same tokens: {result.same_tokens}, load average {load_before:.2f}-{os.getloadavg()[0]:.2f}"
     )
-    for name, seconds in times.items():
+    for name, seconds in result.seconds.items():
         median = statistics.median(seconds) * 1e3
         print(f"  {name}: median decode step {median:.2f} ms over {len(seconds)} steps")
 

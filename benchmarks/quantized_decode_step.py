@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 import inflight
+from benchmarks.step_timing import random_prompts
 from inflight.bench.system import resident_mib
 from inflight.checkpoints.resolve import resolve_model
 from inflight.engine.llm import LLM
 from inflight.engine.sequence import SamplingParams
 
-PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128
 
 
@@ -37,9 +37,7 @@ def main() -> None:
     torch.set_num_threads(2)
     llm = LLM(path, max_slots=rows, dtype="bfloat16")
     loaded_rss = resident_mib()
-    vocab = llm.tokenizer.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)]
+    prompts = random_prompts(llm, rows)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
 

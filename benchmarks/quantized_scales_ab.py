@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
-from benchmarks.quantized_decode_step import PROMPT_TOKENS
+from benchmarks.step_timing import ROUND_TOKENS, ROUNDS, random_prompts, timed_steps
 from inflight.bench.system import resident_mib
 from inflight.checkpoints.resolve import resolve_model
 from inflight.engine.cpu.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from inflight.engine.llm import LLM
 from inflight.engine.sequence import SamplingParams
-
-ROUNDS = 8
-ROUND_TOKENS = 32
 
 
 def widen_scales(llm: LLM) -> None:
@@ -36,23 +32,6 @@ def widen_scales(llm: LLM) -> None:
             module.weight = QuantizedTensor(w.format, w.qweight, w.scales.float(), mins, w.interleaved_rows)
 
 
-def timed_steps(llm: LLM, rows: int) -> list[float]:
-    """Wrap the engine's step to record (running sequences, seconds) of each; returns the list."""
-    engine = llm.engine
-    step = engine.step
-    times: list[float] = []
-
-    def timed() -> list:  # type: ignore[type-arg]
-        start = time.perf_counter()
-        out = step()
-        if len(engine.scheduler.running) == rows and not engine.scheduler.waiting:
-            times.append(time.perf_counter() - start)
-        return out
-
-    engine.step = timed  # type: ignore[method-assign]
-    return times
-
-
 def main() -> None:
     path = resolve_model(sys.argv[1])
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1
@@ -62,9 +41,7 @@ def main() -> None:
     widened = LLM(path, max_slots=rows, dtype="bfloat16")
     rss_two = resident_mib()
     widen_scales(widened)
-    gen = torch.Generator().manual_seed(0)
-    vocab = as_loaded.tokenizer.vocab_size
-    prompts = [torch.randint(100, vocab - 100, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(rows)]
+    prompts = random_prompts(as_loaded, rows)
     params = SamplingParams(temperature=0.0, max_tokens=ROUND_TOKENS, ignore_eos=True)
     engines = {"float16 scales": as_loaded, "float32 scales": widened}
     times = {name: timed_steps(llm, rows) for name, llm in engines.items()}

@@ -9,7 +9,6 @@ for the same independence of the thread count and the other rows."""
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from engine.attention.test_cpu_paged import any_library
 from torch import nn
 
 from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu.isa import proc_cpuinfo_fields
 from inflight.engine.cpu.linear import PrepackedLinear, can_prepack, dense_linear, dense_rows
 
 __all__ = ["any_library"]  # the native kernels, then each portable build (a fixture of test_cpu_paged)
@@ -193,11 +193,7 @@ def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL, dtype: to
 
 def amd_family_19h() -> bool:
     """Whether /proc/cpuinfo names an AMD CPU of family 19h (25): Zen 3 or Zen 4."""
-    fields = dict(
-        (key.strip(), value.strip())
-        for key, _, value in (line.partition(":") for line in Path("/proc/cpuinfo").read_text().splitlines())
-        if key.strip() in ("vendor_id", "cpu family")
-    )
+    fields = proc_cpuinfo_fields()
     return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
 
 

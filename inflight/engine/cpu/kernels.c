@@ -2467,9 +2467,7 @@ static int amd_family_19h(void) {
 
 /* How many rows dense_linear multiplies in float32 by k inputs on this CPU. */
 static int dense_float32_max_rows(int64_t k) {
-    static int zen4 = -1; /* probed once; every thread would store the same value */
-    if (zen4 < 0) zen4 = amd_family_19h();
-    return k >= DENSE_BLOCKED_K && zen4 ? DENSE_ZEN4_BLOCKED_ROWS : DENSE_FLOAT32_ROWS;
+    return k >= DENSE_BLOCKED_K && amd_family_19h() ? DENSE_ZEN4_BLOCKED_ROWS : DENSE_FLOAT32_ROWS;
 }
 #endif
 
