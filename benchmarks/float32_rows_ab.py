@@ -1,8 +1,9 @@
 """In one process, a float32 model's decode steps of ROWS sequences with its products by 1024 inputs or more
-taken in C up to each of two row counts (the C kernel's own limit, kernels.c's DENSE_FLOAT32_ROWS, and its
-AMD Zen 4 one, DENSE_ZEN4_BLOCKED_ROWS; above the limit oneDNN's prepacked product multiplies them),
-switched every ROUND_TOKENS tokens for ROUNDS rounds so that the machine's drift falls on both alike;
-prints each limit's median decode step and whether both generated the same greedy tokens.
+taken in C up to each of two row counts (the C kernel's own limit, kernels.c's DENSE_FLOAT32_ROWS, and 12,
+the limit on AMD Zen 4 from 5 to 6 December; above the limit oneDNN's prepacked product multiplies them),
+switched every ROUND_TOKENS tokens for ROUNDS rounds (benchmarks/step_timing.py) so that the machine's
+drift falls on both alike; prints each limit's median decode step and whether both generated the same
+greedy tokens.
 
     flock /tmp/bench.lock env PYTHONPATH=. .venv/bin/python benchmarks/float32_rows_ab.py 16 [MODEL]
 
@@ -28,7 +29,7 @@ from inflight.checkpoints.resolve import resolve_model  # noqa: E402
 from inflight.engine.cpu.linear import PrepackedLinear  # noqa: E402
 from inflight.engine.llm import LLM  # noqa: E402
 
-LIMITS = (24, 12)  # DENSE_FLOAT32_ROWS, DENSE_ZEN4_BLOCKED_ROWS
+LIMITS = (24, 12)  # DENSE_FLOAT32_ROWS; oneDNN from 13 rows
 BLOCKED_INPUTS = 1024  # DENSE_BLOCKED_K
 
 

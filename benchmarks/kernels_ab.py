@@ -7,9 +7,10 @@ checkout's for both: only engine/cpu's C files (kernels.c, quant_kernels.c, deco
 headers) come from REV.
 
     flock /tmp/bench.lock env PYTHONPATH=. .venv/bin/python benchmarks/kernels_ab.py \\
-        MODEL ROWS REV
+        MODEL ROWS REV [DTYPE]
 
-MODEL: a GGUF file or `builtin:smollm2`; ROWS: sequences decoding together; REV: a git revision.
+MODEL: a GGUF file, `builtin:smollm2` or `builtin:llama-1b`; ROWS: sequences decoding together; REV: a git
+revision; DTYPE: bfloat16 (default) or float32 (a GGUF file's weights stay quantized).
 The OpenMP spin count is the engine's (inflight/engine/cpu/openmp.py), set before torch loads.
 """
 
@@ -71,8 +72,9 @@ def main() -> None:
     path = resolve_model(sys.argv[1])
     rows = int(sys.argv[2])
     rev = sys.argv[3]
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "bfloat16"
     torch.set_num_threads(2)
-    llm = LLM(path, max_slots=rows, dtype="bfloat16")
+    llm = LLM(path, max_slots=rows, dtype=dtype)
     current = kernels.library()
     assert current is not None, kernels.unavailable_reason()
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +87,7 @@ def main() -> None:
         )
         use_library(current)
     print(
-        f"{path.name} rows={rows}, {ROUNDS} rounds of {ROUND_TOKENS} tokens alternated, "
+        f"{path.name} {dtype} rows={rows}, {ROUNDS} rounds of {ROUND_TOKENS} tokens alternated, "
         f"same tokens: {result.same_tokens}, load average {load_before:.2f}-{os.getloadavg()[0]:.2f}"
     )
     for name, seconds in result.seconds.items():

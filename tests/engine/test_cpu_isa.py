@@ -66,20 +66,6 @@ def test_proc_cpuinfo_parses_this_machine() -> None:
         assert found.avx512_bf16 == ("avx512_bf16" in flags)
 
 
-def test_proc_cpuinfo_fields_are_the_first_cpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Fields up to the first blank line only: a later CPU's values never override the first one's."""
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(
-        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: avx512f fpu\n\n"
-        "processor\t: 1\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
-    )
-    real_path = Path
-    monkeypatch.setattr(isa, "Path", lambda name: cpuinfo if name == "/proc/cpuinfo" else real_path(name))
-    fields = isa.proc_cpuinfo_fields()
-    assert (fields["processor"], fields["vendor_id"], fields["cpu family"]) == ("0", "AuthenticAMD", "25")
-    assert isa.proc_cpuinfo() == ("", {"avx512f", "fpu"})
-
-
 @pytest.mark.parametrize(
     ("on_cuda", "native", "expected"),
     [

@@ -1,5 +1,5 @@
-"""cpu/kernels.c's dense_linear (one to eight rows times float weights, float32 up to 24, by 1024 inputs or
-more 12 on AMD Zen 4; bfloat16 up to 64 rows on the AMX tiles) and PrepackedLinear's use of it.
+"""cpu/kernels.c's dense_linear (one to eight rows times float weights, float32 up to 24; bfloat16 up to 64
+rows on the AMX tiles) and PrepackedLinear's use of it.
 
 The plain C version (the portable build) defines the result bit for bit: every other build gives the
 same bits, whatever the thread count and whatever the other rows of the batch are; except the tile
@@ -16,7 +16,6 @@ from engine.attention.test_cpu_paged import any_library
 from torch import nn
 
 from inflight.engine.cpu import kernels as cpu_kernels
-from inflight.engine.cpu.isa import proc_cpuinfo_fields
 from inflight.engine.cpu.linear import PrepackedLinear, can_prepack, dense_linear, dense_rows
 
 __all__ = ["any_library"]  # the native kernels, then each portable build (a fixture of test_cpu_paged)
@@ -34,8 +33,6 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2**-8}
 # float32 (DENSE_FLOAT32_ROWS) in passes of six over the same weight rows.
 MAX_ROWS = 8
 FLOAT32_ROWS = 24
-# float32 by 1024 inputs or more on AMD family 19h (DENSE_ZEN4_BLOCKED_ROWS): oneDNN takes more rows.
-ZEN4_BLOCKED_ROWS = 12
 # On the AMX tiles (bfloat16, inputs a multiple of 32): from 5 rows (more than DENSE_MAX_ROWS) to 64.
 TILE_ROWS = (5, 64)
 BFLOAT16 = cpu_kernels.DTYPE_CODES[torch.bfloat16]
@@ -189,25 +186,6 @@ def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL, dtype: to
     assert any_library.dense_linear(x.data_ptr(), most + 1, 16, *args) == -1
     assert any_library.dense_linear(x.data_ptr(), 0, 16, *args) == -1
     assert any_library.dense_linear(x.data_ptr(), most, 16, *args) == 0
-
-
-def amd_family_19h() -> bool:
-    """Whether /proc/cpuinfo names an AMD CPU of family 19h (25): Zen 3 or Zen 4."""
-    fields = proc_cpuinfo_fields()
-    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
-
-
-def test_float32_products_by_long_rows_stop_at_12_rows_on_amd_family_19h() -> None:
-    """By 1024 inputs or more (the blocked products), oneDNN multiplies more than 12 float32 rows faster than
-    the C kernel on Zen 4; by fewer inputs, and on other CPUs, C takes up to 24."""
-    library = cpu_kernels.library()
-    if library.dense_linear_max_rows(cpu_kernels.DTYPE_CODES[torch.float32], 576) == 0:
-        pytest.skip("this build does not multiply float32 in C (no AVX-512)")
-    expected = ZEN4_BLOCKED_ROWS if amd_family_19h() else FLOAT32_ROWS
-    for k, most in ((576, FLOAT32_ROWS), (1023, FLOAT32_ROWS), (1024, expected), (8192, expected)):
-        assert library.dense_linear_max_rows(cpu_kernels.DTYPE_CODES[torch.float32], k) == most, f"{k} inputs"
-    linear = nn.Linear(2048, 8, bias=False)
-    assert PrepackedLinear(linear, batch_size_hint=64).dense_rows == expected
 
 
 def test_a_float32_product_into_bfloat16_is_refused(any_library: ctypes.CDLL) -> None:

@@ -54,26 +54,20 @@ def _torch_capabilities() -> dict[str, object] | None:
     return capabilities if isinstance(capabilities, dict) else None
 
 
-def proc_cpuinfo_fields() -> dict[str, str]:
-    """The first CPU's fields in /proc/cpuinfo ("vendor_id", "cpu family", "flags", ...); empty where
-    there is none."""
+def proc_cpuinfo() -> tuple[str, set[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ("", empty) where there is none."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return {}
-    fields: dict[str, str] = {}
+        return "", set()
+    name, flags = "", set[str]()
     for line in lines:
-        if not line.strip() and fields:
-            break
         key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
-def proc_cpuinfo() -> tuple[str, set[str]]:
-    """(model name, flags) of the first CPU in /proc/cpuinfo; ("", empty) where there is none."""
-    fields = proc_cpuinfo_fields()
-    return fields.get("model name", ""), set(fields.get("flags", "").split())
+        if key.strip() == "model name" and not name:
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return name, flags
 
 
 def detect() -> CpuIsa:

@@ -20,7 +20,6 @@
 #include "float_bits.h"
 #include "kernels.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -2447,43 +2446,20 @@ static int amx_linear_takes(int dtype, int64_t rows, int64_t k) {
 #endif
 }
 
-#if defined(DENSE_FLOAT32_VECTOR)
-/* DENSE_BLOCKED_K: float32 products by this many inputs or more run in blocks of columns (why this many: at
- * dense_linear_blocked). DENSE_ZEN4_BLOCKED_ROWS: how many rows those take on AMD Zen 4 (family 19h; its
- * 512-bit multiply-adds run as two 256-bit halves). There, llama-1b's products from memory measured C ahead
- * of oneDNN's prepacked product up to 12 rows (1.0-1.3x), level at 13 and 14, and behind from 15 rows on
- * (oneDNN 1.05-1.27x faster at 15-24 rows), where on Sapphire Rapids C is ahead up to DENSE_FLOAT32_ROWS;
- * products by fewer inputs (SmolLM2's) measured level or ahead up to DENSE_FLOAT32_ROWS on both
- * (docs/benchmarks.md). */
-enum { DENSE_BLOCKED_K = 1024, DENSE_ZEN4_BLOCKED_ROWS = 12 };
-
-/* Whether this CPU is AMD family 19h: Zen 3 or Zen 4, and Zen 4 where this build runs (it needs AVX-512). */
-static int amd_family_19h(void) {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx) || ebx != 0x68747541u) return 0; /* "Auth"enticAMD */
-    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
-    return ((eax >> 8) & 0xfu) + ((eax >> 20) & 0xffu) == 0x19u; /* base family + extended family */
-}
-
-/* How many rows dense_linear multiplies in float32 by k inputs on this CPU. */
-static int dense_float32_max_rows(int64_t k) {
-    return k >= DENSE_BLOCKED_K && amd_family_19h() ? DENSE_ZEN4_BLOCKED_ROWS : DENSE_FLOAT32_ROWS;
-}
-#endif
-
 /* How many rows dense_linear takes for weights of `dtype` with k columns on this build: AMX_LINEAR_MAX_ROWS
  * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512; AVX512-BF16 for
- * bfloat16), dense_float32_max_rows(k) for float32 and DENSE_WIDE_ROWS for bfloat16; else 0: the plain C
- * version is slower than oneDNN, so the engine keeps oneDNN there (tests still call dense_linear on such
- * builds). */
+ * bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_WIDE_ROWS for bfloat16; else 0: the plain C version
+ * is slower than oneDNN, so the engine keeps oneDNN there (tests still call dense_linear on such builds). */
 int dense_linear_max_rows(int dtype, int64_t k) {
 #if defined(AMX_TILES)
     if (amx_linear_takes(dtype, AMX_LINEAR_MAX_ROWS, k)) return AMX_LINEAR_MAX_ROWS;
 #endif
 #if defined(DENSE_BFLOAT16_VECTOR)
-    return dtype == DTYPE_FLOAT32 ? dense_float32_max_rows(k) : DENSE_WIDE_ROWS;
+    (void)k;
+    return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : DENSE_WIDE_ROWS;
 #elif defined(DENSE_FLOAT32_VECTOR)
-    return dtype == DTYPE_FLOAT32 ? dense_float32_max_rows(k) : 0;
+    (void)k;
+    return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : 0;
 #else
     (void)dtype, (void)k;
     return 0;
@@ -2505,31 +2481,39 @@ int dense_linear_max_rows(int dtype, int64_t k) {
 
 #if defined(DENSE_FLOAT32_VECTOR)
 /* float32 dense_linear for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS and k >= DENSE_BLOCKED_K, in blocks
- * of DENSE_BLOCK_COLUMNS columns: for each block, every tile of a group of DENSE_GROUP_TILES tiles of
- * weight rows is multiplied into all the x rows, DENSE_PASS_ROWS at a time, the group's running sums kept
- * in memory between blocks. x's block (24 KB at 24 rows) then stays in L1 for the group's weight rows,
- * where a pass over whole rows read x from L2 again for every tile of 4 weight rows; the weights are
- * fetched into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's blocks are multiplied (dense_block16),
- * and whole steps load without a mask. llama-1b's products from memory on Sapphire Rapids: 1.01-1.27x at 8
- * and 16 rows, 1.1-1.14x at 24 (still about half the FMA peak there; docs/benchmarks.md). Each lane sums its columns
- * in the same order as dense_tile16's, and the lanes add up in the same tree: the same bits. */
-/* DENSE_BLOCKED_K: from this many inputs (four blocks); SmolLM2's 576-input products measured 1.05-1.35x
+ * of DENSE_BLOCK_COLUMNS columns: x is first copied block by block into one buffer (a block's rows side by
+ * side), then for each block every tile of a group of DENSE_GROUP_TILES tiles of weight rows is multiplied
+ * into all the x rows, DENSE_PASS_ROWS at a time, the group's running sums kept in memory between blocks.
+ * The weights are fetched into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's blocks are multiplied
+ * (dense_block16), and whole steps load without a mask. The copy: in x itself a block's rows lie k floats
+ * apart (8 KB for llama-1b), so the same columns of every row fall in the same L1 sets, more lines than a
+ * set holds at 16 rows and more; copied, the block's rows are contiguous. On AMD Zen 4, with the weights in
+ * L2, one thread (the FMA peak measured there: 117 GFLOP/s): 16 rows 79 -> 84 GFLOP/s, 24 rows 75 -> 86
+ * (docs/benchmarks.md). Each lane sums its columns in the same order as dense_tile16's, and the lanes add
+ * up in the same tree: the same bits. */
+/* DENSE_BLOCKED_K: from this many inputs (two blocks); SmolLM2's 576-input products measured 1.05-1.35x
  * slower in blocks (a short last block, the running sums stored per block for little work), its 1536-input
- * ones 1.08-1.13x faster. DENSE_GROUP_TILES: two tiles (8 weight rows, whose blocks the memory streams side
- * by side) rather than eight (32): llama-1b's products of 6-24 rows from memory 1.02-1.12x faster on
- * Sapphire Rapids (docs/benchmarks.md); one tile measured the same as two, blocks of 512 or 1024 columns
- * slower. DENSE_BLOCKS_AHEAD: the prefetch distance (dense_block16). One block, without going on into the
- * next group, left the next group's first blocks unfetched when it began; four, across into the next
- * group, made the same products another 1.02-1.16x faster (two measured about the same, eight a little
- * slower). */
-enum { DENSE_BLOCK_COLUMNS = 256, DENSE_GROUP_TILES = 2, DENSE_BLOCKS_AHEAD = 4 };
+ * ones 1.08-1.13x faster. DENSE_BLOCK_COLUMNS: 512 rather than 256 (the running sums loaded and stored half
+ * as often): llama-1b's products of 12-24 rows from memory 1.02-1.11x faster on Zen 4 (with x copied; before
+ * the copy, Sapphire Rapids had measured 512 and 1024 slower than 256). DENSE_GROUP_TILES: two tiles (8
+ * weight rows, whose blocks the memory streams side by side) rather than eight (32): llama-1b's products of
+ * 6-24 rows from memory 1.02-1.12x faster on Sapphire Rapids; one tile measured the same as two.
+ * DENSE_BLOCKS_AHEAD: the prefetch distance (dense_block16). One block, without going on into the next
+ * group, left the next group's first blocks unfetched when it began; four, across into the next group, made
+ * the same products another 1.02-1.16x faster (two measured about the same, eight a little slower). */
+enum { DENSE_BLOCK_COLUMNS = 512, DENSE_GROUP_TILES = 2, DENSE_BLOCKED_K = 1024, DENSE_BLOCKS_AHEAD = 4 };
 
 /* acc[r * DENSE_TILE + t] += x row r . W row n0 + t over columns [c0, c1), for ROWS (<= DENSE_PASS_ROWS)
- * rows and OUTS (DENSE_TILE or 1) outputs, constants after inlining; columns past k count as 0 * 0. Each
- * step prefetches into L2 the weight rows' line DENSE_BLOCKS_AHEAD blocks further in the order the group
- * reads them: in the same row, or past its end in the next group's row at the same place (every pass
- * does: prefetching in the first pass only, the memory idled while the other passes multiplied, 1.02-1.1x
- * slower). The last group's prefetches past the weight's end are harmless: a prefetch never faults. */
+ * rows and OUTS (DENSE_TILE or 1) outputs, constants after inlining; columns past k count as 0 * 0. x: the
+ * block's copy (column i of row r at x[r * DENSE_BLOCK_COLUMNS + i - c0], 64-byte aligned). Each step loads
+ * the x rows' 16 columns once and multiplies each weight row's into all of them (6 x 4 sums, 6 x vectors and
+ * one weight vector: 31 of the 32 registers); with the x rows loaded inside the weight rows' loop, GCC read
+ * each x vector from L1 once per weight row (Zen 4, one thread, weights in L2: 16 rows 76 -> 79 GFLOP/s,
+ * 24 rows 63 -> 75). Each step prefetches into L2 the weight rows' line DENSE_BLOCKS_AHEAD blocks further in
+ * the order the group reads them: in the same row, or past its end in the next group's row at the same place
+ * (every pass does: prefetching in the first pass only, the memory idled while the other passes multiplied,
+ * 1.02-1.1x slower). The last group's prefetches past the weight's end are harmless: a prefetch never
+ * faults. */
 static ALWAYS_INLINE void dense_block16(const float *x, const int rows, int64_t k, const float *w, int64_t n0,
                                         const int outs, int64_t c0, int64_t c1, __m512 *acc) {
     __m512 a[DENSE_PASS_ROWS][DENSE_TILE];
@@ -2544,15 +2528,16 @@ static ALWAYS_INLINE void dense_block16(const float *x, const int rows, int64_t 
     const int64_t whole = c0 + (c1 - c0) / 16 * 16;
     for (int64_t i = c0; i < c1; i += 16) {
         const __mmask16 mask = i < whole ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1u);
-        __m512 wv[DENSE_TILE];
-        for (int t = 0; t < outs; t++) {
-            wv[t] = i < whole ? _mm512_loadu_ps(wr[t] + i) : _mm512_maskz_loadu_ps(mask, wr[t] + i);
-            _mm_prefetch((const char *)(wr[t] + i + ahead), _MM_HINT_T1);
-        }
+        __m512 xv[DENSE_PASS_ROWS];
 #pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            const __m512 xv = i < whole ? _mm512_loadu_ps(x + r * k + i) : _mm512_maskz_loadu_ps(mask, x + r * k + i);
-            for (int t = 0; t < outs; t++) a[r][t] = _mm512_fmadd_ps(xv, wv[t], a[r][t]);
+        for (int r = 0; r < rows; r++)
+            xv[r] = i < whole ? _mm512_load_ps(x + r * DENSE_BLOCK_COLUMNS + i - c0)
+                              : _mm512_maskz_load_ps(mask, x + r * DENSE_BLOCK_COLUMNS + i - c0);
+        for (int t = 0; t < outs; t++) {
+            const __m512 wv = i < whole ? _mm512_loadu_ps(wr[t] + i) : _mm512_maskz_loadu_ps(mask, wr[t] + i);
+            _mm_prefetch((const char *)(wr[t] + i + ahead), _MM_HINT_T1);
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) a[r][t] = _mm512_fmadd_ps(xv[r], wv, a[r][t]);
         }
     }
 #pragma GCC unroll 8
@@ -2581,11 +2566,20 @@ static void dense_block_pass(const float *x, int64_t rows, int64_t k, const floa
     }
 }
 
-static void dense_linear_blocked(const float *x, int64_t rows, int64_t k, const float *w, int64_t n,
-                                 const float *bias, float *out, int num_threads) {
+static int dense_linear_blocked(const float *x, int64_t rows, int64_t k, const float *w, int64_t n,
+                                const float *bias, float *out, int num_threads) {
     const int bf16 = 0, out_bf16 = 0; /* for DENSE_STORE */
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE;
     const int64_t groups = (tiles + DENSE_GROUP_TILES - 1) / DENSE_GROUP_TILES;
+    const int64_t blocks = (k + DENSE_BLOCK_COLUMNS - 1) / DENSE_BLOCK_COLUMNS;
+    float *xp = aligned_alloc(64, (size_t)(blocks * rows * DENSE_BLOCK_COLUMNS) * sizeof(float));
+    if (xp == NULL) return -1;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t c0 = b * DENSE_BLOCK_COLUMNS;
+            const int64_t width = k - c0 < DENSE_BLOCK_COLUMNS ? k - c0 : DENSE_BLOCK_COLUMNS;
+            memcpy(xp + (b * rows + r) * DENSE_BLOCK_COLUMNS, x + r * k + c0, (size_t)width * sizeof(float));
+        }
 #pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc[DENSE_GROUP_TILES][DENSE_FLOAT32_ROWS * DENSE_TILE];
@@ -2598,7 +2592,8 @@ static void dense_linear_blocked(const float *x, int64_t rows, int64_t k, const 
                 if (c0 == 0)
                     for (int64_t j = 0; j < rows * DENSE_TILE; j++) acc[i][j] = _mm512_setzero_ps();
                 for (int64_t done = 0; done < rows; done += DENSE_PASS_ROWS)
-                    dense_block_pass(x + done * k, rows - done < DENSE_PASS_ROWS ? rows - done : DENSE_PASS_ROWS, k, w,
+                    dense_block_pass(xp + (c0 / DENSE_BLOCK_COLUMNS * rows + done) * DENSE_BLOCK_COLUMNS,
+                                     rows - done < DENSE_PASS_ROWS ? rows - done : DENSE_PASS_ROWS, k, w,
                                      n0, outs, c0, c1, acc[i] + done * DENSE_TILE);
             }
         }
@@ -2610,6 +2605,8 @@ static void dense_linear_blocked(const float *x, int64_t rows, int64_t k, const 
             DENSE_STORE(sums)
         }
     }
+    free(xp);
+    return 0;
 }
 #endif
 
@@ -2633,7 +2630,8 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
  * dense_linear_max_rows(dtype, k) (see the top of this section, and the AMX tiles' above). `out` is of
  * `out_dtype`: `dtype`, or float32 holding the result rounded to `dtype` (for bfloat16, what widening the
  * bfloat16 output would give: the LM head's logits without a separate pass). Returns 0, or -1 for another
- * number of rows or output dtype. */
+ * number of rows or output dtype, or where the AMX tiles' or the float32 blocks' copy of x could not be
+ * allocated. */
 int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int dtype,
                  void *out, int out_dtype, int num_threads) {
     if (out_dtype != dtype && out_dtype != DTYPE_FLOAT32) return -1;
@@ -2644,9 +2642,8 @@ int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t 
     if (rows < 1 || rows > (bf16 ? DENSE_WIDE_ROWS : DENSE_FLOAT32_ROWS)) return -1;
 #if defined(DENSE_FLOAT32_VECTOR)
     if (rows > DENSE_MAX_ROWS && !bf16 && k >= DENSE_BLOCKED_K) {
-        dense_linear_blocked((const float *)x, rows, k, (const float *)w, n, (const float *)bias, (float *)out,
-                             num_threads);
-        return 0;
+        return dense_linear_blocked((const float *)x, rows, k, (const float *)w, n, (const float *)bias,
+                                    (float *)out, num_threads);
     }
 #endif
     if (rows > DENSE_MAX_ROWS) {

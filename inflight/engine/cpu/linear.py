@@ -10,9 +10,8 @@ At one to eight rows (a decode step of that many sequences) oneDNN streams the w
 memory's speed, while a step of a small model is nearly all weight reads: there the product runs in
 C instead (`dense_linear` in cpu/kernels.c) on the plain weight, which the module keeps anyway; each row's
 result is then the same whatever the other rows of the batch. float32 products take up to 24 rows there
-(more passes over each weight row in cache; 12 by 1024 inputs or more on AMD Zen 4, where oneDNN is faster
-above), and on CPUs with AMX-BF16 bfloat16 products of five to 64 rows run in C on the tiles (`dense_rows`
-says how many rows a weight's products take).
+(more passes over each weight row in cache), and on CPUs with AMX-BF16 bfloat16 products of five to 64
+rows run in C on the tiles (`dense_rows` says how many rows a weight's products take).
 So the float weights are held twice, plain and packed (prompts' longer chunks still multiply in oneDNN):
 sizing.packed_weight_bytes plans that copy (the operator's CPU plans).
 """
@@ -136,7 +135,7 @@ def dense_linear(
     if status != 0:
         raise ValueError(
             f"dense_linear takes 1 to {dense_rows(weight, bias)} rows of {x.dtype} into {x.dtype} or "
-            f"torch.float32, not {rows} into {out.dtype}"
+            f"torch.float32, not {rows} into {out.dtype} (or its copy of x could not be allocated)"
         )
     return out
 
