@@ -33,6 +33,12 @@ enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2 };
 #define ALWAYS_INLINE inline
 #endif
 
+/* Work is split over threads only where there is enough to pay for waking them: from 16384 elements (a
+ * decode step's RMSNorm of 64 rows of 576 took 8.8 us on one thread, 5.8 on two), or query-key products
+ * in paged_decode (one row over 12-68 keys, SmolLM2's 30 layers: 0.25 ms on two threads against 0.29 on
+ * one; docs/benchmarks.md). */
+static inline int threads_for(int64_t elements, int num_threads) { return elements >= 16384 ? num_threads : 1; }
+
 /* ---- bfloat16 rows <-> float rows ---------------------------------------------------------------- */
 
 #if defined(__AVX512F__)
@@ -1028,10 +1034,6 @@ static void merge_parts(const struct decode_call *c, int64_t i, float *row_out) 
     }
 }
 
-/* Query-key products (rows x longest context x query heads x head_dim) from which paged_decode uses more
- * than one thread. */
-#define DECODE_WORK_FOR_THREADS ((int64_t)1 << 20)
-
 /* Attention of n query rows, each over its own sequence's keys 0 .. lens[i] - 1: a decode token (lens[i]
  * = its sequence's length), or one row of a prompt (lens[i] = its position + 1: causal).
  *   q, out      [T, num_heads, head_dim] (q's rows q_row_stride apart); item i reads and writes row rows[i]
@@ -1079,9 +1081,9 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
         .items_per_part = items_per_part, .heads_per_item = heads_per_item, .part_starts = split ? part_starts : NULL,
         .partials = partials, .scale = scale, .dtype = dtype, .kv_dtype = kv_dtype, .out = out,
         .item_fn = pick_decode_item(head_dim, dtype, kv_dtype)};
-    /* Threads only for enough work to pay for waking them: one row over a few hundred keys (a decode
-     * step of one sequence) took longer on two threads than on one (docs/models.md). */
-    const int threads = n * max_seq_len * num_heads * head_dim >= DECODE_WORK_FOR_THREADS ? num_threads : 1;
+    /* Every thread from a few keys: one row over 150-1000 keys (a decode step of one sequence, SmolLM2's
+     * 3 KV heads as items on two threads) took 1.3-1.7x less time than on one thread. */
+    const int threads = threads_for(n * max_seq_len * num_heads * head_dim, num_threads);
     int failed = run_items(parts * items_per_part, scratch_floats, threads, run_decode_item, &call);
     if (split && !failed) {
         float *row_out = (float *)malloc(sizeof(float) * (size_t)head_dim);
@@ -1870,10 +1872,6 @@ int paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, cons
 }
 
 /* ---- the model's elementwise steps ---------------------------------------------------------------- */
-
-/* Rows are split over threads only when there is enough work to pay for waking them: from 16384
- * elements (a decode step's RMSNorm of 64 rows of 576 took 8.8 us on one thread, 5.8 on two). */
-static inline int threads_for(int64_t elements, int num_threads) { return elements >= 16384 ? num_threads : 1; }
 
 #if defined(__AVX512F__)
 /* One bfloat16 row of rms_norm (below) held in registers, 16 elements at a time: hidden % 16 == 0. The

@@ -136,6 +136,25 @@ def test_the_last_keys_large_score_leaves_the_rows_before_it_alone(dtype: torch.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_decode_row_has_the_same_bits_on_one_and_two_threads(dtype: torch.dtype) -> None:
+    # A batch-1 decode step: one row over a few hundred keys runs on every thread, one KV head an item,
+    # and gives the bits it gives as one item on one thread.
+    case = make_case([300], [1], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=5)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(
+                cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], dense_reference(case), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_rows_split_into_parts_keep_their_bits_on_any_thread_count(dtype: torch.dtype) -> None:
     # Rows over 1024 keys are split into parts of 1024 (the last shorter) and merged, by the row's own
     # length: the 7 parts here run as whole-part items on one or two threads and as one KV head of a part
