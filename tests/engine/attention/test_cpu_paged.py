@@ -14,7 +14,7 @@ from inflight.engine.attention.backend import get_attention_backend
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.isa import cpu_isa, proc_cpuinfo
 
-from support.paged_cases import dense_reference, make_case
+from support.paged_cases import PagedCase, dense_reference, make_case
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -135,21 +135,27 @@ def test_the_last_keys_large_score_leaves_the_rows_before_it_alone(dtype: torch.
     assert_close(out[before_last], dense_reference(case)[before_last], dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_decode_row_has_the_same_bits_on_one_and_two_threads(dtype: torch.dtype) -> None:
-    # A batch-1 decode step: one row over a few hundred keys runs on every thread, one KV head an item,
-    # and gives the bits it gives as one item on one thread.
-    case = make_case([300], [1], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=5)
+def decode_on_threads(case: PagedCase, thread_counts: tuple[int, ...]) -> list[torch.Tensor]:
+    """The C decode kernel's output for `case` with torch set to each of `thread_counts` threads."""
     before = torch.get_num_threads()
+    outs = []
     try:
-        outs = []
-        for threads in (1, 2):
+        for threads in thread_counts:
             torch.set_num_threads(threads)
             outs.append(
                 cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
             )
     finally:
         torch.set_num_threads(before)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_decode_row_has_the_same_bits_on_one_and_two_threads(dtype: torch.dtype) -> None:
+    # A batch-1 decode step: one row over a few hundred keys runs on every thread, one KV head an item,
+    # and gives the bits it gives as one item on one thread.
+    case = make_case([300], [1], num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=5)
+    outs = decode_on_threads(case, (1, 2))
     assert torch.equal(outs[0], outs[1])
     assert_close(outs[0], dense_reference(case), dtype)
 
@@ -163,16 +169,7 @@ def test_decode_rows_split_into_parts_keep_their_bits_on_any_thread_count(dtype:
     case = make_case(
         seq_lens, [1] * len(seq_lens), num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=3
     )
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 8):
-            torch.set_num_threads(threads)
-            outs.append(
-                cpu_paged.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
-            )
-    finally:
-        torch.set_num_threads(before)
+    outs = decode_on_threads(case, (1, 2, 8))
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], outs[2])
     assert_close(outs[0], dense_reference(case), dtype)
