@@ -35,8 +35,8 @@ enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2 };
 
 /* Work is split over threads only where there is enough to pay for waking them: from 16384 elements (a
  * decode step's RMSNorm of 64 rows of 576 took 8.8 us on one thread, 5.8 on two), or query-key products
- * in paged_decode (one row over 12-68 keys, SmolLM2's 30 layers: 0.25 ms on two threads against 0.29 on
- * one; docs/benchmarks.md). */
+ * in paged_decode (one row over 59 keys, SmolLM2's 30 layers: 0.25 ms on two threads against 0.29 on one;
+ * docs/benchmarks.md). */
 static inline int threads_for(int64_t elements, int num_threads) { return elements >= 16384 ? num_threads : 1; }
 
 /* ---- bfloat16 rows <-> float rows ---------------------------------------------------------------- */
@@ -1081,8 +1081,8 @@ int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const
         .items_per_part = items_per_part, .heads_per_item = heads_per_item, .part_starts = split ? part_starts : NULL,
         .partials = partials, .scale = scale, .dtype = dtype, .kv_dtype = kv_dtype, .out = out,
         .item_fn = pick_decode_item(head_dim, dtype, kv_dtype)};
-    /* Every thread from a few keys: one row over 150-1000 keys (a decode step of one sequence, SmolLM2's
-     * 3 KV heads as items on two threads) took 1.3-1.7x less time than on one thread. */
+    /* Every thread from a few keys: one row over 222-1482 keys (a decode step of one sequence, SmolLM2's
+     * 3 KV heads as items on two threads) took 1.15-1.39x less time than on one thread. */
     const int threads = threads_for(n * max_seq_len * num_heads * head_dim, num_threads);
     int failed = run_items(parts * items_per_part, scratch_floats, threads, run_decode_item, &call);
     if (split && !failed) {
