@@ -25,6 +25,7 @@ from inflight.engine.cpu.quantized import KERNEL_MAX_ROWS, QuantizedLinear, quan
 from inflight.engine.gguf.repack import quantize
 from inflight.engine.model import decode_layer
 from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.decode_layer import LayerCaches, LayerRun
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.runner import allocate_kv_caches
 
@@ -105,15 +106,31 @@ def _decode_step(rows: int, rng: random.Random) -> tuple[AttentionMetadata, torc
 
 
 class _Spy:
-    """The kernels, recording which functions are looked up (called)."""
+    """The kernels, recording which functions are looked up (called) and how many layers decode_layers ran
+    (`layers`)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
         self.calls: list[str] = []
+        self.layers = 0
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.layers = 0
 
     def __getattr__(self, name: str) -> object:
         self.calls.append(name)
-        return getattr(self.library, name)
+        function = getattr(self.library, name)
+        if name != "decode_layers":
+            return function
+
+        def counted(*args: object) -> object:
+            count = args[3]
+            assert isinstance(count, int)
+            self.layers += count
+            return function(*args)
+
+        return counted
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -152,14 +169,15 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
             v.copy_(torch.randn(v.shape).clamp(-4, 4).to(kv_dtype))
         per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
         with torch.inference_mode(), quantized.one_token_rows():
-            spy.calls.clear()
+            spy.clear()
             fused = model(ids, positions, caches, meta)
-            assert spy.calls.count("decode_layer") == (2 if one_call else 0)
+            assert spy.layers == (2 if one_call else 0)
+            assert spy.calls.count("decode_layers") == (1 if one_call else 0)  # both layers in one call
             with monkeypatch.context() as patch:
                 patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
-                spy.calls.clear()
+                spy.clear()
                 per_op = model(ids, positions, per_op_caches, meta)
-                assert "decode_layer" not in spy.calls
+                assert "decode_layers" not in spy.calls
         assert fused.dtype == dtype and torch.equal(fused, per_op), f"{rows} rows"
         for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
             assert torch.equal(_bits(k), _bits(k_ref)) and torch.equal(_bits(v), _bits(v_ref)), f"{rows} rows"
@@ -170,19 +188,21 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     torch attention backend: no one-call step or layer."""
     model = _model("q4_1", torch.float32, False, None)
     rng = random.Random(2)
-    k_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")[0][0]
+    caches = LayerCaches(allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu"))
     start = decode_layer.DecodeStep.start
-    layer = model.layers[0].fused()
+    fused = model.layers[0].fused()
+    assert fused is not None
+    layer = LayerRun(0, [fused])
     for rows in (2, KERNEL_MAX_ROWS + 1):
         meta, _ = _decode_step(rows, rng)
         rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
         longer = SHORT_QUERY_LEN + 1
         prefill = replace(meta, query_lens_list=[longer] + [1] * (rows - 1), max_query_len=longer)
-        assert start(layer, torch.zeros(rows, 64), prefill, rope, k_cache) is None
-        decode = start(layer, torch.zeros(rows, 64), meta, rope, k_cache)
+        assert start(layer, torch.zeros(rows, 64), prefill, rope, caches) is None
+        decode = start(layer, torch.zeros(rows, 64), meta, rope, caches)
         assert (decode is not None) == (rows <= KERNEL_MAX_ROWS)
         with quantized.one_token_rows():  # as run_model runs a decode step: any count where x is int8
-            decode = start(layer, torch.zeros(rows, 64), meta, rope, k_cache)
+            decode = start(layer, torch.zeros(rows, 64), meta, rope, caches)
         library = cpu_kernels.library()
         assert library is not None
         int8 = bool(library.quant_linear_int8_activations())
@@ -238,9 +258,9 @@ def test_a_verify_step_runs_each_row_as_a_decode_of_its_sequence(
     before = [(k.clone(), v.clone()) for k, v in caches]
     per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
     with torch.inference_mode():
-        spy.calls.clear()
+        spy.clear()
         fused = model(ids, positions, caches, meta)
-        assert spy.calls.count("decode_layer") == 2
+        assert spy.layers == 2
         with monkeypatch.context() as patch:
             patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
             per_op = model(ids, positions, per_op_caches, meta)
@@ -296,17 +316,18 @@ def _step_against_per_op(
     meta: AttentionMetadata,
     spy: _Spy,
     monkeypatch: pytest.MonkeyPatch,
+    last_rows_of: list[int] | None = None,
 ) -> int:
-    """A decode step one call a layer where it can, asserted bit for bit the per-op path's output and
-    caches (run on copies of the caches); how many layers ran as one call."""
+    """A decode step in one-call runs of layers where it can, asserted bit for bit the per-op path's output
+    and caches (run on copies of the caches); how many layers ran as one call."""
     per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
     with torch.inference_mode():
-        spy.calls.clear()
-        fused = model(ids, positions, caches, meta)
-        count = spy.calls.count("decode_layer")
+        spy.clear()
+        fused = model(ids, positions, caches, meta, last_rows_of)
+        count = spy.layers
         with monkeypatch.context() as patch:
             patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
-            per_op = model(ids, positions, per_op_caches, meta)
+            per_op = model(ids, positions, per_op_caches, meta, last_rows_of)
     assert torch.equal(fused, per_op)
     for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
@@ -329,6 +350,21 @@ def test_layers_after_one_the_kernels_cannot_take_still_run_as_one_call(
     ids = torch.tensor([5, 17, 42])
     caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
     assert _step_against_per_op(model, ids, positions, caches, meta, spy, monkeypatch) == 1
+
+
+def test_a_step_that_keeps_some_rows_runs_its_last_layer_per_op(
+    any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `last_rows_of` (only some sequences' last rows read, as in a step of short prompts), the run
+    stops before the last layer, which runs per op for the kept rows alone: bit for bit the per-op path."""
+    spy = _Spy(any_library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    model = _model("q8_0", torch.float32, False, None)
+    meta, positions = _decode_step(3, random.Random(5))
+    ids = torch.tensor([5, 17, 42])
+    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    assert _step_against_per_op(model, ids, positions, caches, meta, spy, monkeypatch, [2, 0]) == 1
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])

@@ -22,7 +22,7 @@ from inflight.engine.attention.metadata import SHORT_QUERY_LEN
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.model import decode_layer
-from inflight.engine.model.decode_layer import DENSE, FusedLayer
+from inflight.engine.model.decode_layer import DENSE, FusedLayer, LayerCaches, LayerRun
 from inflight.engine.model.llama import DecoderLayer, LlamaForCausalLM
 from inflight.engine.runner import allocate_kv_caches
 
@@ -84,16 +84,16 @@ def test_a_decode_step_equals_the_per_op_path_bit_for_bit(
             v.copy_(torch.randn(v.shape).to(dtype))
         per_op_caches = [(k.clone(), v.clone()) for k, v in caches]
         with torch.inference_mode():
-            spy.calls.clear()
+            spy.clear()
             one = model(ids, positions, caches, meta)
-            assert spy.calls.count("decode_layer") == (2 if one_call else 0)
+            assert spy.layers == (2 if one_call else 0)
             if one_call:  # and each call's products dense_linear's
                 assert all(_dense(layer) is not None for layer in model.layers)
             with monkeypatch.context() as patch:
                 patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
-                spy.calls.clear()
+                spy.clear()
                 per_op = model(ids, positions, per_op_caches, meta)
-                assert "decode_layer" not in spy.calls
+                assert "decode_layers" not in spy.calls
                 assert ("dense_linear" in spy.calls) == one_call
         assert one.dtype == dtype and torch.equal(one, per_op), f"{rows} rows"
         for (k, v), (k_ref, v_ref) in zip(caches, per_op_caches, strict=True):
@@ -109,23 +109,26 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     assert layer is not None and layer.max_rows == max_rows
     assert _dense(model.layers[0]) is layer  # built once
     rng = random.Random(2)
-    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
-    fp8_cache = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float8_e4m3fn, "cpu")[0][0]
+    caches = LayerCaches(allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu"))
+    fp8 = LayerCaches(allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float8_e4m3fn, "cpu"))
+    one_head = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu", num_kv_heads=1)
     start = decode_layer.DecodeStep.start
+    run = LayerRun(0, [layer])
     for rows in (2, max_rows + 1):
         meta, _ = _decode_step(rows, rng)
         rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
         hidden = torch.zeros(rows, 64)
         longer = SHORT_QUERY_LEN + 1
         prefill = replace(meta, query_lens_list=[longer] + [1] * (rows - 1), max_query_len=longer)
-        assert start(layer, hidden, prefill, rope, caches[0][0]) is None
-        assert start(layer, hidden, meta, rope, fp8_cache) is None
-        assert start(None, hidden, meta, rope, caches[0][0]) is None
-        step = start(layer, hidden, meta, rope, caches[0][0])
+        assert start(run, hidden, prefill, rope, caches) is None
+        assert start(run, hidden, meta, rope, fp8) is None
+        assert start(None, hidden, meta, rope, caches) is None
+        step = start(run, hidden, meta, rope, caches)
         assert (step is not None) == (rows <= max_rows)
         if step is not None:
-            assert step.takes(layer, *caches[1])
-            assert not step.takes(layer, fp8_cache, fp8_cache)
+            assert step.takes(run)
+            other = start(run, hidden, meta, rope, LayerCaches(one_head))
+            assert other is not None and not other.takes(run)  # caches of another KV head count
     assert _dense(_model("q4_1", torch.float32, False, None).layers[0]) is None
     assert _dense(LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu")).layers[0]) is None
     model.layers[0].self_attn.backend = TORCH_BACKEND

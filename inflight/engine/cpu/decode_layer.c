@@ -1,12 +1,13 @@
-/* One decoder layer of a decode step in one call (engine/model/decode_layer.py), for weights kept quantized
- * (products by quant_linear) or float weights at the rows dense_linear takes (products by dense_linear): the
+/* A decode step's decoder layers in one call (engine/model/decode_layer.py), for weights kept quantized
+ * (products by quant_linear) or float weights at the rows dense_linear takes (products by dense_linear): each
  * layer's weights struct says which.
  *
- * At batch 1 a quantized layer's work is ~0.2 ms of products (a float SmolLM2 layer's ~0.4 ms in bfloat16)
+ * At batch 1 a quantized layer's work is ~0.2 ms of products (a float SmolLM2 layer's ~0.3 ms in bfloat16)
  * and a few tens of microseconds of elementwise steps, while the per-op path (model/llama.py) made ten
  * Python calls a layer, each with its tensor checks, allocations and a ctypes call: several milliseconds a
- * step over 30 layers. decode_layer chains the same kernels (kernels.h: kernels.c's and quant_kernels.c's
- * exported functions, nothing duplicated) in C:
+ * step over 30 layers. Even one Python call a layer, with its checks, cost ~0.2 ms of a ~10 ms SmolLM2
+ * bfloat16 step at batch 1, so decode_layers runs a whole run of layers in one call. Each layer chains the same kernels
+ * (kernels.h: kernels.c's and quant_kernels.c's exported functions, nothing duplicated) in C:
  *
  *   residual += hidden; normed = RMSNorm(residual)         (first layer: residual = hidden)
  *   qkv = normed Wqkv^T (+ b); rotary on q and k; k, v -> the KV cache at the rows' slots
@@ -117,22 +118,24 @@ static int product(int64_t kind, const struct matrix *m, const void *x, int64_t 
                         dtype, num_threads);
 }
 
-/* One decoder layer for s->rows decode rows (see the top of the file). `hidden` [rows, hidden]: the
- * previous layer's MLP output (the embeddings for the first layer), replaced by this layer's;
- * `residual` [rows, hidden]: the residual stream, updated in place (`first`: it is set from `hidden`).
- * Returns 0, or -1 when a buffer could not be allocated or a kernel refused (the outputs are then
+/* The bytes of decode_layer's intermediates for layer w at `rows` rows of `elem` bytes: normed [rows,
+ * hidden], qkv [rows, qkv width], attention output [rows, q size], gate_up [rows, 2 * intermediate], silu * up
+ * [rows, intermediate]. */
+static int64_t intermediate_bytes(const struct decode_layer_weights *w, int64_t rows, int64_t elem) {
+    return rows * (w->hidden + w->qkv.rows + w->num_heads * w->head_dim + 3 * w->intermediate) * elem;
+}
+
+/* One decoder layer for s->rows decode rows (see the top of the file), its intermediates in `buffer`
+ * (intermediate_bytes). `hidden` [rows, hidden]: the previous layer's MLP output (the embeddings for the
+ * first layer), replaced by this layer's; `residual` [rows, hidden]: the residual stream, updated in place
+ * (`first`: it is set from `hidden`). Returns 0, or -1 when a kernel refused (the outputs are then
  * incomplete). */
-int decode_layer(const struct decode_layer_weights *w, const struct decode_step *s, void *hidden, void *residual,
-                 int first, void *k_cache, void *v_cache) {
+static int decode_layer(const struct decode_layer_weights *w, const struct decode_step *s, void *hidden,
+                        void *residual, int first, void *k_cache, void *v_cache, char *buffer) {
     const int64_t rows = s->rows, h = w->hidden, d = w->head_dim;
     const int dtype = (int)s->dtype, threads = (int)s->num_threads;
     const int64_t elem = dtype == LAYER_BFLOAT16 ? 2 : 4;
     const int64_t q_size = w->num_heads * d, kv_size = w->num_kv_heads * d, qkv_width = w->qkv.rows;
-    /* One buffer for the step's intermediates: normed [rows, h], qkv [rows, qkv_width], attention
-     * output [rows, q_size], gate_up [rows, 2 * intermediate], silu * up [rows, intermediate]. */
-    const int64_t total = rows * (h + qkv_width + q_size + 3 * w->intermediate);
-    char *buffer = malloc((size_t)(total * elem));
-    if (buffer == NULL) return -1;
     char *normed = buffer, *qkv = normed + rows * h * elem, *attention = qkv + rows * qkv_width * elem;
     char *gate_up = attention + rows * q_size * elem, *act = gate_up + rows * 2 * w->intermediate * elem;
     int failed = 0;
@@ -159,6 +162,26 @@ int decode_layer(const struct decode_layer_weights *w, const struct decode_step 
     failed |= product(w->product, &w->gate_up, normed, rows, h, dtype, gate_up, threads);
     silu_and_mul(gate_up, act, rows, w->intermediate, dtype, threads);
     failed |= product(w->product, &w->down, act, rows, w->intermediate, dtype, hidden, threads);
-    free(buffer);
     return failed ? -1 : 0;
+}
+
+/* `count` consecutive decoder layers of a decode step, layers[i] with its caches k_caches[i] and
+ * v_caches[i], each as decode_layer runs it: `hidden` and `residual` as decode_layer takes them (`first`:
+ * layers[0] is the model's first layer). Returns 0, or -1 when a buffer could not be allocated or a kernel
+ * refused (the outputs are then incomplete). */
+int decode_layers(const struct decode_layer_weights *const *layers, void *const *k_caches, void *const *v_caches,
+                  int64_t count, const struct decode_step *s, void *hidden, void *residual, int first) {
+    const int64_t elem = s->dtype == LAYER_BFLOAT16 ? 2 : 4;
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t layer_bytes = intermediate_bytes(layers[i], s->rows, elem);
+        if (layer_bytes > bytes) bytes = layer_bytes;
+    }
+    char *buffer = malloc((size_t)bytes);
+    if (buffer == NULL) return -1;
+    int failed = 0;
+    for (int64_t i = 0; i < count && !failed; i++)
+        failed = decode_layer(layers[i], s, hidden, residual, first && i == 0, k_caches[i], v_caches[i], buffer);
+    free(buffer);
+    return failed;
 }

@@ -108,8 +108,9 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "quant_linear_float": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr, _int], _int),
     # 1 where this build has quant_linear_float
     "quant_linear_float_built": ([], _int),
-    # decode_layer.c: weights (struct), step (struct), hidden, residual, first, k_cache, v_cache
-    "decode_layer": ([_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr], _int),
+    # decode_layer.c: each layer's weights (struct pointers), k caches, v caches, count, step (struct),
+    # hidden, residual, first
+    "decode_layers": ([_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int], _int),
 }
 
 

@@ -1,18 +1,21 @@
-"""A decode step's decoder layers, one C call each, where the projections are kept quantized or are float
+"""A decode step's decoder layers in one C call, where the projections are kept quantized or are float
 weights multiplied in C (CPU).
 
 The per-op path (model/llama.py: RMSNorm, the qkv product, rotary, the KV write, attention, o_proj,
 RMSNorm, gate_up, SiLU * up, down) made about ten Python calls a layer, each with its checks, allocations
 and ctypes call: at batch 1 more time than the layer's quantized products, ~0.2 ms a layer beside a float
-SmolLM2 layer's ~0.4-0.8 ms of products at one to four rows. `decode_layer` in engine/cpu/decode_layer.c
-runs the same kernels with the same arguments in one call, so a decode step's outputs are bit-identical to
-the per-op path (tests/engine/test_decode_layer.py, tests/engine/test_dense_layer.py). A speculative verify
-step's rows are each a one-token decode here, bit for bit the same row decoded alone, where the per-op path
-gives its sequences' rows to the prompt kernel (the two agree within rounding).
+SmolLM2 layer's ~0.3-0.8 ms of products at one to four rows. `decode_layers` in engine/cpu/decode_layer.c
+runs the same kernels with the same arguments, a whole run of layers (`LayerRun`) in one call, so a decode
+step's outputs are bit-identical to the per-op path (tests/engine/test_decode_layer.py,
+tests/engine/test_dense_layer.py). One Python call a layer, with its checks, still cost ~0.2 ms of a ~10
+ms SmolLM2 bfloat16 step at batch 1 (docs/models.md). A speculative verify step's rows are each a one-token
+decode here, bit for bit the same row decoded alone, where the per-op path gives its sequences' rows to the
+prompt kernel (the two agree within rounding).
 
 It runs a step whose sequences have a few new rows each (AttentionMetadata.is_short_queries: decode steps,
 verify steps), every row as a one-token decode (rows_as_decodes), float32 or bfloat16 activations, on one
-rank, with the C kernels available, where every projection of the layer is
+rank, with the C kernels available, with every layer's K and V caches of one shape and dtype, contiguous
+(`LayerCaches`), where every projection of the layer is
 - a `QuantizedLinear` (products by quant_linear): the rows the per-op path would also give the kernel
   (`quantized.kernel_takes`: the run_model of a decode step takes any count where the kernel rounds x to
   int8, else at most KERNEL_MAX_ROWS rows), a KV cache of the activations' dtype or float8;
@@ -27,7 +30,7 @@ import ctypes
 import operator
 import sys
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import groupby, repeat
 from typing import Any
 
 import torch
@@ -274,13 +277,81 @@ class FusedLayer:
         qkv, o, gate_up, down = chosen
         return FusedLayer(norms, eps, (qkv, o, gate_up, down), attention)
 
+
+class LayerRun:
+    """Consecutive one-call layers of a model that share the activations' dtype, the product kind and the K
+    and V caches' shapes and dtypes: a decode step runs them in one C call. `start`: the first one's index
+    among the model's layers; `weights`: each layer's struct decode_layer_weights, as decode_layers reads
+    them (the layers are held, so the pointers stay valid)."""
+
+    def __init__(self, start: int, layers: Sequence[FusedLayer]) -> None:
+        first = layers[0]
+        self.start = start
+        self.end = start + len(layers)
+        self._layers = tuple(layers)
+        self.weights = (_ptr * len(layers))(*(ctypes.addressof(layer.weights) for layer in layers))
+        self.dtype, self.product = first.dtype, first.product
+        self.kv_shape, self.kv_dtypes = first.kv_shape, first.kv_dtypes
+        self.max_rows = min(layer.max_rows for layer in layers)
+
+    @staticmethod
+    def runs(layers: Sequence[FusedLayer | None]) -> tuple[LayerRun, ...]:
+        """The runs of a model's layers (None: a layer without a one-call form), each as long as the layers
+        agree (see the class)."""
+        runs = []
+        for kind, group in groupby(enumerate(layers), key=lambda item: _run_kind(item[1])):
+            if kind is not None:
+                indexed = list(group)
+                runs.append(LayerRun(indexed[0][0], [layer for _, layer in indexed if layer is not None]))
+        return tuple(runs)
+
     def takes_rows(self, rows: int, library: ctypes.CDLL) -> bool:
-        """Whether every product of the layer multiplies `rows` rows in C here."""
+        """Whether every product of the run's layers multiplies `rows` rows in C here."""
         return rows <= self.max_rows and (self.product == DENSE or kernel_takes(rows, library))
 
 
+def _run_kind(layer: FusedLayer | None) -> tuple[object, ...] | None:
+    """What the layers of one LayerRun share."""
+    if layer is None:
+        return None
+    return layer.dtype, layer.product, layer.kv_shape, layer.kv_dtypes
+
+
+class LayerCaches:
+    """A model's K and V caches, one pair a layer, as decode_layers reads them: each layer's K and V
+    addresses, and the one dtype and shape ([blocks, block_size, kv heads, head dim]) of them all where they
+    share them, contiguous on the CPU (`dtype` None otherwise: no one-call step). Kept while `current`: the
+    same tensors at the same addresses (it holds them)."""
+
+    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._tensors = _flat(kv_caches)
+        self._addresses = _addresses(self._tensors)
+        self.k = (_ptr * len(kv_caches))(*(k.data_ptr() for k, _ in kv_caches))
+        self.v = (_ptr * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches))
+        first = self._tensors[0]
+        alike = all(
+            t.dtype == first.dtype and t.shape == first.shape and t.is_cpu and t.is_contiguous()
+            for t in self._tensors
+        )
+        self.dtype = first.dtype if alike else None
+        self.shape = first.shape
+
+    def current(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether `kv_caches` are the tensors these were read from, still at their addresses."""
+        tensors = _flat(kv_caches)
+        return (
+            len(tensors) == len(self._tensors)
+            and all(map(operator.is_, tensors, self._tensors))
+            and _addresses(tensors) == self._addresses
+        )
+
+
+def _flat(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    return tuple(t for pair in kv_caches for t in pair)
+
+
 class DecodeStep:
-    """A decode-only step's rows as decode_layer.c reads them: made once a step, run once per layer."""
+    """A decode-only step's rows as decode_layer.c reads them: made once a step, run once per LayerRun."""
 
     def __init__(
         self,
@@ -288,8 +359,10 @@ class DecodeStep:
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
+        caches: LayerCaches,
+        kv_dtype: torch.dtype,
     ) -> None:
+        """Use `start`: `kv_dtype` is `caches`' (not None)."""
         cos, sin = rope
         query_rows, seqs, lens = meta.rows_as_decodes
         slots = meta.slot_mapping.contiguous()
@@ -297,8 +370,10 @@ class DecodeStep:
         # Held: the step struct points into them.
         self._tensors = (cos, sin, slots, block_tables, lens, query_rows, seqs)
         self._library = library
+        self._caches = caches
         self.dtype = hidden.dtype
-        self.kv_dtype = k_cache.dtype
+        self.kv_dtype = kv_dtype
+        self.kv_shape = caches.shape[2:]
         self.args = _Step(
             cos.data_ptr(),
             sin.data_ptr(),
@@ -309,78 +384,73 @@ class DecodeStep:
             seqs.data_ptr(),
             hidden.shape[0],
             block_tables.stride(0),
-            k_cache.shape[1],
+            caches.shape[1],
             meta.sliding_window or 0,
             meta.max_seq_len,
             cpu_kernels.DTYPE_CODES[hidden.dtype],
-            cpu_kernels.KV_DTYPE_CODES[k_cache.dtype],
+            cpu_kernels.KV_DTYPE_CODES[kv_dtype],
             torch.get_num_threads(),
         )
 
     @staticmethod
     def start(
-        layer: FusedLayer | None,
+        run: LayerRun | None,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
+        caches: LayerCaches,
     ) -> DecodeStep | None:
-        """The step, where decode_layer.c can run it with `layer` (the first layer's; see the top of the
-        file), else None. `rope`: the step's cos and sin from ops.rotary_tables; `k_cache`: a layer's
-        (every layer's is alike)."""
-        if layer is None or not meta.is_short_queries or hidden.dim() != 2:
+        """The step, where decode_layer.c can run it with `run` (the model's first; see the top of the
+        file), else None. `rope`: the step's cos and sin from ops.rotary_tables."""
+        if run is None or not meta.is_short_queries or hidden.dim() != 2:
             return None
         library = cpu_kernels.library_for(hidden)
-        if library is None or not layer.takes_rows(hidden.shape[0], library):
+        if library is None or not run.takes_rows(hidden.shape[0], library):
             return None
         cos, sin = rope
         tables_usable = (
             cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         )
-        kv_usable = (
-            k_cache.is_cpu and k_cache.dtype in layer.kv_dtypes and meta.slot_mapping.dtype == torch.int64
-        )
-        if not (tables_usable and kv_usable and hidden.is_contiguous()):
+        kv_dtype = caches.dtype
+        if kv_dtype is None or kv_dtype not in run.kv_dtypes or meta.slot_mapping.dtype != torch.int64:
             return None
-        return DecodeStep(library, hidden, meta, rope, k_cache)
+        if not (tables_usable and hidden.is_contiguous()):
+            return None
+        return DecodeStep(library, hidden, meta, rope, caches, kv_dtype)
 
-    def takes(self, layer: FusedLayer, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """True where `run` can run this layer with these caches ([blocks, block_size, kv heads, head
-        dim], contiguous, the step's KV dtype, one the layer takes) at the step's rows."""
+    def takes(self, run: LayerRun) -> bool:
+        """True where `run` can run this step's rows with the step's caches."""
         return (
-            layer.dtype == self.dtype
-            and self.args.rows <= layer.max_rows
-            and self.kv_dtype in layer.kv_dtypes
-            and k_cache.dtype == v_cache.dtype == self.kv_dtype
-            and k_cache.shape == v_cache.shape
-            and k_cache.shape[1] == self.args.block_size
-            and k_cache.shape[2:] == layer.kv_shape
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
+            run.dtype == self.dtype
+            and self.args.rows <= run.max_rows
+            and self.kv_dtype in run.kv_dtypes
+            and self.kv_shape == run.kv_shape
         )
 
     def run(
         self,
-        layer: FusedLayer,
+        run: LayerRun,
+        end: int,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the layer's MLP output, the residual stream before it), as DecoderLayer.forward returns them:
-        `hidden` and `residual` (made for the first layer, residual None) are updated in place."""
+        """(layer end - 1's MLP output, the residual stream before it), as DecoderLayer.forward returns
+        them, after the run's layers up to `end` (run.start < end <= run.end): `hidden` and `residual` (made
+        for the model's first layer, residual None) are updated in place."""
         first = residual is None
         if residual is None:
             residual = torch.empty_like(hidden)
-        status = self._library.decode_layer(
-            ctypes.addressof(layer.weights),
+        caches, offset = self._caches, run.start * ctypes.sizeof(_ptr)
+        status = self._library.decode_layers(
+            ctypes.addressof(run.weights),
+            ctypes.addressof(caches.k) + offset,
+            ctypes.addressof(caches.v) + offset,
+            end - run.start,
             ctypes.addressof(self.args),
             hidden.data_ptr(),
             residual.data_ptr(),
             int(first),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
         )
         if status != 0:
-            raise MemoryError("decode_layer: a buffer could not be allocated or a kernel refused")
+            raise MemoryError("decode_layers: a buffer could not be allocated or a kernel refused")
         return hidden, residual

@@ -31,7 +31,7 @@ from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.decode_layer import DecodeStep, FusedLayer, Links, slot
+from inflight.engine.model.decode_layer import DecodeStep, FusedLayer, LayerCaches, LayerRun, Links, slot
 from inflight.engine.model.shard_layout import ShardLayout
 
 
@@ -294,19 +294,20 @@ class DecoderLayer(nn.Module):
 
 @dataclass(frozen=True)
 class OneCallPlan:
-    """Each layer's fused() and what they were built from, checked once a step (Links.current) instead of
-    once per layer through its modules' attributes. `head`: the layer list's entries (and the one past its
-    end: a layer appended) and the layers up to the first one-call layer, whose rules decide whether the
-    step runs one call per layer (DecodeStep.start); `rest`: the layers after it, checked only where the
-    step does (a step of more rows than the layers take checks only the head)."""
+    """The layers' runs of one-call forms (LayerRun, by their first layer's index) and what they were built
+    from, checked once a step (Links.current) instead of once per layer through its modules' attributes.
+    `head`: the layer list's entries (and the one past its end: a layer appended) and the layers up to the
+    first one-call layer, whose rules decide whether the step runs in one-call runs (DecodeStep.start);
+    `rest`: the layers after it, checked only where the step does (a step of more rows than the layers take
+    checks only the head)."""
 
-    layers: tuple[FusedLayer | None, ...]
+    runs: dict[int, LayerRun]
     head: Links
     rest: Links
 
     @property
-    def first(self) -> FusedLayer | None:
-        return next((fused for fused in self.layers if fused is not None), None)
+    def first(self) -> LayerRun | None:
+        return min(self.runs.items())[1] if self.runs else None
 
     @staticmethod
     def of(model: LlamaForCausalLM) -> OneCallPlan:
@@ -315,10 +316,10 @@ class OneCallPlan:
         entries = Links.of(
             [slot(model, "layers"), *((layers._modules, str(i)) for i in range(len(layers) + 1))], ()
         )
-        fused = tuple(f for f, _ in found)
+        fused = [f for f, _ in found]
         split = next((i + 1 for i, f in enumerate(fused) if f is not None), len(found))
         return OneCallPlan(
-            fused,
+            {run.start: run for run in LayerRun.runs(fused)},
             Links.joined([entries, *(links for _, links in found[:split])]),
             Links.joined([links for _, links in found[split:]]),
         )
@@ -367,6 +368,8 @@ class LlamaForCausalLM(nn.Module):
         )
         # Each layer's one-call form, and what they were built from (_one_call_plan).
         self._one_call: OneCallPlan | None = None
+        # The KV caches of the last one-call step (_layer_caches).
+        self._caches: LayerCaches | None = None
 
     def forward(
         self,
@@ -387,26 +390,36 @@ class LlamaForCausalLM(nn.Module):
         hidden = self._embed(input_ids)
         rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
         residual: torch.Tensor | None = None
-        last = len(self.layers) - 1
-        # A decode step (or a speculative verify step: a few rows a sequence) runs each layer as one C call
-        # where it can, by the rules (rows, KV dtype) of the first layer that can (a GGUF file's first
-        # layers may hold a type the kernels do not keep).
+        layers = len(self.layers)
+        if len(kv_caches) != layers:
+            raise ValueError(f"{len(kv_caches)} KV cache pairs for {layers} layers: give one pair a layer")
+        last = layers - 1
+        # A decode step (or a speculative verify step: a few rows a sequence) runs each run of one-call
+        # layers as one C call where it can, by the rules (rows, KV dtype) of the first run (a GGUF file's
+        # first layers may hold a type the kernels do not keep). The last layer with `keep` runs per op.
         plan = self._one_call_plan() if kv_caches and attn_metadata.is_short_queries else None
-        first = None if plan is None else plan.first
-        step = DecodeStep.start(first, hidden, attn_metadata, rope, kv_caches[0][0]) if kv_caches else None
+        step = None
+        if plan is not None:
+            step = DecodeStep.start(plan.first, hidden, attn_metadata, rope, self._layer_caches(kv_caches))
         if step is not None and plan is not None and not plan.rest.current():
             # A later layer changed: rebuilt, with the same first layer (its links are current).
             plan = self._one_call = OneCallPlan.of(self)
-        one_call = plan.layers if step is not None and plan is not None else ()
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            layer_keep = keep if i == last else None
-            fused = one_call[i] if step is not None and layer_keep is None else None
-            if fused is not None and step is not None and step.takes(fused, k_cache, v_cache):
-                hidden, residual = step.run(fused, hidden, residual, k_cache, v_cache)
+        runs = plan.runs if step is not None and plan is not None else {}
+        end_of_runs = last if keep is not None else layers
+        i = 0
+        while i < layers:
+            run = runs.get(i)
+            if run is not None and step is not None and i < end_of_runs and step.takes(run):
+                end = min(run.end, end_of_runs)
+                hidden, residual = step.run(run, end, hidden, residual)
+                i = end
                 continue
-            hidden, residual = layer.forward(
+            k_cache, v_cache = kv_caches[i]
+            layer_keep = keep if i == last else None
+            hidden, residual = self.layers[i].forward(
                 rope, hidden, residual, k_cache, v_cache, attn_metadata, layer_keep
             )
+            i += 1
         normed, _ = self.norm(hidden, residual)
         return normed
 
@@ -416,6 +429,12 @@ class LlamaForCausalLM(nn.Module):
         if self._one_call is None or not self._one_call.head.current():
             self._one_call = OneCallPlan.of(self)
         return self._one_call
+
+    def _layer_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerCaches:
+        """`kv_caches` as the one-call runs read them, kept between steps while they are the same."""
+        if self._caches is None or not self._caches.current(kv_caches):
+            self._caches = LayerCaches(kv_caches)
+        return self._caches
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         layout = self.layout
