@@ -2,12 +2,13 @@
  * (products by quant_linear) or float weights at the rows dense_linear takes (products by dense_linear): each
  * layer's weights struct says which.
  *
- * At batch 1 a quantized layer's work is ~0.2 ms of products (a float SmolLM2 layer's ~0.3 ms in bfloat16)
- * and a few tens of microseconds of elementwise steps, while the per-op path (model/llama.py) made ten
- * Python calls a layer, each with its tensor checks, allocations and a ctypes call: several milliseconds a
- * step over 30 layers. Even one Python call a layer, with its checks, cost ~0.2 ms of a ~10 ms SmolLM2
- * bfloat16 step at batch 1, so decode_layers runs a whole run of layers in one call. Each layer chains the same kernels
- * (kernels.h: kernels.c's and quant_kernels.c's exported functions, nothing duplicated) in C:
+ * At batch 1 a quantized layer's work is ~0.2 ms of products (a float SmolLM2 layer's ~0.25 ms in
+ * bfloat16) and a few tens of microseconds of elementwise steps, while the per-op path (model/llama.py)
+ * made ten Python calls a layer, each with its tensor checks, allocations and a ctypes call: several
+ * milliseconds a step over 30 layers. Even one Python call a layer, with its checks, cost ~0.2 ms of a
+ * ~10 ms SmolLM2 bfloat16 step at batch 1, so decode_layers runs a whole run of layers in one call. Each
+ * layer chains the same kernels (kernels.h: kernels.c's and quant_kernels.c's exported functions, nothing
+ * duplicated) in C:
  *
  *   residual += hidden; normed = RMSNorm(residual)         (first layer: residual = hidden)
  *   qkv = normed Wqkv^T (+ b); rotary on q and k; k, v -> the KV cache at the rows' slots
