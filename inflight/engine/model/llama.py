@@ -398,9 +398,10 @@ class LlamaForCausalLM(nn.Module):
         # layers as one C call where it can, by the rules (rows, KV dtype) of the first run (a GGUF file's
         # first layers may hold a type the kernels do not keep). The last layer with `keep` runs per op.
         plan = self._one_call_plan() if kv_caches and attn_metadata.is_short_queries else None
+        first = None if plan is None else plan.first
         step = None
-        if plan is not None:
-            step = DecodeStep.start(plan.first, hidden, attn_metadata, rope, self._layer_caches(kv_caches))
+        if first is not None:
+            step = DecodeStep.start(first, hidden, attn_metadata, rope, self._layer_caches(kv_caches))
         if step is not None and plan is not None and not plan.rest.current():
             # A later layer changed: rebuilt, with the same first layer (its links are current).
             plan = self._one_call = OneCallPlan.of(self)
