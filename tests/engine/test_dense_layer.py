@@ -15,12 +15,21 @@ from dataclasses import replace
 import pytest
 import torch
 from engine.attention.test_cpu_paged import any_library  # noqa: F401 (a fixture)
-from engine.test_decode_layer import BLOCK_SIZE, NUM_BLOCKS, _config, _decode_step, _model, _Spy
+from engine.test_decode_layer import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    _config,
+    _decode_step,
+    _model,
+    _Spy,
+    _step_against_per_op,
+)
 
 from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, TORCH_BACKEND
 from inflight.engine.attention.metadata import SHORT_QUERY_LEN
 from inflight.engine.cpu import kernels as cpu_kernels
 from inflight.engine.cpu.linear import can_prepack, prepack_linears
+from inflight.engine.cpu.quantized import KERNEL_MAX_ROWS
 from inflight.engine.model import decode_layer
 from inflight.engine.model.decode_layer import DENSE, FusedLayer, LayerCaches, LayerRun
 from inflight.engine.model.llama import DecoderLayer, LlamaForCausalLM
@@ -141,3 +150,25 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     model.layers[0].mlp.down_proj = held
     model.layers[0].input_layernorm.to(torch.float64)  # its weight moved (and no kernel dtype)
     assert _dense(model.layers[0]) is None
+
+
+def test_a_later_run_of_quantized_layers_takes_only_the_rows_its_kernel_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Layer 0 float (dense_linear's products), layer 1 kept quantized: two runs. At KERNEL_MAX_ROWS + 1
+    rows, outside `one_token_rows`, the quantized kernel does not take the rows, so layer 1 runs per op
+    (by the dequantized weights) while layer 0 runs in C: bit for bit the per-op path."""
+    library = cpu_kernels.library()
+    assert library is not None
+    spy = _Spy(library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    model = _float_model(torch.float32, False, None)
+    layer = _dense(model.layers[0])
+    if layer is None or layer.max_rows <= KERNEL_MAX_ROWS:
+        pytest.skip(f"dense_linear takes at most {KERNEL_MAX_ROWS} float32 rows on this build")
+    model.layers[1] = _model("q8_0", torch.float32, False, None).layers[1]
+    rows = KERNEL_MAX_ROWS + 1
+    meta, positions = _decode_step(rows, random.Random(6))
+    ids = torch.tensor([random.Random(7).randrange(64) for _ in range(rows)])
+    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    assert _step_against_per_op(model, ids, positions, caches, meta, spy, monkeypatch) == 1

@@ -419,10 +419,11 @@ class DecodeStep:
         return DecodeStep(library, hidden, meta, rope, caches, kv_dtype)
 
     def takes(self, run: LayerRun) -> bool:
-        """True where `run` can run this step's rows with the step's caches."""
+        """True where `run` can run this step's rows with the step's caches (a later run's product kind may
+        take fewer rows than the first's)."""
         return (
             run.dtype == self.dtype
-            and self.args.rows <= run.max_rows
+            and run.takes_rows(self.args.rows, self._library)
             and self.kv_dtype in run.kv_dtypes
             and self.kv_shape == run.kv_shape
         )
