@@ -11,6 +11,8 @@ Each round adds ROWS requests (64-token prompts, TOKENS greedy tokens) to each e
 BLOCK steps at a time in turn until all are done; the decode steps are timed (the prefill step and the
 step that finishes the requests are left out). MODEL: `builtin:smollm2` (default, `--quantization none`)
 or a GGUF file; bfloat16, 2 torch threads, 64 slots. The engines' greedy tokens must agree.
+All three use this checkout's C kernels, so COMMIT must be `1c57be7` or later: before it, the model code
+called `decode_layer` (one layer a call), which the kernels no longer export.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def _old_model_code(commit: str, folder: Path) -> ModuleType:
             capture_output=True,
             text=True,
         ).stdout
+        if name == "decode_layer" and ".decode_layer(" in source:
+            raise SystemExit(
+                f"{commit}'s model code calls decode_layer, which this checkout's kernels replaced with "
+                "decode_layers (one call a run of layers) at 1c57be7: compare against 1c57be7 or later"
+            )
         files[name] = source.replace(
             "from inflight.engine.model.decode_layer import", "from old_decode_layer import"
         )
@@ -72,9 +79,9 @@ def main() -> None:
     model = sys.argv[6] if len(sys.argv) > 6 else "builtin:smollm2"
     torch.set_num_threads(2)
     config = EngineConfig(dtype="bfloat16", device="cpu", quantization="none", max_num_seqs=64)
-    engines = {name: LLMEngine(resolve_model(model), config) for name in ("old", "new", "bound")}
     with tempfile.TemporaryDirectory() as folder:
         old = _old_model_code(commit, Path(folder))
+    engines = {name: LLMEngine(resolve_model(model), config) for name in ("old", "new", "bound")}
     old_model = engines["old"].model
     old_model.__class__ = old.LlamaForCausalLM
     for layer in old_model.layers:
