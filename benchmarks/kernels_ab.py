@@ -11,6 +11,8 @@ headers) come from REV.
 
 MODEL: a GGUF file, `builtin:smollm2` or `builtin:llama-1b`; ROWS: sequences decoding together; REV: a git
 revision; DTYPE: bfloat16 (default) or float32 (a GGUF file's weights stay quantized).
+REV's C files must export every function this checkout's Python calls (kernels.SIGNATURES): since
+`1c57be7` that includes `decode_layers`, so earlier revisions are refused.
 The OpenMP spin count is the engine's (inflight/engine/cpu/openmp.py), set before torch loads.
 """
 
@@ -60,7 +62,14 @@ def library_at(rev: str, folder: Path) -> ctypes.CDLL:
         if name.endswith((".c", ".h")):
             text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, check=True, cwd=root)
             (sources / Path(name).name).write_bytes(text.stdout)
-    return kernels.load_library(kernels.build_library(out_dir=folder / "build", source_dir=sources))
+    built = kernels.build_library(out_dir=folder / "build", source_dir=sources)
+    try:
+        return kernels.load_library(built)
+    except AttributeError as error:  # a function this checkout's Python calls (kernels.SIGNATURES)
+        raise SystemExit(
+            f"{rev}'s kernels lack a function this checkout calls ({error}): compare against a revision "
+            "whose C files export every function in kernels.SIGNATURES"
+        ) from None
 
 
 def use_library(library: ctypes.CDLL) -> None:
@@ -74,11 +83,12 @@ def main() -> None:
     rev = sys.argv[3]
     dtype = sys.argv[4] if len(sys.argv) > 4 else "bfloat16"
     torch.set_num_threads(2)
-    llm = LLM(path, max_slots=rows, dtype=dtype)
-    current = kernels.library()
-    assert current is not None, kernels.unavailable_reason()
     with tempfile.TemporaryDirectory() as tmp:
-        libraries = {rev: library_at(rev, Path(tmp)), "this checkout": current}
+        old = library_at(rev, Path(tmp))
+        llm = LLM(path, max_slots=rows, dtype=dtype)
+        current = kernels.library()
+        assert current is not None, kernels.unavailable_reason()
+        libraries = {rev: old, "this checkout": current}
         load_before = os.getloadavg()[0]
         result = alternate(
             llm,
