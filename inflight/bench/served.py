@@ -414,6 +414,8 @@ def _inflight_command(args: argparse.Namespace, model_dir: Path, port: int, num_
         "--quantization", args.quantization, "--log-level", "warning",
     ]  # fmt: skip
     command += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.max_prefill_tokens_while_decoding is not None:
+        command += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
     if not args.enable_prefix_caching:
         command.append("--no-enable-prefix-caching")
     if args.speculative is not None:
@@ -748,6 +750,7 @@ def _ratios(inflight: dict[str, Any], other: dict[str, Any]) -> dict[str, float 
         "itl_p50": over(inflight["itl_ms"]["p50"], other["itl_ms"]["p50"]),
         "itl_p99": over(inflight["itl_ms"]["p99"], other["itl_ms"]["p99"]),
         "tpot_p50": over(inflight["tpot_ms"]["p50"], other["tpot_ms"]["p50"]),
+        "e2e_p50": over(inflight["e2e_ms"]["p50"], other["e2e_ms"]["p50"]),
         "server_cpu_per_output_token": over(
             inflight.get("server_cpu_us_per_output_token"), other.get("server_cpu_us_per_output_token")
         ),
@@ -981,6 +984,7 @@ def _run_load(
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "scheduler": args.scheduler,
             "max_merged_prefill_tokens": args.max_merged_prefill_tokens,
+            "max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding or "engine default",
             "enable_prefix_caching": args.enable_prefix_caching,
             "threads": args.threads or "torch default",
         },
