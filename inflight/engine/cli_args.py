@@ -61,6 +61,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"{EngineConfig.model_fields['max_merged_prefill_tokens'].description} (default: {merged})",
     )
     engine.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=_default("max_prefill_tokens_while_decoding"),
+        help=f"{EngineConfig.model_fields['max_prefill_tokens_while_decoding'].description}",
+    )
+    engine.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=_default("enable_prefix_caching"),
@@ -162,6 +168,7 @@ FLAG_DESTS = {
     "max_model_len": "max_model_len",
     "scheduler": "scheduler",
     "max_merged_prefill_tokens": "max_merged_prefill_tokens",
+    "max_prefill_tokens_while_decoding": "max_prefill_tokens_while_decoding",
     "enable_prefix_caching": "enable_prefix_caching",
     "dtype": "dtype",
     "kv_cache_dtype": "kv_cache_dtype",

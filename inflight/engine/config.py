@@ -18,6 +18,10 @@ MAX_MERGED_PREFILL_TOKENS = 64
 # later each, which a short queue costs little and a long one (a burst, an offline batch) too much.
 STAGGERED_PREFILL_MAX_WAITING = 8
 ContiguousReserve = Literal["max_model_len", "prompt_plus_max_tokens"]
+# Prompt tokens a CPU step computes while other sequences decode in it (max_prefill_tokens_while_decoding's
+# default there): a 2,048-token chunk held every decode of a SmolLM2 step ~1.6 s on two cores, 512 ~0.4 s,
+# at the same throughput (docs/benchmarks.md).
+CPU_PREFILL_TOKENS_WHILE_DECODING = 512
 
 
 class EngineConfig(BaseModel):
@@ -41,6 +45,13 @@ class EngineConfig(BaseModel):
         f"in it are fewer than this (the first always starts) while at most {STAGGERED_PREFILL_MAX_WAITING} "
         "requests wait, so prompts that arrive together get their first tokens one after another, "
         "shortest first, instead of all after the last; 0 = start them all while the token budget lasts",
+    )
+    max_prefill_tokens_while_decoding: int | None = Field(
+        default=None,
+        ge=1,
+        description="prompt tokens a step computes while other sequences decode in it (each decode waits "
+        "for the whole step); None = "
+        f"{CPU_PREFILL_TOKENS_WHILE_DECODING} on CPU, the step's token budget on CUDA",
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV cache blocks; None = derive")
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
@@ -100,6 +111,15 @@ class EngineConfig(BaseModel):
     speculative_max_running: int = Field(
         default=4, ge=1, description="speculate only while at most this many sequences run (else off)"
     )
+
+    def prefill_tokens_while_decoding(self, device_type: str) -> int:
+        """max_prefill_tokens_while_decoding, its default resolved for a device of `device_type` ("cpu",
+        "cuda"): a GPU step of a full budget is short enough that decodes need no smaller one."""
+        if self.max_prefill_tokens_while_decoding is not None:
+            return self.max_prefill_tokens_while_decoding
+        if device_type == "cpu":
+            return CPU_PREFILL_TOKENS_WHILE_DECODING
+        return self.max_num_batched_tokens
 
     @model_validator(mode="after")
     def _ngram_range(self) -> EngineConfig:

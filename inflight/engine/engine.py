@@ -145,6 +145,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_merged_prefill_tokens=config.max_merged_prefill_tokens,
+            max_prefill_tokens_while_decoding=config.prefill_tokens_while_decoding(self.device.type),
             proposer=self._proposer(self.draft_model),
         )
         kv_caches = allocate_kv_caches(

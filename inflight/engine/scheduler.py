@@ -7,8 +7,9 @@ One scheduler, two admission policies (`AdmissionPolicy` objects; `ContinuousSch
   chunk of an unfinished prefill), then waiting requests are admitted into free slots while the token
   budget lasts (prefill, chunked when it exceeds the budget) and, while at most
   `STAGGERED_PREFILL_MAX_WAITING` requests wait, the step's prompt tokens are fewer than
-  `max_merged_prefill_tokens` (the first always starts). A finished sequence's slot is refilled on the
-  very next step.
+  `max_merged_prefill_tokens` (the first always starts). While any running sequence decodes, the step's
+  prompt tokens (chunks and admissions) stop at `max_prefill_tokens_while_decoding`: every decode in the
+  step waits for them. A finished sequence's slot is refilled on the very next step.
 
 With the continuous policy, requests added between two `schedule()` calls queue shortest prompt first
 among themselves, behind those queued before.
@@ -149,20 +150,25 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_merged_prefill_tokens: int = MAX_MERGED_PREFILL_TOKENS,
+        max_prefill_tokens_while_decoding: int | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
         proposer: Proposer | None = None,
     ) -> None:
-        """`max_merged_prefill_tokens`: EngineConfig's (0: no limit); `proposer`: speculative
+        """`max_merged_prefill_tokens`: EngineConfig's (0: no limit); `max_prefill_tokens_while_decoding`:
+        EngineConfig's, resolved for the device (None: the token budget); `proposer`: speculative
         decoding's (None: off)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must all be >= 1")
         if max_merged_prefill_tokens < 0:
             raise ValueError("max_merged_prefill_tokens must be >= 0")
+        if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1 (or None: the token budget)")
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_merged_prefill_tokens = max_merged_prefill_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.on_step = on_step
         self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
@@ -297,8 +303,9 @@ class Scheduler:
         self._failed = []
         self._num_arrived = 0
         budget = self.max_num_batched_tokens
-        # Prompt tokens (prefill chunks, not decodes) this step computes so far.
+        # Prompt tokens (prefill chunks, not decodes) this step computes so far, and at most.
         prefill_tokens = 0
+        prefill_room = self._prefill_room()
         scheduled_ids: set[str] = set()
 
         # 1. Running sequences, oldest first: next prefill chunk or one decode token each (plus proposals).
@@ -310,6 +317,8 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new > 1:
+                num_new = min(num_new, prefill_room - prefill_tokens)
             if num_new <= 0:
                 i += 1
                 continue
@@ -344,11 +353,13 @@ class Scheduler:
                 seq = self.waiting[0]
                 if self._slots_used() + seq.slots_needed > self.max_num_seqs:
                     break
-                if self.admission.within_budget and (budget <= 0 or self._staggers_prefill(prefill_tokens)):
+                if self.admission.within_budget and (
+                    min(budget, prefill_room - prefill_tokens) <= 0 or self._staggers_prefill(prefill_tokens)
+                ):
                     break
                 if not self.kv_cache.holds(seq.seq_id):
                     self._match_prefix(seq)
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_room - prefill_tokens)
                 if not self.kv_cache.allocate(seq.seq_id, seq.num_computed_tokens, max(num_new, 0)):
                     self.kv_cache.free(seq.seq_id)
                     seq.num_computed_tokens = 0
@@ -367,6 +378,14 @@ class Scheduler:
         out.block_copies = self.kv_cache.take_pending_copies()
         self.num_steps += 1
         return out
+
+    def _prefill_room(self) -> int:
+        """The prompt tokens this step may compute: max_prefill_tokens_while_decoding where a running
+        sequence decodes in it (one token left to compute), else the whole token budget."""
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
+            return min(cap, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens
 
     def _staggers_prefill(self, prefill_tokens: int) -> bool:
         """Whether the next waiting prompt waits for the next step, with `prefill_tokens` in this one."""
@@ -498,6 +517,7 @@ def create_scheduler(
     max_num_batched_tokens: int,
     max_model_len: int,
     max_merged_prefill_tokens: int = MAX_MERGED_PREFILL_TOKENS,
+    max_prefill_tokens_while_decoding: int | None = None,
     proposer: Proposer | None = None,
 ) -> Scheduler:
     return SCHEDULERS[policy](
@@ -506,5 +526,6 @@ def create_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         max_merged_prefill_tokens=max_merged_prefill_tokens,
+        max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
         proposer=proposer,
     )

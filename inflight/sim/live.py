@@ -70,6 +70,7 @@ def demo_engine_config(
         num_kv_blocks=num_kv_blocks if num_kv_blocks is not None else settings.num_kv_blocks,
         block_size=settings.block_size,
         max_model_len=settings.max_model_len,
+        max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
         scheduler=policy,
         enable_prefix_caching=False,
         kv_allocator=kv_allocator,

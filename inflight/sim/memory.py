@@ -152,6 +152,7 @@ def simulate_allocator(
         max_num_seqs=settings.slots,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
+        max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
     )
     steps: list[MemoryStep] = []
     run_on_virtual_clock(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from inflight.engine.config import CPU_PREFILL_TOKENS_WHILE_DECODING
 from inflight.engine.kv_cache import KVCacheManager
 from inflight.engine.scheduler import Scheduler, StepRecord, create_scheduler
 from inflight.engine.sequence import SamplingParams
@@ -39,6 +40,8 @@ class DemoEngineSettings:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_model_len: int = 512
+    # The engine's CPU default, given to the demo's real engine on any device.
+    max_prefill_tokens_while_decoding: int = CPU_PREFILL_TOKENS_WHILE_DECODING
 
     @property
     def num_kv_blocks(self) -> int:
@@ -58,6 +61,7 @@ def build_scheduler(policy: Policy, settings: DemoEngineSettings) -> Scheduler:
         max_num_seqs=settings.slots,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
+        max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
     )
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from inflight.cli import build_parser
 from inflight.engine.cli_args import add_engine_args, engine_config_from_args
-from inflight.engine.config import EngineConfig
+from inflight.engine.config import CPU_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
 
 COMMANDS = {
     "serve": ["serve", "--model", "m"],
@@ -57,4 +57,16 @@ def test_prefix_caching_is_one_flag_everywhere() -> None:
 def test_bad_engine_settings_say_what_is_wrong() -> None:
     args = build_parser().parse_args([*COMMANDS["serve"], "--max-slots", "0"])
     with pytest.raises(SystemExit, match=r"invalid engine settings: --max-slots: .*greater than or equal"):
+        engine_config_from_args(args)
+
+
+def test_the_prefill_cap_while_decoding_is_the_cpu_default_on_cpu_and_the_budget_on_cuda() -> None:
+    config = EngineConfig(max_num_batched_tokens=4096)
+    assert config.prefill_tokens_while_decoding("cpu") == CPU_PREFILL_TOKENS_WHILE_DECODING
+    assert config.prefill_tokens_while_decoding("cuda") == 4096
+    args = build_parser().parse_args([*COMMANDS["serve"], "--max-prefill-tokens-while-decoding", "256"])
+    chosen = engine_config_from_args(args)
+    assert chosen.prefill_tokens_while_decoding("cpu") == chosen.prefill_tokens_while_decoding("cuda") == 256
+    args = build_parser().parse_args([*COMMANDS["serve"], "--max-prefill-tokens-while-decoding", "0"])
+    with pytest.raises(SystemExit, match=r"--max-prefill-tokens-while-decoding: .*greater than or equal"):
         engine_config_from_args(args)

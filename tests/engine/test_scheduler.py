@@ -284,3 +284,62 @@ def test_static_batches_keep_the_order_of_arrival() -> None:
     sched.add(request("long", 40, 2))
     sched.add(request("short", 4, 2))
     assert admissions(run_all(sched)) == [(0, ("long",)), (2, ("short",))]
+
+
+def capped(budget: int, cap: int | None, max_num_seqs: int = 4) -> Scheduler:
+    kv = KVCacheManager(256, 4, enable_prefix_caching=False)
+    return ContinuousScheduler(
+        kv,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=256,
+        max_prefill_tokens_while_decoding=cap,
+    )
+
+
+def test_while_a_sequence_decodes_a_long_prompt_is_prefilled_in_chunks_of_the_cap() -> None:
+    """The decode waits for every prompt token of its step: with a cap, it waits for `cap` of them, not for
+    a whole budget's; the prompt still finishes, in more steps."""
+    sched = capped(budget=64, cap=16)
+    sched.add(request("short", 3, 12))
+    run_step(sched)
+    sched.add(request("long", 60, 2))
+    chunks = []
+    for _ in range(4):
+        _, rec = run_step(sched)
+        scheduled = dict(rec.scheduled)
+        assert scheduled["short"] == 1
+        chunks.append(scheduled["long"])
+    assert chunks == [16, 16, 16, 12]
+    assert sched.running[-1].num_output_tokens == 1
+    uncapped = capped(budget=64, cap=None)
+    uncapped.add(request("short", 3, 12))
+    run_step(uncapped)
+    uncapped.add(request("long", 60, 2))
+    _, rec = run_step(uncapped)
+    assert dict(rec.scheduled) == {"short": 1, "long": 60}
+
+
+def test_without_decodes_a_step_prefills_up_to_the_whole_budget() -> None:
+    """Nothing decodes in the first step: the prompts there are not held to the cap."""
+    sched = capped(budget=64, cap=16)
+    sched.add(request("a", 40, 2))
+    sched.add(request("b", 40, 2))
+    _, rec = run_step(sched)
+    assert dict(rec.scheduled) == {"a": 40, "b": 24}
+
+
+def test_the_cap_bounds_admissions_too_and_every_request_finishes() -> None:
+    """Prompts admitted while others decode share the cap with running prompts' chunks; every step's
+    prompt tokens stay within it once a sequence decodes."""
+    sched = capped(budget=64, cap=10, max_num_seqs=8)
+    sched.add(request("first", 2, 30))
+    run_step(sched)
+    for i in range(6):
+        sched.add(request(f"r{i}", 7, 3))
+    trace = run_all(sched)
+    for rec in trace:
+        prompt_tokens = sum(n for sid, n in rec.scheduled if n > 1)
+        assert prompt_tokens <= 10
+    assert not sched.has_unfinished()
+    assert sum(len(rec.admitted) for rec in trace) == 6

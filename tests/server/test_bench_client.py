@@ -137,6 +137,20 @@ def test_bench_serve_hands_the_prefill_merge_limit_to_the_server(tmp_path: Path)
     assert engine_config_from_args(served).max_merged_prefill_tokens == 0
 
 
+def test_bench_serve_hands_the_prefill_cap_while_decoding_to_the_server_when_given(tmp_path: Path) -> None:
+    from inflight.cli import build_parser
+    from inflight.engine.cli_args import engine_config_from_args
+
+    def served_config(*flags: str) -> int | None:
+        args = build_parser().parse_args(["bench", "serve", *flags])
+        command = _inflight_command(args, tmp_path, 8000, 100)
+        served = build_parser().parse_args(command[command.index("serve") :])
+        return engine_config_from_args(served).max_prefill_tokens_while_decoding
+
+    assert served_config("--max-prefill-tokens-while-decoding", "1024") == 1024
+    assert served_config() is None
+
+
 @contextmanager
 def group_of_parent_and_child(child_script: str, ready: bytes) -> Iterator[int]:
     """A parent process in a session (process group) of its own, waiting, whose child runs `child_script`;
