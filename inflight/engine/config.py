@@ -50,7 +50,7 @@ class EngineConfig(BaseModel):
         default=None,
         ge=1,
         description="prompt tokens a step computes while other sequences decode in it (each decode waits "
-        "for the whole step); None = "
+        "for the whole step); default (None): "
         f"{CPU_PREFILL_TOKENS_WHILE_DECODING} on CPU, the step's token budget on CUDA",
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV cache blocks; None = derive")
