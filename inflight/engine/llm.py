@@ -27,6 +27,9 @@ class LLM:
     `llm.engine` is the underlying LLMEngine (stats: preemptions, prefix-cache hits, KV usage).
     `tensor_parallel_size` N > 1 splits the model over N ranks (worker processes; see
     docs/tensor-parallel.md); `close()` stops them (they also stop when this process exits).
+    Offline, no one reads a token as it comes, so unless `max_prefill_tokens_while_decoding` is given,
+    prompts keep the step's whole token budget while others decode (throughput first; a server's CPU
+    default holds them to fewer so that decodes do not wait).
     """
 
     def __init__(self, model: str | Path, *, max_slots: int | None = None, **settings: Any) -> None:
@@ -34,6 +37,10 @@ class LLM:
         a wrong name or value raises pydantic's ValidationError naming it."""
         if max_slots is not None:
             settings["max_num_seqs"] = max_slots
+        if settings.get("max_prefill_tokens_while_decoding") is None:
+            settings["max_prefill_tokens_while_decoding"] = settings.get(
+                "max_num_batched_tokens", EngineConfig.model_fields["max_num_batched_tokens"].default
+            )
         config = EngineConfig(**settings)
         self.engine = LLMEngine(model, config)
         self.tokenizer = self.engine.tokenizer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inflight import LLM, SamplingParams
-from inflight.engine.config import EngineConfig
+from inflight.engine.config import CPU_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.engine.output_processor import RequestOutput
 from inflight.engine.sampler import SampleResult, SamplingRow
@@ -362,3 +362,16 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm: LLM) -> None:
             whole.finish_reason,
             whole.cumulative_logprob,
         )
+
+
+def test_offline_prompts_keep_the_whole_budget_while_others_decode(tiny_llama_dir: Path) -> None:
+    """LLM (offline) schedules for throughput: no cap on prompt tokens beside decodes unless one is given;
+    the server's engine (LLMEngine from EngineConfig's defaults) holds them to the CPU default."""
+    offline = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=8, device="cpu", max_num_batched_tokens=1024)
+    assert offline.engine.scheduler.max_prefill_tokens_while_decoding == 1024
+    chosen = LLM(
+        tiny_llama_dir, num_kv_blocks=64, block_size=8, device="cpu", max_prefill_tokens_while_decoding=32
+    )
+    assert chosen.engine.scheduler.max_prefill_tokens_while_decoding == 32
+    served = LLMEngine(tiny_llama_dir, EngineConfig(num_kv_blocks=64, block_size=8, device="cpu"))
+    assert served.scheduler.max_prefill_tokens_while_decoding == CPU_PREFILL_TOKENS_WHILE_DECODING
