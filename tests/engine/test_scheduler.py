@@ -192,6 +192,7 @@ def test_deterministic_decisions() -> None:
     static=st.booleans(),
     caching=st.booleans(),
     abort_at=st.integers(0, 15),
+    prefill_cap=st.one_of(st.none(), st.integers(1, 20)),
 )
 def test_every_request_finishes_or_fails_with_a_reason(
     lengths: list[tuple[int, int, int]],
@@ -202,10 +203,17 @@ def test_every_request_finishes_or_fails_with_a_reason(
     static: bool,
     caching: bool,
     abort_at: int,
+    prefill_cap: int | None,
 ) -> None:
     cls = StaticScheduler if static else ContinuousScheduler
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-    sched = cls(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=48)
+    sched = cls(
+        kv,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=48,
+        max_prefill_tokens_while_decoding=prefill_cap,
+    )
     seqs = [request(f"r{i}", p, o, n=n, first=i % 3) for i, (p, o, n) in enumerate(lengths)]
     for seq in seqs:
         sched.add(seq)
