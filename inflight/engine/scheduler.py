@@ -303,15 +303,16 @@ class Scheduler:
         self._failed = []
         self._num_arrived = 0
         budget = self.max_num_batched_tokens
+        # Running sequences with one token left to compute: they decode this step.
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         # Prompt tokens (prefill chunks, not decodes) this step computes so far, and at most.
         prefill_tokens = 0
-        prefill_room = self._prefill_room()
+        prefill_room = self._prefill_room(bool(decoding))
         scheduled_ids: set[str] = set()
 
         # 1. Running sequences, oldest first: next prefill chunk or one decode token each (plus proposals).
         proposals: dict[str, Proposal] = {}
         if self.proposer is not None and len(self.running) <= self.proposer.max_running:
-            decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
             proposals = self.proposer.propose(decoding, self.running)
         i = 0
         while i < len(self.running):
@@ -379,11 +380,11 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _prefill_room(self) -> int:
-        """The prompt tokens this step may compute: max_prefill_tokens_while_decoding where a running
-        sequence decodes in it (one token left to compute), else the whole token budget."""
+    def _prefill_room(self, decodes: bool) -> int:
+        """The prompt tokens a step may compute: max_prefill_tokens_while_decoding where a running sequence
+        `decodes` in it, else the whole token budget."""
         cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
+        if cap is not None and decodes:
             return min(cap, self.max_num_batched_tokens)
         return self.max_num_batched_tokens
 
