@@ -37,11 +37,10 @@ class LLM:
         a wrong name or value raises pydantic's ValidationError naming it."""
         if max_slots is not None:
             settings["max_num_seqs"] = max_slots
-        if settings.get("max_prefill_tokens_while_decoding") is None:
-            settings["max_prefill_tokens_while_decoding"] = settings.get(
-                "max_num_batched_tokens", EngineConfig.model_fields["max_num_batched_tokens"].default
-            )
         config = EngineConfig(**settings)
+        if config.max_prefill_tokens_while_decoding is None:
+            offline = {"max_prefill_tokens_while_decoding": config.max_num_batched_tokens}
+            config = config.model_copy(update=offline)
         self.engine = LLMEngine(model, config)
         self.tokenizer = self.engine.tokenizer
 
