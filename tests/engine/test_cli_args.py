@@ -64,9 +64,9 @@ def test_the_prefill_cap_while_decoding_is_the_cpu_default_on_cpu_and_the_budget
     config = EngineConfig(max_num_batched_tokens=4096)
     assert config.prefill_tokens_while_decoding("cpu") == CPU_PREFILL_TOKENS_WHILE_DECODING
     assert config.prefill_tokens_while_decoding("cuda") == 4096
-    args = build_parser().parse_args([*COMMANDS["serve"], "--max-prefill-tokens-while-decoding", "256"])
+    args = build_parser().parse_args([*COMMANDS["serve"], "--max-prefill-tokens-while-decoding", "128"])
     chosen = engine_config_from_args(args)
-    assert chosen.prefill_tokens_while_decoding("cpu") == chosen.prefill_tokens_while_decoding("cuda") == 256
+    assert chosen.prefill_tokens_while_decoding("cpu") == chosen.prefill_tokens_while_decoding("cuda") == 128
     args = build_parser().parse_args([*COMMANDS["serve"], "--max-prefill-tokens-while-decoding", "0"])
     with pytest.raises(SystemExit, match=r"--max-prefill-tokens-while-decoding: .*greater than or equal"):
         engine_config_from_args(args)
