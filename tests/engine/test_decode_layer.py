@@ -26,7 +26,7 @@ from inflight.engine.gguf.repack import quantize
 from inflight.engine.model import decode_layer
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.decode_layer import LayerCaches, LayerRun
-from inflight.engine.model.llama import LlamaForCausalLM
+from inflight.engine.model.llama import LlamaForCausalLM, OneCallPlan, RotaryEmbedding
 from inflight.engine.runner import allocate_kv_caches
 
 from support.paged_cases import make_case
@@ -193,16 +193,18 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     fused = model.layers[0].fused()
     assert fused is not None
     layer = LayerRun(0, [fused])
+    ends = OneCallPlan.of(model).ends
     for rows in (2, KERNEL_MAX_ROWS + 1):
-        meta, _ = _decode_step(rows, rng)
-        rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
+        meta, positions = _decode_step(rows, rng)
+        ids = torch.zeros(rows, dtype=torch.int64)
         longer = SHORT_QUERY_LEN + 1
         prefill = replace(meta, query_lens_list=[longer] + [1] * (rows - 1), max_query_len=longer)
-        assert start(layer, torch.zeros(rows, 64), prefill, rope, caches) is None
-        decode = start(layer, torch.zeros(rows, 64), meta, rope, caches)
+        assert start(layer, ends, ids, positions, prefill, caches) is None
+        assert start(layer, ends, ids.int(), positions, meta, caches) is None  # ids the C call cannot read
+        decode = start(layer, ends, ids, positions, meta, caches)
         assert (decode is not None) == (rows <= KERNEL_MAX_ROWS)
         with quantized.one_token_rows():  # as run_model runs a decode step: any count where x is int8
-            decode = start(layer, torch.zeros(rows, 64), meta, rope, caches)
+            decode = start(layer, ends, ids, positions, meta, caches)
         library = cpu_kernels.library()
         assert library is not None
         int8 = bool(library.quant_linear_int8_activations())
@@ -334,6 +336,46 @@ def _step_against_per_op(
     return count
 
 
+def test_the_one_call_step_looks_up_the_embeddings_and_applies_the_last_norm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the first and last layers run in C, so do the embedding lookup and the model's last norm (none
+    in Python; bit for bit the per-op path: the tests above); a token id outside the vocabulary or a position
+    outside the rotary tables raises IndexError there, as the per-op path's lookups do."""
+    library = cpu_kernels.library()
+    assert library is not None
+    spy = _Spy(library)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: spy)
+    model = _model("q8_0", torch.float32, False, None)
+    meta, positions = _decode_step(2, random.Random(6))
+    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+
+    def not_here(*args: object) -> None:
+        raise AssertionError("run in Python")
+
+    with torch.inference_mode():
+        with monkeypatch.context() as patch:
+            patch.setattr(LlamaForCausalLM, "_embed", not_here)
+            patch.setattr(RotaryEmbedding, "__call__", not_here)
+            patch.setattr(model.norm, "forward", not_here)
+            spy.clear()
+            model(torch.tensor([5, 17]), positions, caches, meta)
+            assert spy.calls.count("decode_layers") == 1
+        vocab, held = model.config.vocab_size, model.rotary.cos.shape[0]
+        refused = [
+            (torch.tensor([5, vocab]), positions, "outside the vocabulary's 64 ids"),
+            (torch.tensor([-1, 17]), positions, "outside the vocabulary"),
+            (torch.tensor([5, 17]), torch.tensor([3, held]), "outside the 256 the rotary tables hold"),
+        ]
+        for ids, rows_positions, message in refused:
+            with pytest.raises(IndexError, match=message):
+                model(ids, rows_positions, caches, meta)
+            with monkeypatch.context() as patch:
+                patch.setattr(decode_layer.DecodeStep, "start", lambda *args: None)
+                with pytest.raises(IndexError):
+                    model(ids, rows_positions, caches, meta)
+
+
 def test_layers_after_one_the_kernels_cannot_take_still_run_as_one_call(
     any_library: ctypes.CDLL,  # noqa: F811 (the fixture)
     monkeypatch: pytest.MonkeyPatch,
@@ -418,3 +460,14 @@ def test_a_change_between_steps_rebuilds_the_one_call_layers(monkeypatch: pytest
     assert one_call_layers() == 2
     layer.self_attn.backend = TORCH_BACKEND
     assert one_call_layers() == 1
+    layer.self_attn.backend = CPU_KERNEL_BACKEND
+    assert one_call_layers() == 2
+    # What the C call reads around the layers: the embeddings, the last norm, the rotary tables.
+    model.embed_tokens.weight.data = model.embed_tokens.weight.detach().flip(0)
+    assert one_call_layers() == 2
+    model.norm.weight.data = model.norm.weight.detach() * 1.5
+    assert one_call_layers() == 2
+    model.norm.eps = 1.0
+    assert one_call_layers() == 2
+    model.rotary = RotaryEmbedding(model.config.model_copy(update={"rope_theta": 100.0}), torch.device("cpu"))
+    assert one_call_layers() == 2

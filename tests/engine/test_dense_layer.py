@@ -32,7 +32,7 @@ from inflight.engine.cpu.linear import can_prepack, prepack_linears
 from inflight.engine.cpu.quantized import KERNEL_MAX_ROWS
 from inflight.engine.model import decode_layer
 from inflight.engine.model.decode_layer import DENSE, FusedLayer, LayerCaches, LayerRun
-from inflight.engine.model.llama import DecoderLayer, LlamaForCausalLM
+from inflight.engine.model.llama import DecoderLayer, LlamaForCausalLM, OneCallPlan
 from inflight.engine.runner import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(
@@ -123,20 +123,20 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     one_head = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu", num_kv_heads=1)
     start = decode_layer.DecodeStep.start
     run = LayerRun(0, [layer])
+    ends = OneCallPlan.of(model).ends
     for rows in (2, max_rows + 1):
-        meta, _ = _decode_step(rows, rng)
-        rope = (torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8))
-        hidden = torch.zeros(rows, 64)
+        meta, positions = _decode_step(rows, rng)
+        ids = torch.zeros(rows, dtype=torch.int64)
         longer = SHORT_QUERY_LEN + 1
         prefill = replace(meta, query_lens_list=[longer] + [1] * (rows - 1), max_query_len=longer)
-        assert start(run, hidden, prefill, rope, caches) is None
-        assert start(run, hidden, meta, rope, fp8) is None
-        assert start(None, hidden, meta, rope, caches) is None
-        step = start(run, hidden, meta, rope, caches)
+        assert start(run, ends, ids, positions, prefill, caches) is None
+        assert start(run, ends, ids, positions, meta, fp8) is None
+        assert start(None, ends, ids, positions, meta, caches) is None
+        step = start(run, ends, ids, positions, meta, caches)
         assert (step is not None) == (rows <= max_rows)
         if step is not None:
             assert step.takes(run)
-            other = start(run, hidden, meta, rope, LayerCaches(one_head))
+            other = start(run, ends, ids, positions, meta, LayerCaches(one_head))
             assert other is not None and not other.takes(run)  # caches of another KV head count
     assert _dense(_model("q4_1", torch.float32, False, None).layers[0]) is None
     assert _dense(LlamaForCausalLM(model.config, CPU_KERNEL_BACKEND, torch.device("cpu")).layers[0]) is None

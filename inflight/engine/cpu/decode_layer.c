@@ -10,16 +10,22 @@
  * layer chains the same kernels (kernels.h: kernels.c's and quant_kernels.c's exported functions, nothing
  * duplicated) in C:
  *
- *   residual += hidden; normed = RMSNorm(residual)         (first layer: residual = hidden)
+ *   (first layer: hidden = the rows' embeddings, residual = hidden; else residual += hidden)
+ *   normed = RMSNorm(residual)
  *   qkv = normed Wqkv^T (+ b); rotary on q and k; k, v -> the KV cache at the rows' slots
  *   attended = (paged decode attention of q) Wo^T (+ b)
  *   residual += attended; normed = RMSNorm(residual)
  *   hidden = (silu(gate) * up of normed Wgate_up^T) Wdown^T
+ *   (after the model's last layer: hidden = RMSNorm(residual + hidden), the model's output)
  *
  * with the arguments the per-op path gives each kernel, so the outputs are bit-identical to it
  * (tests/engine/test_decode_layer.py, tests/engine/test_dense_layer.py). The one step written here is the
  * float8 KV cache store (quantized weights only): keys and values saturated to +-448 and rounded to nearest
  * even, as kv_store.to_cache does with torch (c10's fp8e4m3fn_from_fp32_value, below).
+ *
+ * The rows' rotary values are looked up here in the model's tables by their positions, once a call, and the
+ * embedding lookup and the last norm run here too: in Python and torch calls the three cost ~0.3 ms of a
+ * ~12 ms SmolLM2 bfloat16 step at batch 1 (docs/benchmarks.md).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,6 +37,8 @@
 enum { LAYER_FLOAT32 = 0, LAYER_BFLOAT16 = 1, LAYER_FP8_E4M3 = 2 };
 /* struct decode_layer_weights' `product`: how its matrices are multiplied. */
 enum { PRODUCT_QUANTIZED = 0, PRODUCT_DENSE = 1 };
+/* decode_layers' refusals of its inputs (decode_layer.py raises IndexError). */
+enum { DECODE_TOKEN_OUT_OF_RANGE = -2, DECODE_POSITION_OUT_OF_RANGE = -3 };
 
 /* A weight matrix with its bias (NULL: none). PRODUCT_QUANTIZED: `weight` in quant_kernels.c's interleaved
  * layout, with `scales`, `mins` and `format`; PRODUCT_DENSE: `weight` [rows, columns] as the checkpoint
@@ -55,7 +63,14 @@ struct decode_layer_weights {
 
 /* The step's rows and where they attend: the same for every layer (decode_layer.py builds it once a step). */
 struct decode_step {
-    const float *cos, *sin;        /* [rows, head_dim / 2] float32 */
+    const int64_t *positions;      /* [rows]: each row's position, its row of `cos` and `sin` */
+    const float *cos, *sin;        /* [positions_held, head_dim / 2] float32: the model's rotary tables */
+    int64_t positions_held;
+    const int64_t *token_ids;      /* [rows]: looked up in `embedding` where the first layer runs here */
+    const void *embedding;         /* [vocab, hidden] in the activations' dtype; NULL: `hidden` holds them */
+    int64_t vocab;
+    const void *final_norm;        /* [hidden]: the model's last RMSNorm, applied after its last layer */
+    float final_eps;
     const int64_t *slots;          /* [rows]: each row's KV cache slot */
     const int32_t *block_tables;   /* [seqs, table_stride] */
     const int32_t *lens;           /* paged_decode's rows / seqs / lens */
@@ -126,13 +141,14 @@ static int64_t intermediate_bytes(const struct decode_layer_weights *w, int64_t 
     return rows * (w->hidden + w->qkv.rows + w->num_heads * w->head_dim + 3 * w->intermediate) * elem;
 }
 
-/* One decoder layer for s->rows decode rows (see the top of the file), its intermediates in `buffer`
- * (intermediate_bytes). `hidden` [rows, hidden]: the previous layer's MLP output (the embeddings for the
+/* One decoder layer for s->rows decode rows (see the top of the file), with the rows' rotary `cos` and `sin`
+ * ([rows, head_dim / 2]), its intermediates in `buffer` (intermediate_bytes). `hidden` [rows, hidden]: the previous layer's MLP output (the embeddings for the
  * first layer), replaced by this layer's; `residual` [rows, hidden]: the residual stream, updated in place
  * (`first`: it is set from `hidden`). Returns 0, or -1 when a kernel refused (the outputs are then
  * incomplete). */
-static int decode_layer(const struct decode_layer_weights *w, const struct decode_step *s, void *hidden,
-                        void *residual, int first, void *k_cache, void *v_cache, char *buffer) {
+static int decode_layer(const struct decode_layer_weights *w, const struct decode_step *s, const float *cos,
+                        const float *sin, void *hidden, void *residual, int first, void *k_cache, void *v_cache,
+                        char *buffer) {
     const int64_t rows = s->rows, h = w->hidden, d = w->head_dim;
     const int dtype = (int)s->dtype, threads = (int)s->num_threads;
     const int64_t elem = dtype == LAYER_BFLOAT16 ? 2 : 4;
@@ -148,7 +164,7 @@ static int decode_layer(const struct decode_layer_weights *w, const struct decod
         rms_norm(hidden, residual, w->input_norm, normed, rows, h, w->eps, dtype, threads);
     }
     failed |= product(w->product, &w->qkv, normed, rows, h, dtype, qkv, threads);
-    rotary(qkv, qkv_width, s->cos, s->sin, rows, w->num_heads + w->num_kv_heads, d, dtype, threads);
+    rotary(qkv, qkv_width, cos, sin, rows, w->num_heads + w->num_kv_heads, d, dtype, threads);
     const char *k = qkv + q_size * elem, *v = k + kv_size * elem;
     if (s->kv_dtype == LAYER_FP8_E4M3)
         write_kv_fp8(k, v, qkv_width, dtype, k_cache, v_cache, s->slots, rows, kv_size);
@@ -166,23 +182,59 @@ static int decode_layer(const struct decode_layer_weights *w, const struct decod
     return failed ? -1 : 0;
 }
 
+/* The step's rows' rotary values, [rows, half] each in cos and sin, gathered from the model's tables;
+ * DECODE_OUT_OF_RANGE where a position is not in them. */
+static int gather_rotary(const struct decode_step *s, int64_t half, float *cos, float *sin) {
+    for (int64_t r = 0; r < s->rows; r++) {
+        const int64_t p = s->positions[r];
+        if (p < 0 || p >= s->positions_held) return DECODE_POSITION_OUT_OF_RANGE;
+        memcpy(cos + r * half, s->cos + p * half, (size_t)half * sizeof(float));
+        memcpy(sin + r * half, s->sin + p * half, (size_t)half * sizeof(float));
+    }
+    return 0;
+}
+
+/* The rows' embeddings (rows of s->embedding by s->token_ids) into `hidden`, as the embedding lookup copies
+ * them; DECODE_TOKEN_OUT_OF_RANGE where an id is not in the vocabulary. */
+static int gather_embeddings(const struct decode_step *s, int64_t h, int64_t elem, char *hidden) {
+    for (int64_t r = 0; r < s->rows; r++) {
+        const int64_t id = s->token_ids[r];
+        if (id < 0 || id >= s->vocab) return DECODE_TOKEN_OUT_OF_RANGE;
+        memcpy(hidden + r * h * elem, (const char *)s->embedding + id * h * elem, (size_t)(h * elem));
+    }
+    return 0;
+}
+
 /* `count` consecutive decoder layers of a decode step, layers[i] with its caches k_caches[i] and
- * v_caches[i], each as decode_layer runs it: `hidden` and `residual` as decode_layer takes them (`first`:
- * layers[0] is the model's first layer). Returns 0, or -1 when a buffer could not be allocated or a kernel
- * refused (the outputs are then incomplete). */
+ * v_caches[i], each as decode_layer runs it: `hidden` and `residual` as decode_layer takes them. `first`:
+ * layers[0] is the model's first layer (with s->embedding, `hidden` is filled with the rows' embeddings
+ * first); `last`: the last layer is the model's, and `hidden` ends as the model's output, RMSNorm(residual +
+ * hidden) * s->final_norm, as the model's last norm gives it. Returns 0; -1 when a buffer could not be
+ * allocated or a kernel refused (the outputs are then incomplete); DECODE_TOKEN_OUT_OF_RANGE or
+ * DECODE_POSITION_OUT_OF_RANGE before any work. */
 int decode_layers(const struct decode_layer_weights *const *layers, void *const *k_caches, void *const *v_caches,
-                  int64_t count, const struct decode_step *s, void *hidden, void *residual, int first) {
-    const int64_t elem = s->dtype == LAYER_BFLOAT16 ? 2 : 4;
+                  int64_t count, const struct decode_step *s, void *hidden, void *residual, int first, int last) {
+    const int64_t elem = s->dtype == LAYER_BFLOAT16 ? 2 : 4, h = layers[0]->hidden;
+    const int64_t half = layers[0]->head_dim / 2, rotary_bytes = 2 * s->rows * half * (int64_t)sizeof(float);
     int64_t bytes = 0;
     for (int64_t i = 0; i < count; i++) {
         const int64_t layer_bytes = intermediate_bytes(layers[i], s->rows, elem);
         if (layer_bytes > bytes) bytes = layer_bytes;
     }
-    char *buffer = malloc((size_t)bytes);
+    char *buffer = malloc((size_t)(bytes + rotary_bytes));
     if (buffer == NULL) return -1;
-    int failed = 0;
+    float *cos = (float *)(buffer + bytes), *sin = cos + s->rows * half;
+    int failed = gather_rotary(s, half, cos, sin);
+    if (!failed && first && s->embedding != NULL) failed = gather_embeddings(s, h, elem, hidden);
     for (int64_t i = 0; i < count && !failed; i++)
-        failed = decode_layer(layers[i], s, hidden, residual, first && i == 0, k_caches[i], v_caches[i], buffer);
+        failed = decode_layer(layers[i], s, cos, sin, hidden, residual, first && i == 0, k_caches[i], v_caches[i],
+                              buffer);
+    if (!failed && last) {
+        /* normed into the buffer, then over `hidden`: rms_norm reads x while it writes out. */
+        rms_norm(hidden, residual, s->final_norm, buffer, s->rows, h, s->final_eps, (int)s->dtype,
+                 (int)s->num_threads);
+        memcpy(hidden, buffer, (size_t)(s->rows * h * elem));
+    }
     free(buffer);
     return failed;
 }

@@ -110,7 +110,7 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "quant_linear_float_built": ([], _int),
     # decode_layer.c: each layer's weights (struct pointers), k caches, v caches, count, step (struct),
     # hidden, residual, first
-    "decode_layers": ([_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int], _int),
+    "decode_layers": ([_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int], _int),
 }
 
 

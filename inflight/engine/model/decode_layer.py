@@ -30,6 +30,7 @@ import ctypes
 import operator
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import groupby, repeat
 from typing import Any
 
@@ -87,8 +88,15 @@ class _Step(ctypes.Structure):
     """struct decode_step (decode_layer.c)."""
 
     _fields_ = [
+        ("positions", _ptr),
         ("cos", _ptr),
         ("sin", _ptr),
+        ("positions_held", _i64),
+        ("token_ids", _ptr),
+        ("embedding", _ptr),
+        ("vocab", _i64),
+        ("final_norm", _ptr),
+        ("final_eps", ctypes.c_float),
         ("slots", _ptr),
         ("block_tables", _ptr),
         ("lens", _ptr),
@@ -350,44 +358,76 @@ def _flat(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch
     return tuple(t for pair in kv_caches for t in pair)
 
 
+# decode_layers' refusals of its inputs (decode_layer.c).
+_TOKEN_OUT_OF_RANGE = -2
+_POSITION_OUT_OF_RANGE = -3
+
+
+@dataclass(frozen=True)
+class ModelEnds:
+    """What a decode step reads around the model's layers (decode_layer.c): the activations' dtype (the
+    embedding lookup's); the embedding table the C call looks the rows up in (None: the model looks them up);
+    the rotary tables [positions, head_dim / 2]; the last RMSNorm's weight and eps, which the C call applies
+    after the model's last layer where the weight is of the activations' dtype."""
+
+    dtype: torch.dtype
+    embedding: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    norm_weight: torch.Tensor
+    norm_eps: float
+
+
 class DecodeStep:
     """A decode-only step's rows as decode_layer.c reads them: made once a step, run once per LayerRun."""
 
     def __init__(
         self,
         library: ctypes.CDLL,
-        hidden: torch.Tensor,
+        ends: ModelEnds,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
         meta: AttentionMetadata,
-        rope: tuple[torch.Tensor, torch.Tensor],
         caches: LayerCaches,
         kv_dtype: torch.dtype,
     ) -> None:
         """Use `start`: `kv_dtype` is `caches`' (not None)."""
-        cos, sin = rope
         query_rows, seqs, lens = meta.rows_as_decodes
         slots = meta.slot_mapping.contiguous()
         block_tables = meta.block_tables.to(torch.int32).contiguous()
+        embedding, norm = ends.embedding, ends.norm_weight
+        self.dtype = ends.dtype
+        self.embeds = embedding is not None and embedding.dtype == self.dtype and embedding.is_cpu
+        self.normalizes = norm.dtype == self.dtype and norm.is_cpu and norm.is_contiguous()
         # Held: the step struct points into them.
-        self._tensors = (cos, sin, slots, block_tables, lens, query_rows, seqs)
+        self._tensors: tuple[torch.Tensor, ...] = (positions, input_ids, ends.cos, ends.sin, norm, slots)
+        self._tensors += (block_tables, lens, query_rows, seqs)
+        self._embedding = embedding  # held too
         self._library = library
         self._caches = caches
-        self.dtype = hidden.dtype
         self.kv_dtype = kv_dtype
         self.kv_shape = caches.shape[2:]
         self.args = _Step(
-            cos.data_ptr(),
-            sin.data_ptr(),
+            positions.data_ptr(),
+            ends.cos.data_ptr(),
+            ends.sin.data_ptr(),
+            ends.cos.shape[0],
+            input_ids.data_ptr(),
+            embedding.data_ptr() if embedding is not None and self.embeds else None,
+            0 if embedding is None else embedding.shape[0],
+            norm.data_ptr() if self.normalizes else None,
+            ends.norm_eps,
             slots.data_ptr(),
             block_tables.data_ptr(),
             lens.data_ptr(),
             query_rows.data_ptr(),
             seqs.data_ptr(),
-            hidden.shape[0],
+            input_ids.shape[0],
             block_tables.stride(0),
             caches.shape[1],
             meta.sliding_window or 0,
             meta.max_seq_len,
-            cpu_kernels.DTYPE_CODES[hidden.dtype],
+            cpu_kernels.DTYPE_CODES[self.dtype],
             cpu_kernels.KV_DTYPE_CODES[kv_dtype],
             torch.get_num_threads(),
         )
@@ -395,28 +435,36 @@ class DecodeStep:
     @staticmethod
     def start(
         run: LayerRun | None,
-        hidden: torch.Tensor,
+        ends: ModelEnds,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
         meta: AttentionMetadata,
-        rope: tuple[torch.Tensor, torch.Tensor],
         caches: LayerCaches,
     ) -> DecodeStep | None:
-        """The step, where decode_layer.c can run it with `run` (the model's first; see the top of the
-        file), else None. `rope`: the step's cos and sin from ops.rotary_tables."""
-        if run is None or not meta.is_short_queries or hidden.dim() != 2:
+        """The step of the tokens `input_ids` at `positions`, where decode_layer.c can run it with `run` (the
+        model's first; see the top of the file), else None."""
+        if run is None or not meta.is_short_queries:
             return None
-        library = cpu_kernels.library_for(hidden)
-        if library is None or not run.takes_rows(hidden.shape[0], library):
+        cos, sin = ends.cos, ends.sin
+        library = cpu_kernels.library() if ends.dtype in cpu_kernels.DTYPE_CODES and cos.is_cpu else None
+        rows = input_ids.shape[0]
+        if library is None or input_ids.dim() != 1 or not run.takes_rows(rows, library):
             return None
-        cos, sin = rope
         tables_usable = (
-            cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+            cos.dtype == sin.dtype == torch.float32
+            and cos.dim() == 2
+            and cos.shape == sin.shape
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        )
+        rows_usable = all(
+            t.dtype == torch.int64 and t.is_cpu and t.is_contiguous() and t.shape == (rows,)
+            for t in (input_ids, positions, meta.slot_mapping)
         )
         kv_dtype = caches.dtype
-        if kv_dtype is None or kv_dtype not in run.kv_dtypes or meta.slot_mapping.dtype != torch.int64:
+        if kv_dtype is None or kv_dtype not in run.kv_dtypes or not (tables_usable and rows_usable):
             return None
-        if not (tables_usable and hidden.is_contiguous()):
-            return None
-        return DecodeStep(library, hidden, meta, rope, caches, kv_dtype)
+        return DecodeStep(library, ends, input_ids, positions, meta, caches, kv_dtype)
 
     def takes(self, run: LayerRun) -> bool:
         """True where `run` can run this step's rows with the step's caches (a later run's product kind may
@@ -434,10 +482,13 @@ class DecodeStep:
         end: int,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
+        last: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer end - 1's MLP output, the residual stream before it), as DecoderLayer.forward returns
-        them, after the run's layers up to `end` (run.start < end <= run.end): `hidden` and `residual` (made
-        for the model's first layer, residual None) are updated in place."""
+        them, after the run's layers up to `end` (run.start < end <= run.end): `hidden` and `residual` are
+        updated in place. For the model's first layer residual is None, and `hidden` holds the embeddings,
+        or is filled with them here where the step `embeds`. `last` (where the step `normalizes`): `end` is
+        the model's last layer, and `hidden` ends as the model's output (its last norm applied)."""
         first = residual is None
         if residual is None:
             residual = torch.empty_like(hidden)
@@ -451,7 +502,12 @@ class DecodeStep:
             hidden.data_ptr(),
             residual.data_ptr(),
             int(first),
+            int(last),
         )
+        if status == _TOKEN_OUT_OF_RANGE:
+            raise IndexError(f"a token id is outside the vocabulary's {self.args.vocab} ids")
+        if status == _POSITION_OUT_OF_RANGE:
+            raise IndexError(f"a position is outside the {self.args.positions_held} the rotary tables hold")
         if status != 0:
             raise MemoryError("decode_layers: a buffer could not be allocated or a kernel refused")
         return hidden, residual

@@ -31,7 +31,15 @@ from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
 from inflight.engine.model.config import ModelConfig
-from inflight.engine.model.decode_layer import DecodeStep, FusedLayer, LayerCaches, LayerRun, Links, slot
+from inflight.engine.model.decode_layer import (
+    DecodeStep,
+    FusedLayer,
+    LayerCaches,
+    LayerRun,
+    Links,
+    ModelEnds,
+    slot,
+)
 from inflight.engine.model.shard_layout import ShardLayout
 
 
@@ -294,14 +302,16 @@ class DecoderLayer(nn.Module):
 
 @dataclass(frozen=True)
 class OneCallPlan:
-    """The layers' runs of one-call forms (LayerRun, by their first layer's index) and what they were built
-    from, checked once a step (Links.current) instead of once per layer through its modules' attributes.
-    `head`: the layer list's entries (and the one past its end: a layer appended) and the layers up to the
-    first one-call layer, whose rules decide whether the step runs in one-call runs (DecodeStep.start);
+    """The layers' runs of one-call forms (LayerRun, by their first layer's index), what the calls read around
+    the layers (`ends`: the embedding, the rotary tables, the last norm), and what they were built from,
+    checked once a step (Links.current) instead of once per layer through its modules' attributes.
+    `head`: the layer list's entries (and the one past its end: a layer appended), the ends, and the layers up
+    to the first one-call layer, whose rules decide whether the step runs in one-call runs (DecodeStep.start);
     `rest`: the layers after it, checked only where the step does (a step of more rows than the layers take
     checks only the head)."""
 
     runs: dict[int, LayerRun]
+    ends: ModelEnds
     head: Links
     rest: Links
 
@@ -316,13 +326,34 @@ class OneCallPlan:
         entries = Links.of(
             [slot(model, "layers"), *((layers._modules, str(i)) for i in range(len(layers) + 1))], ()
         )
+        ends, ends_links = _model_ends(model)
         fused = [f for f, _ in found]
         split = next((i + 1 for i, f in enumerate(fused) if f is not None), len(found))
         return OneCallPlan(
             {run.start: run for run in LayerRun.runs(fused)},
-            Links.joined([entries, *(links for _, links in found[:split])]),
+            ends,
+            Links.joined([entries, ends_links, *(links for _, links in found[:split])]),
             Links.joined([links for _, links in found[split:]]),
         )
+
+
+def _model_ends(model: LlamaForCausalLM) -> tuple[ModelEnds, Links]:
+    """The model's ModelEnds, and the Links of what they were read from."""
+    embed, norm, rotary = model.embed_tokens, model.norm, model.rotary
+    weight, norm_weight = embed.weight, norm.weight
+    slots = [slot(model, name) for name in ("embed_tokens", "norm", "rotary", "layout")]
+    slots += [slot(embed, "weight"), slot(norm, "weight"), slot(norm, "eps")]
+    slots += [slot(rotary, "cos"), slot(rotary, "sin")]
+    tensors = [norm_weight, rotary.cos, rotary.sin]
+    if isinstance(weight, torch.Tensor):
+        dtype = weight.dtype
+        table = weight if model.layout.size == 1 and weight.is_contiguous() else None
+        tensors.append(weight)
+    else:  # kept quantized (QuantizedEmbedding): looked up in Python, into its dtype
+        dtype, table = embed.dtype, None
+        slots.append(slot(embed, "dtype"))
+    ends = ModelEnds(dtype, table, rotary.cos, rotary.sin, norm_weight, norm.eps)
+    return ends, Links.of(slots, tensors)
 
 
 @dataclass(frozen=True)
@@ -387,9 +418,6 @@ class LlamaForCausalLM(nn.Module):
         if attn_metadata.sliding_window != self.config.sliding_window:
             attn_metadata = replace(attn_metadata, sliding_window=self.config.sliding_window)
         keep = None if last_rows_of is None else attn_metadata.last_rows(last_rows_of)
-        hidden = self._embed(input_ids)
-        rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
-        residual: torch.Tensor | None = None
         layers = len(self.layers)
         if len(kv_caches) != layers:
             raise ValueError(f"{len(kv_caches)} KV cache pairs for {layers} layers: give one pair a layer")
@@ -398,23 +426,37 @@ class LlamaForCausalLM(nn.Module):
         # layers as one C call where it can, by the rules (rows, KV dtype) of the first run (a GGUF file's
         # first layers may hold a type the kernels do not keep). The last layer with `keep` runs per op.
         plan = self._one_call_plan() if kv_caches and attn_metadata.is_short_queries else None
-        first = None if plan is None else plan.first
         step = None
-        if first is not None:
-            step = DecodeStep.start(first, hidden, attn_metadata, rope, self._layer_caches(kv_caches))
+        if plan is not None and plan.first is not None:
+            caches = self._layer_caches(kv_caches)
+            step = DecodeStep.start(plan.first, plan.ends, input_ids, positions, attn_metadata, caches)
         if step is not None and plan is not None and not plan.rest.current():
             # A later layer changed: rebuilt, with the same first layer (its links are current).
             plan = self._one_call = OneCallPlan.of(self)
         runs = plan.runs if step is not None and plan is not None else {}
         end_of_runs = last if keep is not None else layers
+        # Where the first layer runs in C, the C call looks the embeddings up (and the rotary values: the
+        # per-op layers look theirs up only where one runs).
+        first_run = runs.get(0) if end_of_runs > 0 else None
+        if step is not None and first_run is not None and step.embeds and step.takes(first_run):
+            hidden = torch.empty((input_ids.shape[0], self.config.hidden_size), dtype=step.dtype)
+        else:
+            hidden = self._embed(input_ids)
+        rope: Rope | None = None
+        residual: torch.Tensor | None = None
         i = 0
         while i < layers:
             run = runs.get(i)
             if run is not None and step is not None and i < end_of_runs and step.takes(run):
                 end = min(run.end, end_of_runs)
-                hidden, residual = step.run(run, end, hidden, residual)
+                ends_model = end == layers and step.normalizes
+                hidden, residual = step.run(run, end, hidden, residual, ends_model)
+                if ends_model:
+                    return hidden  # the last norm applied in the C call
                 i = end
                 continue
+            if rope is None:
+                rope = ops.rotary_tables(*self.rotary(positions), like=hidden)
             k_cache, v_cache = kv_caches[i]
             layer_keep = keep if i == last else None
             hidden, residual = self.layers[i].forward(
