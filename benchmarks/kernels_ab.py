@@ -12,7 +12,9 @@ headers) come from REV.
 MODEL: a GGUF file, `builtin:smollm2` or `builtin:llama-1b`; ROWS: sequences decoding together; REV: a git
 revision; DTYPE: bfloat16 (default) or float32 (a GGUF file's weights stay quantized).
 REV's C files must export every function this checkout's Python calls (kernels.SIGNATURES): since
-`1c57be7` that includes `decode_layers`, so earlier revisions are refused.
+`1c57be7` that includes `decode_layers`, so earlier revisions are refused; and since `d455b02` decode_layers
+reads the step's positions and the model's tables (struct decode_step), so revisions before it are refused
+too.
 The OpenMP spin count is the engine's (inflight/engine/cpu/openmp.py), set before torch loads.
 """
 
@@ -61,6 +63,11 @@ def library_at(rev: str, folder: Path) -> ctypes.CDLL:
     for name in listed:
         if name.endswith((".c", ".h")):
             text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, check=True, cwd=root)
+            if name.endswith("decode_layer.c") and b"positions_held" not in text.stdout:
+                raise SystemExit(
+                    f"{rev}'s decode_layers reads an older struct decode_step (the rows' rotary values, not "
+                    "their positions) than this checkout's Python writes: compare against d455b02 or later"
+                )
             (sources / Path(name).name).write_bytes(text.stdout)
     built = kernels.build_library(out_dir=folder / "build", source_dir=sources)
     try:

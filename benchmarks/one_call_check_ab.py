@@ -11,8 +11,9 @@ Each round adds ROWS requests (64-token prompts, TOKENS greedy tokens) to each e
 BLOCK steps at a time in turn until all are done; the decode steps are timed (the prefill step and the
 step that finishes the requests are left out). MODEL: `builtin:smollm2` (default, `--quantization none`)
 or a GGUF file; bfloat16, 2 torch threads, 64 slots. The engines' greedy tokens must agree.
-All three use this checkout's C kernels, so COMMIT must be `1c57be7` or later: before it, the model code
-called `decode_layer` (one layer a call), which the kernels no longer export.
+All three use this checkout's C kernels, so COMMIT must be `d455b02` or later: before `1c57be7`, the model
+code called `decode_layer` (one layer a call), which the kernels no longer export, and before `d455b02` it
+wrote an older struct decode_step (the rows' rotary values, not their positions) than the kernels read.
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ def _old_model_code(commit: str, folder: Path) -> ModuleType:
         if name == "decode_layer" and ".decode_layer(" in source:
             raise SystemExit(
                 f"{commit}'s model code calls decode_layer, which this checkout's kernels replaced with "
-                "decode_layers (one call a run of layers) at 1c57be7: compare against 1c57be7 or later"
+                "decode_layers (one call a run of layers) at 1c57be7: compare against d455b02 or later"
+            )
+        if name == "decode_layer" and "positions_held" not in source:
+            raise SystemExit(
+                f"{commit}'s model code writes an older struct decode_step (the rows' rotary values, not "
+                "their positions) than this checkout's kernels read: compare against d455b02 or later"
             )
         files[name] = source.replace(
             "from inflight.engine.model.decode_layer import", "from old_decode_layer import"
