@@ -195,7 +195,7 @@ class DraftProposer:
             sample_rows = [rows[i] for i in sampling]
             probs = self.sampler.filtered_probs(logits[sampling], sample_rows)
             probs = probs / probs.sum(dim=-1, keepdim=True)
-            drawn = argmax_rows(probs / self.sampler.noise(sample_rows, probs, DRAFT_STREAM)).tolist()
+            drawn = self.sampler.draw(probs, sample_rows, DRAFT_STREAM).tolist()
             for row, i in enumerate(sampling):
                 chosen[i] = drawn[row]
                 batch[i].probs.append(probs[row])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from inflight.engine.sampler import argmax_rows
+from inflight.engine.sampler import race
 
 # Sampler.noise streams: the draft's own draws, and the acceptance draws (the target's draw of a token,
 # residual draws included, is stream 0). Seeded requests key each by (seed, index, position, stream).
@@ -31,8 +31,8 @@ def rejection_sample(
 
     target_probs: p_1..p_k ([k, vocab], each row summing to 1 or unnormalized: rows are normalized here);
     draft_probs: q_1..q_k ([k, vocab], normalized likewise); uniforms: k draws of U(0, 1]; residual_noise:
-    Exp(1) noise [k, vocab] for the residual draws (exponential race); bonus_token_id: the target's
-    draw after the last proposal."""
+    Exp(1) noise [k, race_draws(vocab)] for the residual draws (sampler.race); bonus_token_id: the
+    target's draw after the last proposal."""
     p = target_probs / target_probs.sum(dim=-1, keepdim=True)
     q = draft_probs / draft_probs.sum(dim=-1, keepdim=True)
     ids = torch.tensor(draft_token_ids, dtype=torch.long, device=p.device)[:, None]
@@ -47,5 +47,5 @@ def rejection_sample(
     # A rejection implies p_j(x_j) < q_j(x_j), so the residual has mass; rounding aside.
     if not bool((residual > 0).any()):
         residual = p[j]
-    token = int(argmax_rows((residual / residual_noise[j])[None, :])[0])
+    token = int(race(residual[None, :].contiguous(), residual_noise[j : j + 1])[0])
     return [*draft_token_ids[:j], token]

@@ -24,7 +24,7 @@ from inflight.engine.cpu.quantized import one_token_rows
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.rejection import ACCEPT_STREAM, rejection_sample
-from inflight.engine.sampler import Sampler, SampleResult, SamplingRow, top_logprobs
+from inflight.engine.sampler import Sampler, SampleResult, SamplingRow, race_draws, top_logprobs
 from inflight.engine.scheduler import ScheduledSequence, SchedulerOutput
 from inflight.engine.sequence import Logprob, PositionLogprobs
 
@@ -300,13 +300,13 @@ class ModelRunner:
         k = len(item.draft_token_ids)
         own = rows[first : first + k]
         target = self.sampler.probabilities(logits[first : first + k], own)
-        uniforms = torch.exp(-self.sampler.noise(own, target[:, :1], ACCEPT_STREAM))[:, 0]
+        uniforms = torch.exp(-self.sampler.noise(own, 1, target, ACCEPT_STREAM))[:, 0]
         tokens = rejection_sample(
             target,
             item.draft_token_ids,
             item.draft_probs,
             uniforms,
-            self.sampler.noise(own, target),
+            self.sampler.noise(own, race_draws(target.shape[1]), target),
             samples[k].token_id,
         )
         end = first + len(tokens)

@@ -20,6 +20,7 @@ from inflight.engine.draft import DraftProposer
 from inflight.engine.engine import LLMEngine
 from inflight.engine.output_processor import RequestOutput
 from inflight.engine.rejection import rejection_sample
+from inflight.engine.sampler import race_draws
 from inflight.engine.sequence import SamplingParams
 
 from support.models import truncated_model
@@ -143,7 +144,7 @@ def test_rejection_sampling_emits_the_target_distribution() -> None:
         draft = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
         bonus = int(torch.multinomial(bonus_p, 1, generator=gen))
         uniforms = 1 - torch.rand(2, generator=gen)
-        noise = torch.empty(2, 5).exponential_(generator=gen)
+        noise = torch.empty(2, race_draws(5)).exponential_(generator=gen)
         tokens = rejection_sample(p, draft, q, uniforms, noise, bonus)
         assert tokens[:-1] == draft[: len(tokens) - 1]
         first[tokens[0]] += 1
