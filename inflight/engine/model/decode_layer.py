@@ -447,13 +447,16 @@ class DecodeStep:
             return None
         cos, sin = ends.cos, ends.sin
         library = cpu_kernels.library() if ends.dtype in cpu_kernels.DTYPE_CODES and cos.is_cpu else None
+        if library is None or input_ids.dim() != 1:
+            return None
         rows = input_ids.shape[0]
-        if library is None or input_ids.dim() != 1 or not run.takes_rows(rows, library):
+        if not run.takes_rows(rows, library):
             return None
         tables_usable = (
             cos.dtype == sin.dtype == torch.float32
             and cos.dim() == 2
             and cos.shape == sin.shape
+            and cos.shape[1] * 2 == caches.shape[-1]  # head_dim / 2 values a position
             and cos.is_contiguous()
             and sin.is_contiguous()
         )
