@@ -47,5 +47,5 @@ def rejection_sample(
     # A rejection implies p_j(x_j) < q_j(x_j), so the residual has mass; rounding aside.
     if not bool((residual > 0).any()):
         residual = p[j]
-    token = int(race(residual[None, :].contiguous(), residual_noise[j : j + 1])[0])
+    token = int(race(residual[None, :], residual_noise[j : j + 1])[0])
     return [*draft_token_ids[:j], token]

@@ -3,10 +3,11 @@
 Sampling uses the exponential race (argmax of probs / Exp(1) noise), which draws from the filtered
 distribution, in two rounds (`race`): a block of RACE_BLOCK tokens by the blocks' masses, then a token
 within the block, which is the same distribution with ~450 draws a row instead of one a vocabulary entry
-(torch draws Exp(1) noise on one thread: over SmolLM2's 49,152 entries it was a quarter of a 64-row
-sampled decode step). A request with a seed draws its noise from a generator keyed by (seed, sequence
-index, output position) alone, so its tokens are the same whatever else shares the batch, and the same
-again after a preemption recomputes it. Requests without a seed share one engine-wide generator.
+(torch draws Exp(1) noise on one thread: with one draw for each of SmolLM2's 49,152 entries, a 64-row
+sampled decode step took 1.8x as long). A request with a seed draws its noise from a generator keyed by
+(seed, sequence index, output position) alone, so its tokens are the same whatever else shares the batch,
+and the same again after a preemption recomputes it. Requests without a seed share one engine-wide
+generator.
 
 Reported logprobs are those of the model's raw distribution (before penalties, temperature and filters).
 """
