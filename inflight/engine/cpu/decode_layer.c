@@ -142,8 +142,8 @@ static int64_t intermediate_bytes(const struct decode_layer_weights *w, int64_t 
 }
 
 /* One decoder layer for s->rows decode rows (see the top of the file), with the rows' rotary `cos` and `sin`
- * ([rows, head_dim / 2]), its intermediates in `buffer` (intermediate_bytes). `hidden` [rows, hidden]: the previous layer's MLP output (the embeddings for the
- * first layer), replaced by this layer's; `residual` [rows, hidden]: the residual stream, updated in place
+ * ([rows, head_dim / 2]), its intermediates in `buffer` (intermediate_bytes). `hidden` [rows, hidden]: the
+ * previous layer's MLP output (the embeddings for the first layer), replaced by this layer's; `residual` [rows, hidden]: the residual stream, updated in place
  * (`first`: it is set from `hidden`). Returns 0, or -1 when a kernel refused (the outputs are then
  * incomplete). */
 static int decode_layer(const struct decode_layer_weights *w, const struct decode_step *s, const float *cos,
@@ -183,7 +183,7 @@ static int decode_layer(const struct decode_layer_weights *w, const struct decod
 }
 
 /* The step's rows' rotary values, [rows, half] each in cos and sin, gathered from the model's tables;
- * DECODE_OUT_OF_RANGE where a position is not in them. */
+ * DECODE_POSITION_OUT_OF_RANGE where a position is not in them. */
 static int gather_rotary(const struct decode_step *s, int64_t half, float *cos, float *sin) {
     for (int64_t r = 0; r < s->rows; r++) {
         const int64_t p = s->positions[r];
@@ -215,15 +215,18 @@ static int gather_embeddings(const struct decode_step *s, int64_t h, int64_t ele
 int decode_layers(const struct decode_layer_weights *const *layers, void *const *k_caches, void *const *v_caches,
                   int64_t count, const struct decode_step *s, void *hidden, void *residual, int first, int last) {
     const int64_t elem = s->dtype == LAYER_BFLOAT16 ? 2 : 4, h = layers[0]->hidden;
-    const int64_t half = layers[0]->head_dim / 2, rotary_bytes = 2 * s->rows * half * (int64_t)sizeof(float);
+    const int64_t half = layers[0]->head_dim / 2;
+    /* The rows' cos and sin first, the layers' intermediates after them, from a 64-byte boundary. */
+    const int64_t rotary_bytes = (2 * s->rows * half * (int64_t)sizeof(float) + 63) / 64 * 64;
     int64_t bytes = 0;
     for (int64_t i = 0; i < count; i++) {
         const int64_t layer_bytes = intermediate_bytes(layers[i], s->rows, elem);
         if (layer_bytes > bytes) bytes = layer_bytes;
     }
-    char *buffer = malloc((size_t)(bytes + rotary_bytes));
-    if (buffer == NULL) return -1;
-    float *cos = (float *)(buffer + bytes), *sin = cos + s->rows * half;
+    char *allocated = malloc((size_t)(rotary_bytes + bytes));
+    if (allocated == NULL) return -1;
+    float *cos = (float *)allocated, *sin = cos + s->rows * half;
+    char *buffer = allocated + rotary_bytes;
     int failed = gather_rotary(s, half, cos, sin);
     if (!failed && first && s->embedding != NULL) failed = gather_embeddings(s, h, elem, hidden);
     for (int64_t i = 0; i < count && !failed; i++)
@@ -235,6 +238,6 @@ int decode_layers(const struct decode_layer_weights *const *layers, void *const 
                  (int)s->num_threads);
         memcpy(hidden, buffer, (size_t)(s->rows * h * elem));
     }
-    free(buffer);
+    free(allocated);
     return failed;
 }

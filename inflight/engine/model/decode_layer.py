@@ -365,17 +365,46 @@ _POSITION_OUT_OF_RANGE = -3
 
 @dataclass(frozen=True)
 class ModelEnds:
-    """What a decode step reads around the model's layers (decode_layer.c): the activations' dtype (the
-    embedding lookup's); the embedding table the C call looks the rows up in (None: the model looks them up);
-    the rotary tables [positions, head_dim / 2]; the last RMSNorm's weight and eps, which the C call applies
-    after the model's last layer where the weight is of the activations' dtype."""
+    """What a decode step reads around the model's layers (decode_layer.c), as the C call can read it, built
+    once with the plan (`of`): the activations' dtype (the embedding lookup's); the embedding table the C
+    call looks the rows up in (None: the model looks them up); the rotary tables [positions, head_dim / 2]
+    (`rotary_usable`: float32, contiguous, of one shape; else no one-call step); the last RMSNorm's weight,
+    which the C call applies after the model's last layer (None: the model applies it), and its eps."""
 
     dtype: torch.dtype
     embedding: torch.Tensor | None
     cos: torch.Tensor
     sin: torch.Tensor
-    norm_weight: torch.Tensor
+    rotary_usable: bool
+    final_norm: torch.Tensor | None
     norm_eps: float
+
+    @staticmethod
+    def of(
+        dtype: torch.dtype,
+        table: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        norm: tuple[torch.Tensor, float],
+    ) -> ModelEnds:
+        """`table`: the embedding table (None: kept quantized, or split over ranks); `rope`: the rotary
+        tables (cos, sin); `norm`: the last RMSNorm's weight and eps. Each is kept for the C call where it
+        can read it."""
+        cos, sin = rope
+        norm_weight, eps = norm
+
+        def readable(t: torch.Tensor) -> bool:
+            return t.dtype == dtype and t.is_cpu and t.is_contiguous()
+
+        rotary_usable = (
+            cos.dtype == sin.dtype == torch.float32
+            and cos.dim() == 2
+            and cos.shape == sin.shape
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        )
+        embedding = table if table is not None and readable(table) else None
+        final_norm = norm_weight if readable(norm_weight) else None
+        return ModelEnds(dtype, embedding, cos, sin, rotary_usable, final_norm, eps)
 
 
 class DecodeStep:
@@ -395,14 +424,13 @@ class DecodeStep:
         query_rows, seqs, lens = meta.rows_as_decodes
         slots = meta.slot_mapping.contiguous()
         block_tables = meta.block_tables.to(torch.int32).contiguous()
-        embedding, norm = ends.embedding, ends.norm_weight
+        embedding, norm = ends.embedding, ends.final_norm
         self.dtype = ends.dtype
-        self.embeds = embedding is not None and embedding.dtype == self.dtype and embedding.is_cpu
-        self.normalizes = norm.dtype == self.dtype and norm.is_cpu and norm.is_contiguous()
-        # Held: the step struct points into them.
-        self._tensors: tuple[torch.Tensor, ...] = (positions, input_ids, ends.cos, ends.sin, norm, slots)
-        self._tensors += (block_tables, lens, query_rows, seqs)
-        self._embedding = embedding  # held too
+        self.embeds = embedding is not None
+        self.normalizes = norm is not None
+        # Held: the step struct points into them (and into the ends' tensors).
+        self._tensors = (positions, input_ids, slots, block_tables, lens, query_rows, seqs)
+        self._ends = ends
         self._library = library
         self._caches = caches
         self.kv_dtype = kv_dtype
@@ -413,9 +441,9 @@ class DecodeStep:
             ends.sin.data_ptr(),
             ends.cos.shape[0],
             input_ids.data_ptr(),
-            embedding.data_ptr() if embedding is not None and self.embeds else None,
+            None if embedding is None else embedding.data_ptr(),
             0 if embedding is None else embedding.shape[0],
-            norm.data_ptr() if self.normalizes else None,
+            None if norm is None else norm.data_ptr(),
             ends.norm_eps,
             slots.data_ptr(),
             block_tables.data_ptr(),
@@ -445,21 +473,15 @@ class DecodeStep:
         model's first; see the top of the file), else None."""
         if run is None or not meta.is_short_queries:
             return None
-        cos, sin = ends.cos, ends.sin
+        cos = ends.cos
         library = cpu_kernels.library() if ends.dtype in cpu_kernels.DTYPE_CODES and cos.is_cpu else None
         if library is None or input_ids.dim() != 1:
             return None
         rows = input_ids.shape[0]
         if not run.takes_rows(rows, library):
             return None
-        tables_usable = (
-            cos.dtype == sin.dtype == torch.float32
-            and cos.dim() == 2
-            and cos.shape == sin.shape
-            and cos.shape[1] * 2 == caches.shape[-1]  # head_dim / 2 values a position
-            and cos.is_contiguous()
-            and sin.is_contiguous()
-        )
+        # head_dim / 2 rotary values a position: the rows the C call reads.
+        tables_usable = ends.rotary_usable and cos.shape[1] * 2 == caches.shape[-1]
         rows_usable = all(
             t.dtype == torch.int64 and t.is_cpu and t.is_contiguous() and t.shape == (rows,)
             for t in (input_ids, positions, meta.slot_mapping)

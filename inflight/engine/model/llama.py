@@ -346,13 +346,12 @@ def _model_ends(model: LlamaForCausalLM) -> tuple[ModelEnds, Links]:
     slots += [slot(rotary, "cos"), slot(rotary, "sin")]
     tensors = [norm_weight, rotary.cos, rotary.sin]
     if isinstance(weight, torch.Tensor):
-        dtype = weight.dtype
-        table = weight if model.layout.size == 1 and weight.is_contiguous() else None
+        dtype, table = weight.dtype, weight if model.layout.size == 1 else None
         tensors.append(weight)
     else:  # kept quantized (QuantizedEmbedding): looked up in Python, into its dtype
         dtype, table = embed.dtype, None
         slots.append(slot(embed, "dtype"))
-    ends = ModelEnds(dtype, table, rotary.cos, rotary.sin, norm_weight, norm.eps)
+    ends = ModelEnds.of(dtype, table, (rotary.cos, rotary.sin), (norm_weight, norm.eps))
     return ends, Links.of(slots, tensors)
 
 
