@@ -48,7 +48,13 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
         rss_mib = resident_mib()
 
         params = [
-            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, guided=_guided(r))
+            SamplingParams(
+                max_tokens=r.output_len,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                ignore_eos=True,
+                guided=_guided(r),
+            )
             for r in settings.requests
         ]
         start, cpu_start = time.perf_counter(), time.process_time()

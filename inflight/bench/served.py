@@ -42,7 +42,7 @@ import httpx
 
 from inflight.bench import vllm_cpu
 from inflight.bench.servers_mode import MEMORY_MARGIN, ONE_AT_A_TIME, TOGETHER
-from inflight.bench.workload import BenchRequest, load_workload, warmup_prompt
+from inflight.bench.workload import BenchRequest, load_workload, sampling_name, warmup_prompt, with_sampling
 from inflight.engine.cpu import openmp
 from inflight.engine.cpu.isa import cpu_isa
 from inflight.engine.dtypes import resolve_dtype_name
@@ -138,7 +138,8 @@ async def _one_request(
         "model": model,
         "prompt": request.prompt_token_ids,
         "max_tokens": request.output_len,
-        "temperature": 0.0,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -718,6 +719,7 @@ def plot(report: dict[str, Any], results: dict[str, list[RequestResult]], path: 
     w = report["workload"]
     figure.suptitle(
         f"inflight bench serve: {w['num_requests']} {w['kind']} requests, {w['arrivals']}, "
+        f"{sampling_name(w['temperature'], w['top_p'])}, "
         f"{w['model']} ({report['server'].get('dtype', '?')})"
     )
     figure.tight_layout()
@@ -808,7 +810,11 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
     # inflight serves the GGUF file itself when its weights stay quantized, and always against llama.cpp
     # (the same file for both); vLLM reads the folder.
     inflight_model = gguf_file or inflight_checkpoint(args.model, model_dir, args.quantization)
-    requests = load_workload(model_dir, args.num_requests, args.seed, args.workload, args.schema_share)
+    requests = with_sampling(
+        load_workload(model_dir, args.num_requests, args.seed, args.workload, args.schema_share),
+        args.temperature,
+        args.top_p,
+    )
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
     if args.url:
@@ -828,8 +834,11 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
         "available_gib": None if available is None else round(available / GIB, 2),
     }
     # Untimed, like the offline runner's warm-up: two short requests through the HTTP path, on a prompt no
-    # timed one shares a prefix with (llama-server keeps each slot's last prompt even without prefix caching).
-    warmup = [BenchRequest(warmup_prompt(requests), WARMUP_TOKENS)] * 2
+    # timed one shares a prefix with (llama-server keeps each slot's last prompt even without prefix caching),
+    # sampled as the timed ones are.
+    warmup = with_sampling(
+        [BenchRequest(warmup_prompt(requests), WARMUP_TOKENS)] * 2, args.temperature, args.top_p
+    )
 
     def warm_up(system: ServedSystem) -> None:
         asyncio.run(run_clients(system.url, system.model, warmup, math.inf, args.seed))
@@ -970,7 +979,12 @@ def _run_load(
             "rounds": args.rounds,
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
             "output_tokens": sum(r.output_len for r in requests),
-            "sampling": "greedy, ignore_eos, streaming /v1/completions with token-id prompts",
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "sampling": (
+                f"{sampling_name(args.temperature, args.top_p)}, ignore_eos, "
+                "streaming /v1/completions with token-id prompts"
+            ),
         },
         "server": {
             "url": args.url or "started by the benchmark",

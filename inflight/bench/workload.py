@@ -49,6 +49,10 @@ class BenchRequest:
     output_len: int
     # A JSON schema the output must follow (None: unconstrained).
     schema: dict[str, Any] | None = None
+    # How each token is chosen: 0 is greedy. Only `bench serve` samples (`with_sampling`): `bench offline`
+    # compares the systems token for token, which needs greedy requests.
+    temperature: float = 0.0
+    top_p: float = 1.0
 
 
 def special_token_ids(model_dir: Path) -> set[int]:
@@ -144,3 +148,31 @@ def with_schemas(requests: list[BenchRequest], share: float) -> list[BenchReques
         replace(request, schema=BENCH_SCHEMA) if int((i + 1) * share) > int(i * share) else request
         for i, request in enumerate(requests)
     ]
+
+
+def checked_temperature(value: float) -> float:
+    """`value` if it is a temperature the OpenAI API takes (0-2), else ValueError."""
+    if not 0.0 <= value <= 2.0:
+        raise ValueError(f"the temperature must be between 0 and 2, got {value:g}")
+    return value
+
+
+def checked_top_p(value: float) -> float:
+    """`value` if it is a nucleus share (above 0, at most 1), else ValueError."""
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"top_p must be above 0 and at most 1, got {value:g}")
+    return value
+
+
+def with_sampling(requests: list[BenchRequest], temperature: float, top_p: float) -> list[BenchRequest]:
+    """The same requests, each sampled at `temperature` (0: greedy) from its `top_p` nucleus."""
+    checked_temperature(temperature)
+    checked_top_p(top_p)
+    return [replace(request, temperature=temperature, top_p=top_p) for request in requests]
+
+
+def sampling_name(temperature: float, top_p: float) -> str:
+    """How `with_sampling` requests choose their tokens, in words: "greedy", "temperature 0.8, top_p 0.9"."""
+    if temperature == 0.0:
+        return "greedy"
+    return f"temperature {temperature:g}" + (f", top_p {top_p:g}" if top_p < 1.0 else "")

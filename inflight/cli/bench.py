@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from inflight.bench.servers_mode import MEMORY_MARGIN, SERVERS_CHOICES
+from inflight.bench.workload import checked_temperature, checked_top_p
 from inflight.cli.args import add_model_arg
 from inflight.engine.cli_args import (
     add_batching_args,
@@ -61,6 +63,20 @@ def _register_serve(benchmarks: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
     add_workload_arg(parser)
     _add_schema_share_arg(parser)
+    parser.add_argument(
+        "--temperature",
+        type=_checked(checked_temperature),
+        default=0.0,
+        help="every request's sampling temperature, sent to each server and used by the offline run "
+        "(0-2; default: 0, greedy). Requests are unseeded and still generate their exact lengths",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=_checked(checked_top_p),
+        default=1.0,
+        help="every request's nucleus: sample from the most likely tokens whose probabilities add up to "
+        "this (0 < p <= 1; default: 1, every token)",
+    )
     parser.add_argument(
         "--skip-offline", action="store_true", help="do not run the offline engine for the ratio"
     )
@@ -189,6 +205,18 @@ def _share(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
+
+
+def _checked(check: Callable[[float], float]) -> Callable[[str], float]:
+    """An argparse type: the number `check` accepts, or its message as argparse's error."""
+
+    def parse(text: str) -> float:
+        try:
+            return check(float(text))
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
 
 
 def _add_schema_share_arg(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,14 @@ from safetensors.torch import load_file, save_file
 
 from inflight.bench import inflight_engine, offline
 from inflight.bench.system import BenchSettings, System, SystemRun
-from inflight.bench.workload import BenchRequest, load_workload, make_workload, vocab_size, with_schemas
+from inflight.bench.workload import (
+    BenchRequest,
+    load_workload,
+    make_workload,
+    vocab_size,
+    with_sampling,
+    with_schemas,
+)
 from inflight.cli.bench import run_offline_command
 from inflight.engine.tokenizer import Tokenizer
 
@@ -204,3 +211,16 @@ def test_a_schema_share_constrains_inflight_and_skips_systems_that_cannot(
     texts = [tokenizer.decode(tokens) for tokens in runs[0].outputs]
     # Every request generated its exact length (the schema cannot end sooner); constrained ones are JSON.
     assert [texts[i].startswith('[{"name": "') for i in range(4)] == [False, True, False, True]
+
+
+def test_the_engines_run_samples_as_its_requests_ask(tiny_llama_dir: Path) -> None:
+    """`bench serve --temperature` also samples in its offline run: the same exact lengths, other tokens
+    than greedy (on the random tiny model no token is likely enough to repeat greedy's 4 x 12 tokens)."""
+    greedy = [BenchRequest(r.prompt_token_ids[:12], 12) for r in load_workload(tiny_llama_dir, 4)]
+    runs = [
+        inflight_engine.CONTINUOUS.run(settings_for(requests, tiny_llama_dir))
+        for requests in (greedy, greedy, with_sampling(greedy, 1.0, 0.95))
+    ]
+    assert [[len(tokens) for tokens in run.outputs] for run in runs] == [[12] * 4] * 3
+    assert runs[0].outputs == runs[1].outputs
+    assert runs[2].outputs != runs[0].outputs

@@ -11,8 +11,10 @@ from inflight.bench.workload import (
     BenchRequest,
     load_workload,
     make_workload,
+    sampling_name,
     special_token_ids,
     warmup_prompt,
+    with_sampling,
     with_schemas,
 )
 
@@ -76,3 +78,27 @@ def test_a_schema_share_marks_requests_evenly() -> None:
     assert sum(r.schema is not None for r in with_schemas(requests, 0.25)) == 2
     with pytest.raises(ValueError, match="schema share"):
         with_schemas(requests, 1.5)
+
+
+def test_sampled_requests_keep_their_prompts_and_lengths() -> None:
+    requests = with_schemas(make_workload(vocab=100, excluded_ids=set(), num_requests=4, seed=0), 0.5)
+    sampled = with_sampling(requests, 0.8, 0.95)
+    assert [(r.temperature, r.top_p) for r in sampled] == [(0.8, 0.95)] * 4
+    assert [(r.prompt_token_ids, r.output_len, r.schema) for r in sampled] == [
+        (r.prompt_token_ids, r.output_len, r.schema) for r in requests
+    ]
+    assert [(r.temperature, r.top_p) for r in requests] == [(0.0, 1.0)] * 4  # greedy unless asked
+    assert sampling_name(0.0, 1.0) == "greedy"
+    assert sampling_name(0.8, 1.0) == "temperature 0.8"
+    assert sampling_name(0.8, 0.95) == "temperature 0.8, top_p 0.95"
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "message"),
+    [(2.5, 1.0, "temperature must be between 0 and 2, got 2.5"), (-0.1, 1.0, "got -0.1"),
+     (1.0, 0.0, "top_p must be above 0 and at most 1, got 0"), (1.0, 1.5, "got 1.5")],
+)  # fmt: skip
+def test_sampling_outside_the_apis_ranges_is_refused(temperature: float, top_p: float, message: str) -> None:
+    requests = make_workload(vocab=100, excluded_ids=set(), num_requests=1, seed=0)
+    with pytest.raises(ValueError, match=message):
+        with_sampling(requests, temperature, top_p)

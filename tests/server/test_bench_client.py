@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -30,7 +31,7 @@ from inflight.bench.served import (
     time_per_output_token,
 )
 from inflight.bench.system import resident_mib
-from inflight.bench.workload import BenchRequest
+from inflight.bench.workload import BenchRequest, with_sampling
 
 
 def test_the_benchmark_client_measures_every_token(live: Any) -> None:
@@ -223,12 +224,19 @@ def test_bench_passes_the_kv_cache_dtype_to_both_servers_and_the_offline_engines
     assert build_parser().parse_args(["bench", "offline", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
 
 
-def serve_events(events: list[bytes]) -> Any:
-    """A one-route SSE server that streams `events` (each a `data:` payload) as chunked HTTP."""
+def serve_events(events: list[bytes], bodies: list[dict[str, Any]] | None = None) -> Any:
+    """A one-route SSE server that streams `events` (each a `data:` payload) as chunked HTTP, and appends
+    each request's JSON body to `bodies` when given."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while (await reader.readline()) not in (b"\r\n", b""):
-            pass  # the request line and headers; the body is not needed
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        body = await reader.readexactly(length)
+        if bodies is not None:
+            bodies.append(json.loads(body))
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
@@ -273,6 +281,42 @@ def test_the_client_reads_usage_from_llama_servers_last_chunk(last_text: bytes, 
     assert result.error is None
     assert result.output_tokens == tokens
     assert len(result.itls) + 1 == tokens  # a token per chunk that carries text
+
+
+def test_the_client_sends_each_requests_sampling() -> None:
+    """Every server gets the same sampling (`bench serve --temperature --top-p`); greedy unless asked."""
+    events = [b'{"choices":[{"text":"a","index":0,"finish_reason":"length"}]}', b'{"choices":[],'
+              b'"usage":{"completion_tokens":1,"prompt_tokens":2,"total_tokens":3}}', b"[DONE]"]  # fmt: skip
+    bodies: list[dict[str, Any]] = []
+
+    async def run() -> list[RequestResult]:
+        server = await asyncio.start_server(serve_events(events, bodies), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        greedy = [BenchRequest([1, 2], output_len=1)]
+        async with server:
+            sent = [
+                await run_clients(f"http://127.0.0.1:{port}", "bench", requests, float("inf"), seed=0)
+                for requests in (greedy, with_sampling(greedy, 0.7, 0.9))
+            ]
+        return [result for results, _ in sent for result in results]
+
+    assert [result.error for result in asyncio.run(run())] == [None, None]
+    assert [(body["temperature"], body["top_p"]) for body in bodies] == [(0.0, 1.0), (0.7, 0.9)]
+    assert all(body["ignore_eos"] and body["stream"] for body in bodies)
+
+
+def test_bench_serve_refuses_sampling_outside_the_apis_ranges(capsys: pytest.CaptureFixture[str]) -> None:
+    from inflight.cli import build_parser
+
+    for flags, message in (
+        (["--temperature", "2.5"], "--temperature: the temperature must be between 0 and 2, got 2.5"),
+        (["--top-p", "0"], "--top-p: top_p must be above 0 and at most 1, got 0"),
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "serve", *flags])
+        assert message in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "serve", "--temperature", "0.8", "--top-p", "0.95"])
+    assert (args.temperature, args.top_p) == (0.8, 0.95)
 
 
 def test_llama_server_gets_a_slot_per_request_in_flight(tmp_path: Path) -> None:
