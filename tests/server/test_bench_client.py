@@ -333,6 +333,14 @@ def test_llama_server_gets_a_slot_per_request_in_flight(tmp_path: Path) -> None:
     assert flags["-np"] == str(args.max_slots) and flags["-c"] == str(args.max_slots * 300)
     assert flags["-t"] == "2"
     assert "--no-repack" not in command
+    # Every round cold, as on the other servers: no prompt kept in a slot or in host memory between requests.
+    assert command[command.index("--cache-ram") + 1] == "0" and "--no-cache-prompt" in command
+    cached = build_parser().parse_args(
+        ["bench", "serve", "--compare", "llama-cpp", "--llama-server", "/opt/llama-server",
+         "--enable-prefix-caching"]
+    )  # fmt: skip
+    command = _llama_server_command(cached, tmp_path / "m.gguf", 8002, 300)
+    assert "--cache-ram" not in command and "--no-cache-prompt" not in command
 
 
 def test_llama_server_gets_the_extra_arguments_after_the_benchmarks_own(tmp_path: Path) -> None:
