@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from inflight.engine import sampler as sampler_module
 from inflight.engine.sampler import RACE_BLOCK, Sampler, SamplingRow, race, race_draws
 from inflight.engine.sequence import SamplingParams
 
@@ -179,7 +180,15 @@ def test_top_k_top_p_over_a_large_vocabulary_equals_a_full_sort() -> None:
         torch.testing.assert_close(filtered[i][kept], expected[want])
 
 
-def test_the_race_in_two_rounds_draws_each_entry_with_its_probability() -> None:
+@pytest.fixture(params=["C kernel", "torch"])
+def race_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`race` on CPU runs kernels.c's race_rows; "torch": its torch form (the one other devices run)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module.cpu_kernels, "library_for", lambda *tensors: None)
+    return str(request.param)
+
+
+def test_the_race_in_two_rounds_draws_each_entry_with_its_probability(race_path: str) -> None:
     """Weights spread over three blocks of RACE_BLOCK entries, the last one partial (padded): each entry is
     drawn with its share of the mass (within 0.01 over 40,000 draws, > 4 standard deviations), a zero
     entry and the padding never."""
@@ -201,3 +210,20 @@ def test_the_race_in_two_rounds_draws_each_entry_with_its_probability() -> None:
     assert abs(spread - 0.1) < 0.01
     assert counts[weights == 0].sum().item() == 0
     assert race_draws(vocab) == 3 + RACE_BLOCK
+
+
+def test_the_races_c_kernel_picks_what_its_torch_form_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both forms of `race` take the same entry for the same weights and draws, the first of equal ones in
+    both rounds; the vocabulary a partial last block."""
+    vocab = 3 * RACE_BLOCK + 57
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.rand(300, vocab, generator=gen) ** 8  # peaked, as softmax rows are
+    weights[:, : 2 * RACE_BLOCK] *= (torch.rand(300, 1, generator=gen) < 0.5).float()  # whole blocks at 0
+    noise = torch.empty(300, race_draws(vocab)).exponential_(generator=gen)
+    ties = torch.ones(2, vocab), torch.ones(2, race_draws(vocab))  # every block, every entry equal
+    picked = [race(weights, noise), race(*ties)]
+    monkeypatch.setattr(sampler_module.cpu_kernels, "library_for", lambda *tensors: None)
+    assert picked[0].tolist() == race(weights, noise).tolist()
+    assert picked[1].tolist() == race(*ties).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="noise of shape"):
+        race(weights, noise[:, :-1])
