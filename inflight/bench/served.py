@@ -144,6 +144,11 @@ async def _one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.temperature > 0:
+        # Every server samples from the same distribution: the temperature and top_p alone. llama-server's
+        # own defaults would also cut it to the 40 most likely tokens and drop those under 5 % of the
+        # likeliest's probability (top_k 40, min_p 0.05); vLLM's and inflight's are off.
+        body |= {"top_k": 0, "min_p": 0.0}
     if request.schema is not None:
         body["response_format"] = {
             "type": "json_schema",

@@ -302,6 +302,8 @@ def test_the_client_sends_each_requests_sampling() -> None:
 
     assert [result.error for result in asyncio.run(run())] == [None, None]
     assert [(body["temperature"], body["top_p"]) for body in bodies] == [(0.0, 1.0), (0.7, 0.9)]
+    # Sampled: no server's own top_k or min_p default narrows the distribution (llama-server's are 40, 0.05).
+    assert "top_k" not in bodies[0] and (bodies[1]["top_k"], bodies[1]["min_p"]) == (0, 0.0)
     assert all(body["ignore_eos"] and body["stream"] for body in bodies)
 
 
