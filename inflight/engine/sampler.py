@@ -112,26 +112,18 @@ class Sampler:
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distributions a non-greedy draw of each row picks from: penalties, temperature, top-k, top-p
-        and min-p applied (unnormalized after min-p)."""
+        and min-p applied, unnormalized (`sampling_weights`)."""
         return self.filtered_probs(self._apply_penalties(logits, rows), rows)
 
     def filtered_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """`probabilities` of logits whose penalties are already applied."""
-        device = logits.device
-        temperature = torch.tensor(
-            [r.params.temperature if not r.params.greedy else 1.0 for r in rows],
-            dtype=logits.dtype,
-            device=device,
-        )
-        scaled = logits / temperature[:, None]
+        temperatures = [r.params.temperature if not r.params.greedy else 1.0 for r in rows]
+        min_p = [r.params.min_p for r in rows]
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
-            scaled = self._top_k_top_p(scaled, rows)
-        probs = torch.softmax(scaled, dim=-1)
-        if any(r.params.min_p > 0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+            # top_p's mass is that of the tempered distribution: the filters see the tempered logits.
+            tempered = logits / torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
+            return sampling_weights(self._top_k_top_p(tempered, rows), [1.0] * len(rows), min_p)
+        return sampling_weights(logits, temperatures, min_p)
 
     def noise(self, rows: list[SamplingRow], width: int, like: torch.Tensor, stream: int = 0) -> torch.Tensor:
         """Exp(1) noise [len(rows), width] in `like`'s dtype and device: a seeded row's from a generator keyed
@@ -232,6 +224,29 @@ class Sampler:
                 top[token_ids[i]] = Logprob(chosen_list[i], ranks[i])
             results.append(SampleResult(token_ids[i], chosen_list[i], top))
         return results
+
+
+def sampling_weights(logits: torch.Tensor, temperatures: list[float], min_p: list[float]) -> torch.Tensor:
+    """Each row's distribution at its temperature, with the tokens under min_p times the likeliest's
+    probability at 0 (float32 [rows, vocab], unnormalized: e^((logit - the row's largest) / temperature)
+    on CPU, kernels.c's tempered_weights; softmax elsewhere)."""
+    rows, vocab = logits.shape
+    library = cpu_kernels.library_for(logits)
+    if library is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        inverse = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+        floors = torch.tensor(min_p, dtype=torch.float32)
+        out = torch.empty_like(logits)
+        library.tempered_weights(
+            logits.data_ptr(), rows, vocab, inverse.data_ptr(), floors.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+    device = logits.device
+    probs = torch.softmax(logits / torch.tensor(temperatures, dtype=logits.dtype, device=device)[:, None], -1)
+    if any(p > 0 for p in min_p):
+        floors = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None]
+        probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * floors, 0.0)
+    return probs
 
 
 def race_draws(vocab: int) -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inflight.engine import sampler as sampler_module
-from inflight.engine.sampler import RACE_BLOCK, Sampler, SamplingRow, race, race_draws
+from inflight.engine.sampler import RACE_BLOCK, Sampler, SamplingRow, race, race_draws, sampling_weights
 from inflight.engine.sequence import SamplingParams
 
 # probabilities 0.5, 0.3, 0.2, 0 (token 3 is impossible)
@@ -227,3 +227,20 @@ def test_the_races_c_kernel_picks_what_its_torch_form_picks(monkeypatch: pytest.
     assert picked[1].tolist() == race(*ties).tolist() == [0, 0]
     with pytest.raises(ValueError, match="noise of shape"):
         race(weights, noise[:, :-1])
+
+
+def test_the_sampling_weights_kernel_gives_the_tempered_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.c's tempered_weights against the softmax form other devices run: the same distribution per
+    row once normalized (temperature, min_p), filtered (-inf) tokens and those under min_p exactly 0."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 3 * 1000 + 7, generator=gen) * 4
+    logits[1, ::3] = float("-inf")  # tokens a top-k / top-p filter or a grammar took out
+    temperatures, min_p = [1.0, 0.7, 2.0, 0.05], [0.0, 0.0, 0.05, 0.1]
+    ours = sampling_weights(logits, temperatures, min_p)
+    monkeypatch.setattr(sampler_module.cpu_kernels, "library_for", lambda *tensors: None)
+    reference = sampling_weights(logits, temperatures, min_p)
+    normalized = [weights / weights.sum(-1, keepdim=True) for weights in (ours, reference)]
+    torch.testing.assert_close(*normalized, rtol=1e-5, atol=1e-9)
+    assert torch.equal(ours == 0, reference == 0)
+    assert bool((ours[1, ::3] == 0).all()) and int((ours[2] == 0).sum()) > 0
+    assert ours.max(dim=-1).values.tolist() == [1.0] * 4  # the likeliest token weighs 1

@@ -88,6 +88,8 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     "write_kv": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64], None),
     # x (float32), rows, cols, out (int64), num_threads
     "argmax_rows": ([_ptr, _i64, _i64, _ptr, _int], None),
+    # logits (float32), rows, vocab, inv_temperature (float32), min_p (float32), out (float32), num_threads
+    "tempered_weights": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], None),
     # weights (float32), rows, vocab, block, noise (float32), out (int64), num_threads
     "race_rows": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _int], None),
     # logits (float32), row_stride, rows (int64), bitmask (int32), n, words, vocab, num_threads
