@@ -139,11 +139,17 @@ def warmup_prompt(requests: Sequence[BenchRequest]) -> list[int]:
     return tokens
 
 
+def checked_share(value: float) -> float:
+    """`value` if it is a share of the requests (0-1), else ValueError."""
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"the schema share must be in [0, 1], got {value:g}")
+    return value
+
+
 def with_schemas(requests: list[BenchRequest], share: float) -> list[BenchRequest]:
     """The same requests, `share` of them (spread evenly: request i when floor((i + 1) * share) grows)
     carrying BENCH_SCHEMA."""
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"the schema share must be in [0, 1], got {share}")
+    checked_share(share)
     return [
         replace(request, schema=BENCH_SCHEMA) if int((i + 1) * share) > int(i * share) else request
         for i, request in enumerate(requests)

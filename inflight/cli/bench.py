@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from inflight.bench.servers_mode import MEMORY_MARGIN, SERVERS_CHOICES
-from inflight.bench.workload import checked_temperature, checked_top_p
+from inflight.bench.workload import checked_share, checked_temperature, checked_top_p
 from inflight.cli.args import add_model_arg
 from inflight.engine.cli_args import (
     add_batching_args,
@@ -200,13 +200,6 @@ def _register_offline(benchmarks: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_offline_command)
 
 
-def _share(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
 def _checked(check: Callable[[float], float]) -> Callable[[str], float]:
     """An argparse type: the number `check` accepts, or its message as argparse's error."""
 
@@ -222,7 +215,7 @@ def _checked(check: Callable[[float], float]) -> Callable[[str], float]:
 def _add_schema_share_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schema-share",
-        type=_share,
+        type=_checked(checked_share),
         default=0.0,
         help="share of the requests (spread evenly) whose output must follow a JSON schema (an array no "
         "output finishes, so every request still generates its exact length); systems that cannot "

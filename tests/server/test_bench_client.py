@@ -313,6 +313,7 @@ def test_bench_serve_refuses_sampling_outside_the_apis_ranges(capsys: pytest.Cap
     for flags, message in (
         (["--temperature", "2.5"], "--temperature: the temperature must be between 0 and 2, got 2.5"),
         (["--top-p", "0"], "--top-p: top_p must be above 0 and at most 1, got 0"),
+        (["--schema-share", "1.5"], "--schema-share: the schema share must be in [0, 1], got 1.5"),
     ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "serve", *flags])
