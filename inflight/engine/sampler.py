@@ -249,9 +249,14 @@ def sampling_weights(logits: torch.Tensor, temperatures: list[float], min_p: lis
     return probs
 
 
+def race_blocks(vocab: int) -> int:
+    """The blocks of RACE_BLOCK entries `race`'s first round splits `vocab` entries into (the last padded)."""
+    return -(-vocab // RACE_BLOCK)
+
+
 def race_draws(vocab: int) -> int:
     """The Exp(1) draws `race` takes a row over `vocab` entries: one a block, then one a block's token."""
-    return -(-vocab // RACE_BLOCK) + RACE_BLOCK
+    return race_blocks(vocab) + RACE_BLOCK
 
 
 def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -283,7 +288,7 @@ def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
             torch.get_num_threads(),
         )
         return out
-    blocks = -(-vocab // RACE_BLOCK)
+    blocks = race_blocks(vocab)
     padded = F.pad(weights, (0, blocks * RACE_BLOCK - vocab)) if vocab % RACE_BLOCK else weights
     grouped = padded.reshape(rows, blocks, RACE_BLOCK)
     block = argmax_rows(grouped.sum(dim=-1) / noise[:, :blocks])
