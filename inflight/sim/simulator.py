@@ -40,7 +40,8 @@ class DemoEngineSettings:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_model_len: int = 512
-    # The engine's CPU default, given to the demo's real engine on any device.
+    # The engine's CPU default for models no larger than SmolLM2-135M, given to the demo's real engine on
+    # any device and for any model, so the simulation and the real run schedule the same steps.
     max_prefill_tokens_while_decoding: int = CPU_PREFILL_TOKENS_WHILE_DECODING
 
     @property

@@ -9,7 +9,14 @@ import pytest
 
 from inflight.cli import build_parser
 from inflight.engine.cli_args import add_engine_args, engine_config_from_args
-from inflight.engine.config import CPU_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
+from inflight.engine.config import (
+    CPU_MIN_PREFILL_TOKENS_WHILE_DECODING,
+    CPU_PREFILL_TOKENS_WHILE_DECODING,
+    CPU_PREFILL_WORK_WHILE_DECODING,
+    EngineConfig,
+    cpu_prefill_tokens_while_decoding,
+)
+from inflight.sizing import find_model
 
 COMMANDS = {
     "serve": ["serve", "--model", "m"],
@@ -62,11 +69,30 @@ def test_bad_engine_settings_say_what_is_wrong() -> None:
 
 def test_the_prefill_cap_while_decoding_is_the_cpu_default_on_cpu_and_the_budget_on_cuda() -> None:
     config = EngineConfig(max_num_batched_tokens=4096)
-    assert config.prefill_tokens_while_decoding("cpu") == CPU_PREFILL_TOKENS_WHILE_DECODING
-    assert config.prefill_tokens_while_decoding("cuda") == 4096
+    smollm2 = find_model("builtin:smollm2")
+    assert smollm2 is not None
+    layers = smollm2.linear_parameter_count()
+    assert config.prefill_tokens_while_decoding("cpu", layers) == CPU_PREFILL_TOKENS_WHILE_DECODING
+    assert config.prefill_tokens_while_decoding("cuda", layers) == 4096
     args = build_parser().parse_args([*COMMANDS["serve"], "--max-prefill-tokens-while-decoding", "128"])
     chosen = engine_config_from_args(args)
-    assert chosen.prefill_tokens_while_decoding("cpu") == chosen.prefill_tokens_while_decoding("cuda") == 128
+    for device in ("cpu", "cuda"):
+        assert chosen.prefill_tokens_while_decoding(device, layers) == 128
+        assert chosen.prefill_tokens_while_decoding(device, 100 * layers) == 128
     args = build_parser().parse_args([*COMMANDS["serve"], "--max-prefill-tokens-while-decoding", "0"])
     with pytest.raises(SystemExit, match=r"--max-prefill-tokens-while-decoding: .*greater than or equal"):
         engine_config_from_args(args)
+
+
+def test_the_cpu_prefill_cap_while_decoding_is_smollm2s_256_tokens_of_work() -> None:
+    """256 prompt tokens a step for SmolLM2-135M and anything with smaller layers; the same work (not more
+    tokens) for larger layers, so a larger model's prompt chunk holds its decodes about as long; never below
+    a KV block's 16 tokens."""
+    shapes = {name: find_model(f"builtin:{name}") for name in ("tiny", "small", "smollm2", "llama-1b")}
+    weights = {name: shape.linear_parameter_count() for name, shape in shapes.items() if shape is not None}
+    assert CPU_PREFILL_TOKENS_WHILE_DECODING * weights["smollm2"] == CPU_PREFILL_WORK_WHILE_DECODING
+    caps = {name: cpu_prefill_tokens_while_decoding(count) for name, count in weights.items()}
+    assert caps == {"tiny": 256, "small": 256, "smollm2": 256, "llama-1b": 27}
+    assert cpu_prefill_tokens_while_decoding(weights["smollm2"] + 1) == 255
+    # A 7B model's layers (~6.5 G weights) would get 4 tokens by work alone.
+    assert cpu_prefill_tokens_while_decoding(6_500_000_000) == CPU_MIN_PREFILL_TOKENS_WHILE_DECODING == 16

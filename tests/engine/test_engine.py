@@ -13,8 +13,11 @@ import torch
 from inflight import LLM, SamplingParams
 from inflight.engine.config import CPU_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
 from inflight.engine.engine import LLMEngine
+from inflight.engine.model.config import ModelConfig
+from inflight.engine.model.llama import LlamaForCausalLM
 from inflight.engine.output_processor import RequestOutput
 from inflight.engine.sampler import SampleResult, SamplingRow
+from inflight.sizing import find_model, shape_of_config
 
 PROMPTS = ["def main(", "import os\nimport sys", "class Foo:\n    def", "x = 1", "for i in range(10):"]
 
@@ -375,3 +378,20 @@ def test_offline_prompts_keep_the_whole_budget_while_others_decode(tiny_llama_di
     assert chosen.engine.scheduler.max_prefill_tokens_while_decoding == 32
     served = LLMEngine(tiny_llama_dir, EngineConfig(num_kv_blocks=64, block_size=8, device="cpu"))
     assert served.scheduler.max_prefill_tokens_while_decoding == CPU_PREFILL_TOKENS_WHILE_DECODING
+
+
+def test_the_cpu_prefill_cap_follows_the_models_layers(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served engine's cap on prompt tokens beside decodes comes from the work of its model's layers:
+    what the loaded projections multiply a token (as the sizing's shape counts them), and fewer tokens
+    for layers ten times SmolLM2-135M's."""
+    served = LLMEngine(tiny_llama_dir, EngineConfig(num_kv_blocks=64, block_size=8, device="cpu"))
+    shape = shape_of_config("tiny", ModelConfig.from_dir(tiny_llama_dir))
+    assert served.model.layer_weights() == shape.linear_parameter_count()
+    smollm2 = find_model("builtin:smollm2")
+    assert smollm2 is not None
+    ten_times = 10 * smollm2.linear_parameter_count()
+    monkeypatch.setattr(LlamaForCausalLM, "layer_weights", lambda _: ten_times)
+    larger = LLMEngine(tiny_llama_dir, EngineConfig(num_kv_blocks=64, block_size=8, device="cpu"))
+    assert larger.scheduler.max_prefill_tokens_while_decoding == CPU_PREFILL_TOKENS_WHILE_DECODING // 10

@@ -518,6 +518,16 @@ class LlamaForCausalLM(nn.Module):
             if weight is not None:
                 weight[used:].zero_()
 
+    def layer_weights(self) -> int:
+        """The weights this rank's decoder layers multiply for each token (their projections' in x out
+        features, whatever form they are kept in): a prompt token's work, which sets the CPU default of
+        how many prompt tokens a step computes while others decode (engine/config.py)."""
+        return sum(
+            int(getattr(projection, "in_features", 0)) * int(getattr(projection, "out_features", 0))
+            for layer in self.layers
+            for projection in cast(DecoderLayer, layer)._parts()[1]
+        )
+
     def weight_tensors(self) -> dict[str, torch.Tensor | QuantizedTensor | Fp8Weight]:
         """Every parameter by name, and the `weight` of each module that keeps it quantized
         (engine/cpu/quantized.py: not a parameter; engine/fp8: the float8 values with their scales)."""
