@@ -389,6 +389,9 @@ def test_the_cpu_prefill_cap_follows_the_models_layers(
     served = LLMEngine(tiny_llama_dir, EngineConfig(num_kv_blocks=64, block_size=8, device="cpu"))
     shape = shape_of_config("tiny", ModelConfig.from_dir(tiny_llama_dir))
     assert served.model.layer_weights() == shape.linear_parameter_count()
+    served.model.layers[0].mlp.down_proj = torch.nn.Identity()
+    with pytest.raises(TypeError, match="projection is a Identity: no weights to count"):
+        served.model.layer_weights()
     smollm2 = find_model("builtin:smollm2")
     assert smollm2 is not None
     ten_times = 10 * smollm2.linear_parameter_count()

@@ -26,7 +26,7 @@ from torch import nn
 from inflight.engine.attention.backend import CPU_KERNEL_BACKEND, AttentionBackend
 from inflight.engine.attention.metadata import AttentionMetadata
 from inflight.engine.cpu.linear import PrepackedLinear
-from inflight.engine.cpu.quantized import QuantizedTensor, quantized_linear
+from inflight.engine.cpu.quantized import QuantizedLinear, QuantizedTensor, quantized_linear
 from inflight.engine.fp8.weights import Fp8Linear, Fp8Weight
 from inflight.engine.model import ops
 from inflight.engine.model.collectives import all_reduce_sum, gather_vocab
@@ -300,6 +300,14 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(normed), residual
 
 
+def _projection_weights(projection: nn.Module) -> int:
+    """A projection's in x out features, in each form the engine keeps one (nn.Linear, PrepackedLinear,
+    QuantizedLinear, Fp8Linear)."""
+    if not isinstance(projection, nn.Linear | PrepackedLinear | QuantizedLinear | Fp8Linear):
+        raise TypeError(f"a decoder layer's projection is a {type(projection).__name__}: no weights to count")
+    return projection.in_features * projection.out_features
+
+
 @dataclass(frozen=True)
 class OneCallPlan:
     """The layers' runs of one-call forms (LayerRun, by their first layer's index), what the calls read around
@@ -523,7 +531,7 @@ class LlamaForCausalLM(nn.Module):
         features, whatever form they are kept in): a prompt token's work, which sets the CPU default of
         how many prompt tokens a step computes while others decode (engine/config.py)."""
         return sum(
-            int(getattr(projection, "in_features", 0)) * int(getattr(projection, "out_features", 0))
+            _projection_weights(projection)
             for layer in self.layers
             for projection in cast(DecoderLayer, layer)._parts()[1]
         )
