@@ -2730,7 +2730,8 @@ void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out, int n
 /* The sampling weights of each row r of logits [rows, vocab] (float32): e^((x - the row's largest) *
  * inv_temperature[r]) (exp_approx), 0 where that is below min_p[r] (the min-p filter: the largest weighs 1),
  * into out [rows, vocab]; unnormalized, as the race (race_rows) and every other reader take them. A row
- * without a finite logit gets 0 everywhere. One pass for the peak and one for the weights, where torch's
+ * without a finite logit gets 0 everywhere; the peak is argmax_row's (a row with a NaN: NaN weights, as
+ * softmax gives). One pass for the peak and one for the weights, where torch's
  * quotient by the temperature and softmax took two temporaries of the rows' size and three passes. */
 void tempered_weights(const float *logits, int64_t rows, int64_t vocab, const float *inv_temperature,
                       const float *min_p, float *out, int num_threads) {
@@ -2738,20 +2739,13 @@ void tempered_weights(const float *logits, int64_t rows, int64_t vocab, const fl
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * vocab;
         float *w = out + r * vocab;
-        float lanes[16];
-        for (int j = 0; j < 16; j++) lanes[j] = -INFINITY;
-        int64_t i = 0;
-        for (; i + 16 <= vocab; i += 16)
-            for (int j = 0; j < 16; j++) lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
-        float peak = -INFINITY;
-        for (; i < vocab; i++) peak = x[i] > peak ? x[i] : peak;
-        for (int j = 0; j < 16; j++) peak = lanes[j] > peak ? lanes[j] : peak;
+        const float peak = x[argmax_row(x, vocab)];
         const float scale = inv_temperature[r], floor = min_p[r];
         if (peak == -INFINITY) {
             memset(w, 0, (size_t)vocab * sizeof(float));
             continue;
         }
-        for (i = 0; i < vocab; i++) {
+        for (int64_t i = 0; i < vocab; i++) {
             const float e = exp_approx((x[i] - peak) * scale);
             w[i] = e < floor || x[i] == -INFINITY ? 0.0f : e; /* a filtered token: never drawn */
         }
