@@ -511,28 +511,110 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
     return failed ? -1 : 0;
 }
 
-/* ---- AVX-512: float32 prompt rows by the dequantized weights, panel by panel ------------------------------
+/* ---- float32 prompt rows by the dequantized weights, panel by panel (AVX-512 or AVX2 + FMA) -------------
  * Prompt rows (more than the fused kernel's 8, outside a decode step) meet the float weights, not int8-rounded
  * x (docs/models.md). Rather than dequantizing a whole matrix into memory and handing it to a GEMM (which
  * copies it once more into its own packed layout), this product dequantizes QPANEL_GROUPS groups of 16
  * output rows, QPANEL_BLOCKS blocks of k at a time, straight into the layout a register tile reads: k-major,
  * the panel's 48 outputs side by side (the interleaved groups give one row's 4 consecutive values per int32
- * lane, so value t of a chunk is a shift and a mask away from a 16-output vector). A tile of QPANEL_TILE_ROWS
- * rows of x by the panel's 3 vectors keeps 24 sums in registers: per k, 3 panel loads and 8 broadcasts of x
- * for 24 multiply-adds. Each output is one thread's, summed over k in order: the dequantized float product
- * up to summation order, the same bits for any thread count. */
+ * lane, so value t of a chunk is a shift and a mask away from a vector of outputs of one input). A tile of
+ * QPANEL_TILE_ROWS rows of x by QPANEL_TILE_VECS vectors of the panel keeps its sums in registers: per k,
+ * the vectors' loads and a broadcast of x a row. AVX-512: 8 rows by the panel's 3 vectors of 16 (24 sums of
+ * 32 registers); AVX2: 6 rows by 2 vectors of 8, the panel's three thirds one after the other (12 sums, 2
+ * weight vectors and the broadcast: 15 of 16 registers; with 4 rows by 3 vectors GCC read the weights as
+ * memory operands of every multiply-add, and a SmolLM2 layer's four Q4_1 products of 64 rows took 1.6x as
+ * long on AMD Zen 3). Each output is one thread's, summed over k in order by fused multiply-adds, with the bias
+ * added last: the dequantized float product up to summation order, the same bits for any thread count and
+ * on both instruction sets. The code is written once over the few vector operations below. */
 #if defined(__AVX512F__)
 #define QUANT_PANELS 1
-enum { QPANEL_GROUPS = 3, QPANEL_WIDTH = QPANEL_GROUPS * QGROUP, QPANEL_TILE_ROWS = 8 };
-/* Blocks of k per dequantized chunk: 128 values x 48 outputs (24 KB, in L1) of the panel; 8 and 16 blocks
- * measured level or up to 5 % slower (benchmarks/quantized_matmul.py, 100 and 1024 rows). */
-#define QPANEL_BLOCKS 4
+enum { QLANES = 16, QPANEL_TILE_VECS = 3 };
+#define QPANEL_TILE_ROWS 8
 /* Rows of x per pass over a panel: 256 rows x one chunk of k (128 KB of x) stay in L2 while the chunk's
  * tiles run; a longer prompt dequantizes each panel once per 256 rows. */
 #define QPANEL_ROW_BLOCK 256
+typedef __m512 qvec;
+typedef __m512i qint;
+typedef __mmask16 qmask;
+static Q_INLINE qvec qv_zero(void) { return _mm512_setzero_ps(); }
+static Q_INLINE qvec qv_set1(float v) { return _mm512_set1_ps(v); }
+static Q_INLINE qvec qv_load(const float *p) { return _mm512_loadu_ps(p); }
+static Q_INLINE void qv_store(float *p, qvec v) { _mm512_storeu_ps(p, v); }
+static Q_INLINE qvec qv_fmadd(qvec a, qvec b, qvec c) { return _mm512_fmadd_ps(a, b, c); }
+static Q_INLINE qvec qv_add(qvec a, qvec b) { return _mm512_add_ps(a, b); }
+static Q_INLINE qvec qv_mul(qvec a, qvec b) { return _mm512_mul_ps(a, b); }
+static Q_INLINE qvec qv_from_int(qint v) { return _mm512_cvtepi32_ps(v); }
+static Q_INLINE qint qi_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static Q_INLINE qint qi_xor(qint a, qint b) { return _mm512_xor_si512(a, b); }
+static Q_INLINE qint qi_and(qint a, qint b) { return _mm512_and_si512(a, b); }
+static Q_INLINE qint qi_bytes(char v) { return _mm512_set1_epi8(v); }
+static Q_INLINE qint qi_words(int v) { return _mm512_set1_epi32(v); }
+#define qi_shl(v, bits) _mm512_slli_epi32(v, bits)
+#define qi_shr(v, bits) _mm512_srli_epi32(v, bits)
+#define qi_sar(v, bits) _mm512_srai_epi32(v, bits)
+/* Elements i..i+15 of a matrix's scales (or offsets) as floats: one load (and vcvtph2ps for float16). */
+static Q_INLINE qvec qv_scales(const void *scales, int64_t i, int half) { return scales16(scales, i, half); }
+/* The first `valid` lanes (all from QLANES on, none from 0 down). */
+static Q_INLINE qmask qmask_first(int64_t valid) {
+    return valid >= QLANES ? (qmask)0xFFFF : valid <= 0 ? (qmask)0 : (qmask)((1u << valid) - 1);
+}
+static Q_INLINE qvec qv_load_masked(qmask m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+static Q_INLINE void qv_store_masked(float *p, qmask m, qvec v) { _mm512_mask_storeu_ps(p, m, v); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_PANELS 1
+enum { QLANES = 8, QPANEL_TILE_VECS = 2 };
+#define QPANEL_TILE_ROWS 6
+/* 64 rows (32 KB of x a chunk): on AMD Zen 3 a decoder layer's four Q4_1 products of 256 rows took 1.12x
+ * oneDNN's float32 time against 1.34x with 256 (benchmarks/quantized_matmul.py, one run each). */
+#define QPANEL_ROW_BLOCK 64
+typedef __m256 qvec;
+typedef __m256i qint;
+typedef __m256i qmask;
+static Q_INLINE qvec qv_zero(void) { return _mm256_setzero_ps(); }
+static Q_INLINE qvec qv_set1(float v) { return _mm256_set1_ps(v); }
+static Q_INLINE qvec qv_load(const float *p) { return _mm256_loadu_ps(p); }
+static Q_INLINE void qv_store(float *p, qvec v) { _mm256_storeu_ps(p, v); }
+static Q_INLINE qvec qv_fmadd(qvec a, qvec b, qvec c) { return _mm256_fmadd_ps(a, b, c); }
+static Q_INLINE qvec qv_add(qvec a, qvec b) { return _mm256_add_ps(a, b); }
+static Q_INLINE qvec qv_mul(qvec a, qvec b) { return _mm256_mul_ps(a, b); }
+static Q_INLINE qvec qv_from_int(qint v) { return _mm256_cvtepi32_ps(v); }
+static Q_INLINE qint qi_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static Q_INLINE qint qi_xor(qint a, qint b) { return _mm256_xor_si256(a, b); }
+static Q_INLINE qint qi_and(qint a, qint b) { return _mm256_and_si256(a, b); }
+static Q_INLINE qint qi_bytes(char v) { return _mm256_set1_epi8(v); }
+static Q_INLINE qint qi_words(int v) { return _mm256_set1_epi32(v); }
+#define qi_shl(v, bits) _mm256_slli_epi32(v, bits)
+#define qi_shr(v, bits) _mm256_srli_epi32(v, bits)
+#define qi_sar(v, bits) _mm256_srai_epi32(v, bits)
+/* Elements i..i+7 of a matrix's scales (or offsets) as floats: one load (and vcvtph2ps for float16). */
+static Q_INLINE qvec qv_scales(const void *scales, int64_t i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)scales + i)))
+                : _mm256_loadu_ps((const float *)scales + i);
+}
+/* The first `valid` lanes (all from QLANES on, none from 0 down): lane l set where l < valid. */
+static Q_INLINE qmask qmask_first(int64_t valid) {
+    const int v = valid >= QLANES ? QLANES : valid <= 0 ? 0 : (int)valid;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static Q_INLINE qvec qv_load_masked(qmask m, const float *p) { return _mm256_maskload_ps(p, m); }
+static Q_INLINE void qv_store_masked(float *p, qmask m, qvec v) { _mm256_maskstore_ps(p, m, v); }
+#endif
 
-/* Blocks b0..b0 + nb of group g (rows 16g..16g+15) as floats into column gi's 16 lanes of `panel` (k-major,
- * QPANEL_WIDTH floats a row): the values of dequantize_row_as, 16 rows at a time. */
+#if defined(QUANT_PANELS)
+enum {
+    QPANEL_GROUPS = 3,
+    QPANEL_WIDTH = QPANEL_GROUPS * QGROUP,
+    QPANEL_VECS = QPANEL_WIDTH / QLANES,
+    QGROUP_VECS = QGROUP / QLANES
+};
+_Static_assert(QPANEL_VECS % QPANEL_TILE_VECS == 0, "a panel is a whole number of tiles wide");
+/* Blocks of k per dequantized chunk: 128 values x 48 outputs (24 KB, in L1) of the panel; 8 and 16 blocks
+ * measured level or up to 5 % slower (benchmarks/quantized_matmul.py, 100 and 1024 rows). */
+#define QPANEL_BLOCKS 4
+
+/* Blocks b0..b0 + nb of group g (rows 16g..16g+15) as floats into column gi's 16 outputs of `panel`
+ * (k-major, QPANEL_WIDTH floats a row): the values of dequantize_row_as, QLANES rows at a time (a chunk's
+ * 64 bytes hold 4 bytes of each of the 16 rows; QLANES rows' are QLANES * 4 of them). */
 static Q_INLINE void dequantize_group_blocks(const uint8_t *qweight, const void *scales, const void *mins, int kind,
                                              int half, int64_t g, int64_t blocks, int64_t b0, int64_t nb, int gi,
                                              float *panel) {
@@ -540,33 +622,34 @@ static Q_INLINE void dequantize_group_blocks(const uint8_t *qweight, const void 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *qb = qweight + (g * blocks + b0 + b) * group_block;
         const int64_t si = (g * blocks + b0 + b) * QGROUP;
-        const __m512 dv = scales16(scales, si, half);
-        float *o = panel + b * QBLOCK * QPANEL_WIDTH + gi * QGROUP;
-        if (kind == QFORMAT_S8) {
+#pragma GCC unroll 2
+        for (int h = 0; h < QGROUP_VECS; h++) {
+            const qvec dv = qv_scales(scales, si + h * QLANES, half);
+            float *o = panel + b * QBLOCK * QPANEL_WIDTH + gi * QGROUP + h * QLANES;
+            const uint8_t *qh = qb + h * QLANES * 4;
+            if (kind == QFORMAT_S8) {
 #pragma GCC unroll 8
-            for (int j = 0; j < QBLOCK / 4; j++) {
-                const __m512i raw = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qb + 64 * j)),
-                                                     _mm512_set1_epi8((char)QS8_OFFSET));
+                for (int j = 0; j < QBLOCK / 4; j++) {
+                    const qint raw = qi_xor(qi_load(qh + QGROUP * 4 * j), qi_bytes((char)QS8_OFFSET));
 #pragma GCC unroll 4
-                for (int t = 0; t < 4; t++) {
-                    const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * t), 24);
-                    _mm512_storeu_ps(o + (4 * j + t) * QPANEL_WIDTH, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q)));
+                    for (int t = 0; t < 4; t++) {
+                        const qint q = qi_sar(qi_shl(raw, 24 - 8 * t), 24);
+                        qv_store(o + (4 * j + t) * QPANEL_WIDTH, qv_mul(dv, qv_from_int(q)));
+                    }
                 }
-            }
-        } else {
-            const __m512 mv = scales16(mins, si, half);
-            const __m512i low4 = _mm512_set1_epi32(0x0F);
+            } else {
+                const qvec mv = qv_scales(mins, si + h * QLANES, half);
+                const qint low4 = qi_words(0x0F);
 #pragma GCC unroll 4
-            for (int j = 0; j < QBLOCK / 8; j++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(qb + 64 * j));
+                for (int j = 0; j < QBLOCK / 8; j++) {
+                    const qint raw = qi_load(qh + QGROUP * 4 * j);
 #pragma GCC unroll 4
-                for (int t = 0; t < 4; t++) {
-                    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * t), low4);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * t + 4), low4);
-                    _mm512_storeu_ps(o + (4 * j + t) * QPANEL_WIDTH,
-                                     _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(lo)), mv));
-                    _mm512_storeu_ps(o + (QBLOCK / 2 + 4 * j + t) * QPANEL_WIDTH,
-                                     _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(hi)), mv));
+                    for (int t = 0; t < 4; t++) {
+                        const qint lo = qi_and(qi_shr(raw, 8 * t), low4);
+                        const qint hi = qi_and(qi_shr(raw, 8 * t + 4), low4);
+                        qv_store(o + (4 * j + t) * QPANEL_WIDTH, qv_add(qv_mul(dv, qv_from_int(lo)), mv));
+                        qv_store(o + (QBLOCK / 2 + 4 * j + t) * QPANEL_WIDTH, qv_add(qv_mul(dv, qv_from_int(hi)), mv));
+                    }
                 }
             }
         }
@@ -581,7 +664,7 @@ static void dequantize_panel(const uint8_t *qweight, const void *scales, const v
         const int64_t g = panel_index * QPANEL_GROUPS + gi;
         if (g >= groups) {
             for (int64_t v = 0; v < nb * QBLOCK; v++)
-                _mm512_storeu_ps(panel + v * QPANEL_WIDTH + gi * QGROUP, _mm512_setzero_ps());
+                for (int h = 0; h < QGROUP_VECS; h++) qv_store(panel + v * QPANEL_WIDTH + gi * QGROUP + h * QLANES, qv_zero());
             continue;
         }
 #define DEQUANTIZE_GROUP_AS(KIND, HALF) \
@@ -597,54 +680,74 @@ static void dequantize_panel(const uint8_t *qweight, const void *scales, const v
     }
 }
 
-/* out rows 0..mt (stride n, the panel's columns under `mask`) += x rows (stride k) . panel over `kc` values
- * (from zero where `first`; + bias where `bias` is not NULL: after the last chunk). */
+/* out rows 0..mt (stride n; the tile's QPANEL_TILE_VECS vectors of outputs, lanes under `mask`) += x rows
+ * (stride k) . the panel's columns from `panel` on (rows QPANEL_WIDTH apart) over `kc` values (from zero
+ * where `first`; + bias where `bias` is not NULL: after the last chunk). */
 static Q_INLINE void panel_tile(const float *x, int64_t k, int mt, const float *panel, int64_t kc, float *out,
-                                int64_t n, const __mmask16 mask[QPANEL_GROUPS], int first, const float *bias) {
-    __m512 acc[QPANEL_TILE_ROWS][QPANEL_GROUPS];
+                                int64_t n, const qmask mask[QPANEL_TILE_VECS], int first, const float *bias) {
+    qvec acc[QPANEL_TILE_ROWS][QPANEL_TILE_VECS];
 #pragma GCC unroll 8
     for (int i = 0; i < mt; i++)
 #pragma GCC unroll 3
-        for (int j = 0; j < QPANEL_GROUPS; j++)
-            acc[i][j] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], out + i * n + j * QGROUP);
+        for (int j = 0; j < QPANEL_TILE_VECS; j++)
+            acc[i][j] = first ? qv_zero() : qv_load_masked(mask[j], out + i * n + j * QLANES);
     for (int64_t p = 0; p < kc; p++) {
         const float *w = panel + p * QPANEL_WIDTH;
-        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + QGROUP), w2 = _mm512_loadu_ps(w + 2 * QGROUP);
+        qvec wv[QPANEL_TILE_VECS];
+#pragma GCC unroll 3
+        for (int j = 0; j < QPANEL_TILE_VECS; j++) wv[j] = qv_load(w + j * QLANES);
 #pragma GCC unroll 8
         for (int i = 0; i < mt; i++) {
-            const __m512 xv = _mm512_set1_ps(x[i * k + p]);
-            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
+            const qvec xv = qv_set1(x[i * k + p]);
+#pragma GCC unroll 3
+            for (int j = 0; j < QPANEL_TILE_VECS; j++) acc[i][j] = qv_fmadd(xv, wv[j], acc[i][j]);
         }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < mt; i++)
 #pragma GCC unroll 3
-        for (int j = 0; j < QPANEL_GROUPS; j++) {
-            __m512 v = acc[i][j];
-            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[j], bias + j * QGROUP));
-            _mm512_mask_storeu_ps(out + i * n + j * QGROUP, mask[j], v);
+        for (int j = 0; j < QPANEL_TILE_VECS; j++) {
+            qvec v = acc[i][j];
+            if (bias != NULL) v = qv_add(v, qv_load_masked(mask[j], bias + j * QLANES));
+            qv_store_masked(out + i * n + j * QLANES, mask[j], v);
         }
 }
 
-/* panel_tile for the first `mt` of 8 rows, each count a separate inlined copy. */
+/* panel_tile for the first `mt` of QPANEL_TILE_ROWS rows, each count a separate inlined copy. */
 static void panel_tile_rows(const float *x, int64_t k, int mt, const float *panel, int64_t kc, float *out, int64_t n,
-                            const __mmask16 mask[QPANEL_GROUPS], int first, const float *bias) {
+                            const qmask mask[QPANEL_TILE_VECS], int first, const float *bias) {
     switch (mt) {
     case 1: panel_tile(x, k, 1, panel, kc, out, n, mask, first, bias); break;
     case 2: panel_tile(x, k, 2, panel, kc, out, n, mask, first, bias); break;
     case 3: panel_tile(x, k, 3, panel, kc, out, n, mask, first, bias); break;
     case 4: panel_tile(x, k, 4, panel, kc, out, n, mask, first, bias); break;
     case 5: panel_tile(x, k, 5, panel, kc, out, n, mask, first, bias); break;
+#if QPANEL_TILE_ROWS == 8
     case 6: panel_tile(x, k, 6, panel, kc, out, n, mask, first, bias); break;
     case 7: panel_tile(x, k, 7, panel, kc, out, n, mask, first, bias); break;
-    default: panel_tile(x, k, 8, panel, kc, out, n, mask, first, bias); break;
+#endif
+    default: panel_tile(x, k, QPANEL_TILE_ROWS, panel, kc, out, n, mask, first, bias); break;
+    }
+}
+
+/* Rows r0..r1 of out (their outputs c0..c0 + QPANEL_WIDTH, those before n) += x's rows . the panel over `kc`
+ * values, tile by tile. */
+static void panel_rows(const float *x, int64_t k, int64_t r0, int64_t r1, const float *panel, int64_t kc, float *out,
+                       int64_t n, int64_t c0, int first, const float *bias) {
+    for (int v0 = 0; v0 < QPANEL_VECS; v0 += QPANEL_TILE_VECS) {
+        qmask mask[QPANEL_TILE_VECS];
+        for (int j = 0; j < QPANEL_TILE_VECS; j++) mask[j] = qmask_first(n - c0 - (v0 + j) * QLANES);
+        for (int64_t m0 = r0; m0 < r1; m0 += QPANEL_TILE_ROWS) {
+            const int mt = r1 - m0 < QPANEL_TILE_ROWS ? (int)(r1 - m0) : QPANEL_TILE_ROWS;
+            panel_tile_rows(x + m0 * k, k, mt, panel + v0 * QLANES, kc, out + m0 * n + c0 + v0 * QLANES, n, mask,
+                            first, bias != NULL ? bias + c0 + v0 * QLANES : NULL);
+        }
     }
 }
 #endif
 
-/* Whether this build has quant_linear_float (AVX-512): 1, else 0 (prompt rows dequantize whole chunks). */
+/* Whether this build has quant_linear_float (AVX-512, or AVX2 + FMA + F16C): 1, else 0 (prompt rows dequantize
+ * whole chunks). */
 int quant_linear_float_built(void) {
 #if defined(QUANT_PANELS)
     return 1;
@@ -679,20 +782,12 @@ int quant_linear_float(const float *x, int64_t rows, int64_t k, const uint8_t *q
             const int64_t r0 = rb * QPANEL_ROW_BLOCK;
             const int64_t r1 = r0 + QPANEL_ROW_BLOCK < rows ? r0 + QPANEL_ROW_BLOCK : rows;
             const int64_t c0 = p * QPANEL_WIDTH;
-            __mmask16 mask[QPANEL_GROUPS];
-            for (int j = 0; j < QPANEL_GROUPS; j++) {
-                const int64_t valid = n - c0 - j * QGROUP;
-                mask[j] = valid >= QGROUP ? (__mmask16)0xFFFF : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
-            }
             for (int64_t b0 = 0; b0 < blocks; b0 += QPANEL_BLOCKS) {
                 const int64_t nb = blocks - b0 < QPANEL_BLOCKS ? blocks - b0 : QPANEL_BLOCKS;
                 dequantize_panel(qweight, scales, mins, format, p, groups, blocks, b0, nb, panel);
                 const int last = b0 + nb == blocks;
-                for (int64_t m0 = r0; m0 < r1; m0 += QPANEL_TILE_ROWS) {
-                    const int mt = r1 - m0 < QPANEL_TILE_ROWS ? (int)(r1 - m0) : QPANEL_TILE_ROWS;
-                    panel_tile_rows(x + m0 * k + b0 * QBLOCK, k, mt, panel, nb * QBLOCK, out + m0 * n + c0, n, mask,
-                                    b0 == 0, last && bias != NULL ? bias + c0 : NULL);
-                }
+                panel_rows(x + b0 * QBLOCK, k, r0, r1, panel, nb * QBLOCK, out, n, c0, b0 == 0,
+                           last ? bias : NULL);
             }
         }
         free(panel);
