@@ -1,6 +1,7 @@
 """Where an offline run goes, step by step: the `bench offline` workload through inflight's continuous
 engine (after its warm-up) with wall-clock timers on each engine step (grouped by kind: prefill or
-decode, and by how many rows it runs), the linear layers (by weight shape and row bucket) and the LM head.
+decode, and by how many rows it runs), the linear layers (by weight shape and row bucket; float weights
+and weights kept quantized, "qlinear") and the LM head.
 
     PYTHONPATH=. .venv/bin/python benchmarks/offline_profile.py \
         --model builtin:llama-1b --dtype bfloat16 --num-requests 16 [--quantization none]
@@ -26,7 +27,7 @@ from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402
 from inflight.bench.system import BenchSettings  # noqa: E402
 from inflight.bench.workload import load_workload  # noqa: E402
 from inflight.engine import runner as runner_module  # noqa: E402
-from inflight.engine.cpu import linear  # noqa: E402
+from inflight.engine.cpu import linear, quantized  # noqa: E402
 from inflight.engine.model import llama  # noqa: E402
 
 TIMES: dict[str, float] = defaultdict(float)
@@ -49,6 +50,7 @@ def add(name: str, seconds: float) -> None:
 def install() -> None:
     execute = runner_module.ModelRunner.execute
     forward = linear.PrepackedLinear.forward
+    quantized_forward = quantized.QuantizedLinear.forward
     logits = llama.LlamaForCausalLM.compute_logits
 
     def timed_execute(self: Any, out: Any) -> Any:
@@ -69,6 +71,16 @@ def install() -> None:
         )
         return y
 
+    def timed_quantized_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        y = quantized_forward(self, x)
+        rows = x.reshape(-1, self.in_features).shape[0]
+        add(
+            f"  qlinear {self.out_features}x{self.in_features} rows {bucket(rows)}",
+            time.perf_counter() - start,
+        )
+        return y
+
     def timed_logits(self: Any, hidden: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         y = logits(self, hidden)
@@ -77,6 +89,7 @@ def install() -> None:
 
     runner_module.ModelRunner.execute = timed_execute  # type: ignore[method-assign]
     linear.PrepackedLinear.forward = timed_forward  # type: ignore[method-assign]
+    quantized.QuantizedLinear.forward = timed_quantized_forward  # type: ignore[method-assign]
     llama.LlamaForCausalLM.compute_logits = timed_logits  # type: ignore[method-assign]
 
 

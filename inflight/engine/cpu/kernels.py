@@ -108,7 +108,7 @@ SIGNATURES: dict[str, tuple[list[_CType], _CType | None]] = {
     # 1 where quant_linear quantizes x to int8 (AVX-512 VNNI), 0 where it multiplies in float
     "quant_linear_int8_activations": ([], _int),
     # x (float32), rows, k, qweight, scales, mins, format, n, bias (float32 or NULL), out (float32),
-    # num_threads: prompt rows by the weights dequantized panel by panel (AVX-512 builds)
+    # num_threads: prompt rows by the weights dequantized panel by panel (AVX-512 and AVX2 builds)
     "quant_linear_float": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _ptr, _ptr, _int], _int),
     # 1 where this build has quant_linear_float
     "quant_linear_float_built": ([], _int),

@@ -33,8 +33,8 @@
  *   over it (4 rows of x by 4 rows of W; AVX-512 16 lanes, AVX2 + FMA 8 lanes, plain C): the dequantized
  *   float product up to summation order.
  * Prompt rows (quantized.py sends more than 8 rows outside a decode step to them) take quant_linear_float on
- * AVX-512 builds: float32 x by the weights dequantized panel by panel (below), the dequantized float product;
- * quant_rows dequantizes rows (an embedding lookup, or a whole matrix for the other builds' float products).
+ * AVX-512 and AVX2 + FMA builds: float32 x by the weights dequantized panel by panel (below), the dequantized
+ * float product; quant_rows dequantizes rows (an embedding lookup, or a whole matrix for the other builds' float products).
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -241,8 +241,9 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
 
 # Rows of x up to which the fused kernel runs in a step with prompt rows; above, prompt rows are multiplied
 # by the float weights, not rounded to int8 (docs/models.md): float32 x (and a few bfloat16 rows,
-# widened) by the C kernel that dequantizes the weights panel by panel in cache (AVX-512 builds), else
-# each weight dequantized (by the C kernel, into the activations' dtype) and multiplied by oneDNN/MKL.
+# widened) by the C kernel that dequantizes the weights panel by panel in cache (AVX-512 and AVX2
+# builds), else each weight dequantized (by the C kernel, into the activations' dtype) and multiplied by
+# oneDNN/MKL.
 # Rows that are each one sequence's single new token (`one_token_rows`) take the kernel at any count
 # where it rounds x to int8: a token's logits then do not depend on how many others share its step, and
 # the kernel is 2-5x faster than dequantizing every weight for every step.
@@ -332,8 +333,8 @@ def quantized_linear(
 
 
 def _panels_take(x2: torch.Tensor, out_dtype: torch.dtype | None, library: ctypes.CDLL) -> bool:
-    """Whether prompt rows x2 [rows, cols] go through `quant_linear_float` here (AVX-512 builds): float32
-    rows, and up to BFLOAT16_PANEL_MAX_ROWS bfloat16 rows widened to float32."""
+    """Whether prompt rows x2 [rows, cols] go through `quant_linear_float` here (AVX-512 and AVX2
+    builds): float32 rows, and up to BFLOAT16_PANEL_MAX_ROWS bfloat16 rows widened to float32."""
     if out_dtype not in (None, x2.dtype, torch.float32) or not library.quant_linear_float_built():
         return False
     return x2.dtype == torch.float32 or (
