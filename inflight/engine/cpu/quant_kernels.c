@@ -45,6 +45,11 @@
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+/* AVX2 + FMA without AVX-512: quant_linear multiplies float x by the weights as they lie (quant_linear_few_rows,
+ * below the panel product), not through a dequantized copy. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define QUANT_FEW_ROWS 1
+#endif
 
 #if !defined(QBLOCK) || !defined(QGROUP) || !defined(QFORMAT_S8) || !defined(QFORMAT_U4) || \
     !defined(QSCALES_F16) || !defined(QS8_OFFSET)
@@ -188,6 +193,7 @@ static void dequantize_row(const uint8_t *qweight, const void *scales, const voi
     }
 }
 
+#if !defined(QUANT_FEW_ROWS)
 /* out[i][j] = dot(x[i], w[j]) over k values, for `mt` (1..4) rows of x and 4 rows of w (k a multiple of
  * 32). Inlined with constant `mt`, so the accumulators stay in registers. */
 static Q_INLINE void dot_tile(const float *const x[QTILE_M], int mt, const float *w, int64_t k,
@@ -214,29 +220,6 @@ static Q_INLINE void dot_tile(const float *const x[QTILE_M], int mt, const float
     for (int i = 0; i < mt; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < QTILE_N; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
-#elif defined(__AVX2__) && defined(__FMA__)
-    /* 16 ymm registers: two rows of x at a time (8 accumulators, 2 x, 1 w). */
-    for (int i0 = 0; i0 < mt; i0 += 2) {
-        const float *x0p = x[i0], *x1p = x[i0 + 1 < mt ? i0 + 1 : i0];
-        __m256 acc[2][QTILE_N];
-#pragma GCC unroll 4
-        for (int j = 0; j < QTILE_N; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
-        for (int64_t p = 0; p < k; p += 8) {
-            const __m256 x0 = _mm256_loadu_ps(x0p + p), x1 = _mm256_loadu_ps(x1p + p);
-#pragma GCC unroll 4
-            for (int j = 0; j < QTILE_N; j++) {
-                const __m256 wv = _mm256_loadu_ps(w + j * k + p);
-                acc[0][j] = _mm256_fmadd_ps(x0, wv, acc[0][j]);
-                acc[1][j] = _mm256_fmadd_ps(x1, wv, acc[1][j]);
-            }
-        }
-        for (int i = 0; i < 2 && i0 + i < mt; i++)
-            for (int j = 0; j < QTILE_N; j++) {
-                const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
-                const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-                out[i0 + i][j] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
-            }
-    }
 #else
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < QTILE_N; j++) {
@@ -259,6 +242,7 @@ static void dot_tile_rows(const float *const x[QTILE_M], int mt, const float *w,
     default: dot_tile(x, 4, w, k, out); break;
     }
 }
+#endif
 
 /* ---- AVX-512 VNNI: int8 dot products (the path where the CPU has them) ---------------------------------
  * x is quantized once per call like llama.cpp's Q8_0 activations: per row and block of 32, a float scale
@@ -406,6 +390,12 @@ static Q_INLINE void store_output(void *out, const void *bias, int dtype, int ou
         ((float *)out)[row * n + col] = value;
 }
 
+#if defined(QUANT_FEW_ROWS)
+static int quant_linear_few_rows(const float *x, int64_t rows, int64_t k, const uint8_t *qweight, const void *scales,
+                                 const void *mins, int format, int64_t n, const void *bias, int dtype, void *out,
+                                 int out_dtype, int threads);
+#endif
+
 /* out [rows, n] = x [rows, k] W^T (+ bias [n]) for W [n, k] in `format` (QFORMAT_*, + QSCALES_F16 for
  * float16 scales), interleaved (see the top of the file). x and bias in `dtype` (bias may be NULL), out in `out_dtype` (float32 logits from bfloat16
  * activations: no bfloat16 rounding of the sums); k a multiple of 32. Returns 0, or -1 when out of memory. */
@@ -474,6 +464,9 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         return failed ? -1 : 0;
     }
 #endif
+#if defined(QUANT_FEW_ROWS)
+    failed = quant_linear_few_rows(xf, rows, k, qweight, scales, mins, format, n, bias, dtype, out, out_dtype, threads);
+#else
 #pragma omp parallel num_threads(threads)
     {
         float *wbuf = malloc((size_t)(QGROUP * k) * sizeof(float));
@@ -507,6 +500,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         }
         free(wbuf);
     }
+#endif
     free(converted);
     return failed ? -1 : 0;
 }
@@ -743,6 +737,134 @@ static void panel_rows(const float *x, int64_t k, int64_t r0, int64_t r1, const 
                             first, bias != NULL ? bias + c0 + v0 * QLANES : NULL);
         }
     }
+}
+#endif
+
+#if defined(QUANT_FEW_ROWS)
+/* ---- AVX2: a few rows of float x by the weights as they lie --------------------------------------------
+ * A group's 16 rows are read as two halves of 8 straight from the interleaved layout: a chunk's 32 bytes of
+ * a half hold 4 bytes of each of its 8 rows, so value t of the chunk is a shift and a mask (u4) or two
+ * shifts (s8) away from an 8-output vector of one input, multiplied into x's value broadcast. Each block's
+ * sums of x * q are scaled once: d * sum(x q), + m * sum(x) for u4 (the VNNI path's arithmetic, in float).
+ * The weights are never written out as floats: before, each row was dequantized element by element into a
+ * buffer and then multiplied (on AMD Zen 3 SmolLM2's batch-1 steps took 43 ms; docs/models.md). Each output
+ * is one thread's, its blocks summed in order: the same bits for any thread count. */
+enum { QFEW_TILE_ROWS = 4 };
+
+/* sums[i] (the half's 8 outputs) = x row i (stride k) . the half's rows, for `mt` rows; `xsum` [rows of the
+ * tile][blocks] the rows' block sums (u4); qg, sg, mg: the group's first block, scales and offsets. */
+static Q_INLINE void few_rows_tile(const float *x, int64_t k, int mt, const float *xsum, const uint8_t *qg,
+                                   const void *sg, const void *mg, int kind, int half, int64_t blocks, int h,
+                                   qvec sums[QFEW_TILE_ROWS]) {
+    const int64_t group_block = QGROUP * qblock_bytes(kind);
+    qvec acc[QFEW_TILE_ROWS];
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) acc[i] = qv_zero();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *qb = qg + b * group_block + h * QLANES * 4;
+        const float *xb = x + b * QBLOCK;
+        qvec s[QFEW_TILE_ROWS];
+#pragma GCC unroll 4
+        for (int i = 0; i < mt; i++) s[i] = qv_zero();
+        if (kind == QFORMAT_S8) {
+#pragma GCC unroll 8
+            for (int j = 0; j < QBLOCK / 4; j++) {
+                const qint raw = qi_xor(qi_load(qb + QGROUP * 4 * j), qi_bytes((char)QS8_OFFSET));
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) {
+                    const qvec q = qv_from_int(qi_sar(qi_shl(raw, 24 - 8 * t), 24));
+#pragma GCC unroll 4
+                    for (int i = 0; i < mt; i++) s[i] = qv_fmadd(qv_set1(xb[i * k + 4 * j + t]), q, s[i]);
+                }
+            }
+        } else {
+            const qint low4 = qi_words(0x0F);
+#pragma GCC unroll 4
+            for (int j = 0; j < QBLOCK / 8; j++) {
+                const qint raw = qi_load(qb + QGROUP * 4 * j);
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) {
+                    const qvec lo = qv_from_int(qi_and(qi_shr(raw, 8 * t), low4));
+                    const qvec hi = qv_from_int(qi_and(qi_shr(raw, 8 * t + 4), low4));
+#pragma GCC unroll 4
+                    for (int i = 0; i < mt; i++) {
+                        s[i] = qv_fmadd(qv_set1(xb[i * k + 4 * j + t]), lo, s[i]);
+                        s[i] = qv_fmadd(qv_set1(xb[i * k + QBLOCK / 2 + 4 * j + t]), hi, s[i]);
+                    }
+                }
+            }
+        }
+        const qvec dv = qv_scales(sg, b * QGROUP + h * QLANES, half);
+        if (kind == QFORMAT_S8) {
+#pragma GCC unroll 4
+            for (int i = 0; i < mt; i++) acc[i] = qv_fmadd(dv, s[i], acc[i]);
+        } else {
+            const qvec mv = qv_scales(mg, b * QGROUP + h * QLANES, half);
+#pragma GCC unroll 4
+            for (int i = 0; i < mt; i++)
+                acc[i] = qv_fmadd(dv, s[i], qv_fmadd(mv, qv_set1(xsum[i * blocks + b]), acc[i]));
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) sums[i] = acc[i];
+}
+
+/* few_rows_tile for a format argument and 1..QFEW_TILE_ROWS rows: one inlined copy per layout, scale type
+ * and row count. */
+static void few_rows_tile_as(const float *x, int64_t k, int mt, const float *xsum, const uint8_t *qg, const void *sg,
+                             const void *mg, int format, int64_t blocks, int h, qvec sums[QFEW_TILE_ROWS]) {
+#define FEW_ROWS_AS(KIND, HALF)                                                                  \
+    switch (mt) {                                                                                \
+    case 1: few_rows_tile(x, k, 1, xsum, qg, sg, mg, KIND, HALF, blocks, h, sums); break;        \
+    case 2: few_rows_tile(x, k, 2, xsum, qg, sg, mg, KIND, HALF, blocks, h, sums); break;        \
+    case 3: few_rows_tile(x, k, 3, xsum, qg, sg, mg, KIND, HALF, blocks, h, sums); break;        \
+    default: few_rows_tile(x, k, QFEW_TILE_ROWS, xsum, qg, sg, mg, KIND, HALF, blocks, h, sums); \
+    }
+    if (qkind(format) == QFORMAT_S8) {
+        if (qhalf(format)) FEW_ROWS_AS(QFORMAT_S8, 1) else FEW_ROWS_AS(QFORMAT_S8, 0)
+    } else {
+        if (qhalf(format)) FEW_ROWS_AS(QFORMAT_U4, 1) else FEW_ROWS_AS(QFORMAT_U4, 0)
+    }
+#undef FEW_ROWS_AS
+}
+
+/* quant_linear's product on these builds (x float32, converted from bfloat16 by the caller): returns 0, or
+ * 1 when out of memory. */
+static int quant_linear_few_rows(const float *x, int64_t rows, int64_t k, const uint8_t *qweight, const void *scales,
+                                 const void *mins, int format, int64_t n, const void *bias, int dtype, void *out,
+                                 int out_dtype, int threads) {
+    const int64_t groups = (n + QGROUP - 1) / QGROUP, blocks = k / QBLOCK;
+    const int64_t group_bytes = blocks * QGROUP * qblock_bytes(format), group_scales = blocks * QGROUP;
+    float *xsum = malloc((size_t)(rows * blocks) * sizeof(float));
+    if (xsum == NULL) return 1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float sum = 0.0f;
+            for (int c = 0; c < QBLOCK; c++) sum += x[r * k + b * QBLOCK + c];
+            xsum[r * blocks + b] = sum;
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t valid = n - g * QGROUP < QGROUP ? n - g * QGROUP : QGROUP;
+        const uint8_t *qg = qweight + g * group_bytes;
+        const void *sg = scales_from(scales, g * group_scales, qhalf(format));
+        const void *mg = mins == NULL ? NULL : scales_from(mins, g * group_scales, qhalf(format));
+        for (int64_t m0 = 0; m0 < rows; m0 += QFEW_TILE_ROWS) {
+            const int mt = rows - m0 < QFEW_TILE_ROWS ? (int)(rows - m0) : QFEW_TILE_ROWS;
+            for (int h = 0; h < QGROUP_VECS; h++) {
+                qvec sums[QFEW_TILE_ROWS];
+                few_rows_tile_as(x + m0 * k, k, mt, xsum + m0 * blocks, qg, sg, mg, format, blocks, h, sums);
+                for (int i = 0; i < mt; i++) {
+                    float lanes[QLANES];
+                    qv_store(lanes, sums[i]);
+                    for (int64_t j = 0; j < QLANES && h * QLANES + j < valid; j++)
+                        store_output(out, bias, dtype, out_dtype, n, m0 + i, g * QGROUP + h * QLANES + j, lanes[j]);
+                }
+            }
+        }
+    }
+    free(xsum);
+    return 0;
 }
 #endif
 
