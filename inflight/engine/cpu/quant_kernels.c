@@ -29,9 +29,12 @@
  *   (docs/models.md). x's int8 rounding is its only difference from the dequantized float product
  *   (relative 1e-3..1e-2 of a dot). s8's + 128 comes back out as 128 * sum(qx), u4's offset as
  *   m * dx * sum(qx).
- * - elsewhere: a group's rows dequantized into a float buffer and a float32 register-tiled micro-kernel
- *   over it (4 rows of x by 4 rows of W; AVX-512 16 lanes, AVX2 + FMA 8 lanes, plain C): the dequantized
- *   float product up to summation order.
+ * - AVX2 + FMA without AVX-512 (quant_linear_few_rows): float x by 8-output vectors of the weights taken
+ *   straight from the interleaved chunks, each block's sums scaled once: the dequantized float product up to
+ *   rounding and summation order.
+ * - elsewhere (AVX-512 without VNNI, plain C): a group's rows dequantized into a float buffer and a float32
+ *   register-tiled micro-kernel over it (4 rows of x by 4 rows of W): the dequantized float product up to
+ *   summation order.
  * Prompt rows (quantized.py sends more than 8 rows outside a decode step to them) take quant_linear_float on
  * AVX-512 and AVX2 + FMA builds: float32 x by the weights dequantized panel by panel (below), the dequantized
  * float product; quant_rows dequantizes rows (an embedding lookup, or a whole matrix for the other builds' float products).
