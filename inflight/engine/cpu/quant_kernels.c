@@ -48,8 +48,9 @@
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-/* AVX2 + FMA without AVX-512: quant_linear multiplies float x by the weights as they lie (quant_linear_few_rows,
- * below the panel product), not through a dequantized copy. */
+/* AVX2 + FMA (+ F16C) without AVX-512: quant_linear multiplies float x by the weights as they lie
+ * (quant_linear_few_rows, below the panel product), not through a dequantized copy, and the panel product's
+ * vector operations are AVX2's (8 lanes). */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define QUANT_FEW_ROWS 1
 #endif
@@ -557,7 +558,7 @@ static Q_INLINE qmask qmask_first(int64_t valid) {
 }
 static Q_INLINE qvec qv_load_masked(qmask m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
 static Q_INLINE void qv_store_masked(float *p, qmask m, qvec v) { _mm512_mask_storeu_ps(p, m, v); }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(QUANT_FEW_ROWS)
 #define QUANT_PANELS 1
 enum { QLANES = 8, QPANEL_TILE_VECS = 2 };
 #define QPANEL_TILE_ROWS 6
