@@ -680,15 +680,21 @@ static void dequantize_panel(const uint8_t *qweight, const void *scales, const v
 
 /* out rows 0..mt (stride n; the tile's QPANEL_TILE_VECS vectors of outputs, lanes under `mask`) += x rows
  * (stride k) . the panel's columns from `panel` on (rows QPANEL_WIDTH apart) over `kc` values (from zero
- * where `first`; + bias where `bias` is not NULL: after the last chunk). */
+ * where `first`; + bias where `bias` is not NULL: after the last chunk). Where `whole` (every lane under the
+ * mask, the tiles of all but a matrix's last panel), the sums load and store without the mask: AVX2's masked
+ * store (vmaskmovps) is microcoded on AMD Zen 3, and without it a SmolLM2 layer's four Q4_1 products of 64,
+ * 256 and 1024 rows took 8-12 % less time there. */
 static Q_INLINE void panel_tile(const float *x, int64_t k, int mt, const float *panel, int64_t kc, float *out,
-                                int64_t n, const qmask mask[QPANEL_TILE_VECS], int first, const float *bias) {
+                                int64_t n, const qmask mask[QPANEL_TILE_VECS], int whole, int first,
+                                const float *bias) {
     qvec acc[QPANEL_TILE_ROWS][QPANEL_TILE_VECS];
 #pragma GCC unroll 8
     for (int i = 0; i < mt; i++)
 #pragma GCC unroll 3
         for (int j = 0; j < QPANEL_TILE_VECS; j++)
-            acc[i][j] = first ? qv_zero() : qv_load_masked(mask[j], out + i * n + j * QLANES);
+            acc[i][j] = first ? qv_zero()
+                        : whole ? qv_load(out + i * n + j * QLANES)
+                                : qv_load_masked(mask[j], out + i * n + j * QLANES);
     for (int64_t p = 0; p < kc; p++) {
         const float *w = panel + p * QPANEL_WIDTH;
         qvec wv[QPANEL_TILE_VECS];
@@ -706,25 +712,27 @@ static Q_INLINE void panel_tile(const float *x, int64_t k, int mt, const float *
 #pragma GCC unroll 3
         for (int j = 0; j < QPANEL_TILE_VECS; j++) {
             qvec v = acc[i][j];
-            if (bias != NULL) v = qv_add(v, qv_load_masked(mask[j], bias + j * QLANES));
-            qv_store_masked(out + i * n + j * QLANES, mask[j], v);
+            if (bias != NULL)
+                v = qv_add(v, whole ? qv_load(bias + j * QLANES) : qv_load_masked(mask[j], bias + j * QLANES));
+            if (whole) qv_store(out + i * n + j * QLANES, v);
+            else qv_store_masked(out + i * n + j * QLANES, mask[j], v);
         }
 }
 
 /* panel_tile for the first `mt` of QPANEL_TILE_ROWS rows, each count a separate inlined copy. */
 static void panel_tile_rows(const float *x, int64_t k, int mt, const float *panel, int64_t kc, float *out, int64_t n,
-                            const qmask mask[QPANEL_TILE_VECS], int first, const float *bias) {
+                            const qmask mask[QPANEL_TILE_VECS], int whole, int first, const float *bias) {
     switch (mt) {
-    case 1: panel_tile(x, k, 1, panel, kc, out, n, mask, first, bias); break;
-    case 2: panel_tile(x, k, 2, panel, kc, out, n, mask, first, bias); break;
-    case 3: panel_tile(x, k, 3, panel, kc, out, n, mask, first, bias); break;
-    case 4: panel_tile(x, k, 4, panel, kc, out, n, mask, first, bias); break;
-    case 5: panel_tile(x, k, 5, panel, kc, out, n, mask, first, bias); break;
+    case 1: panel_tile(x, k, 1, panel, kc, out, n, mask, whole, first, bias); break;
+    case 2: panel_tile(x, k, 2, panel, kc, out, n, mask, whole, first, bias); break;
+    case 3: panel_tile(x, k, 3, panel, kc, out, n, mask, whole, first, bias); break;
+    case 4: panel_tile(x, k, 4, panel, kc, out, n, mask, whole, first, bias); break;
+    case 5: panel_tile(x, k, 5, panel, kc, out, n, mask, whole, first, bias); break;
 #if QPANEL_TILE_ROWS == 8
-    case 6: panel_tile(x, k, 6, panel, kc, out, n, mask, first, bias); break;
-    case 7: panel_tile(x, k, 7, panel, kc, out, n, mask, first, bias); break;
+    case 6: panel_tile(x, k, 6, panel, kc, out, n, mask, whole, first, bias); break;
+    case 7: panel_tile(x, k, 7, panel, kc, out, n, mask, whole, first, bias); break;
 #endif
-    default: panel_tile(x, k, QPANEL_TILE_ROWS, panel, kc, out, n, mask, first, bias); break;
+    default: panel_tile(x, k, QPANEL_TILE_ROWS, panel, kc, out, n, mask, whole, first, bias); break;
     }
 }
 
@@ -735,10 +743,11 @@ static void panel_rows(const float *x, int64_t k, int64_t r0, int64_t r1, const 
     for (int v0 = 0; v0 < QPANEL_VECS; v0 += QPANEL_TILE_VECS) {
         qmask mask[QPANEL_TILE_VECS];
         for (int j = 0; j < QPANEL_TILE_VECS; j++) mask[j] = qmask_first(n - c0 - (v0 + j) * QLANES);
+        const int whole = n - c0 >= (v0 + QPANEL_TILE_VECS) * QLANES;
         for (int64_t m0 = r0; m0 < r1; m0 += QPANEL_TILE_ROWS) {
             const int mt = r1 - m0 < QPANEL_TILE_ROWS ? (int)(r1 - m0) : QPANEL_TILE_ROWS;
             panel_tile_rows(x + m0 * k, k, mt, panel + v0 * QLANES, kc, out + m0 * n + c0 + v0 * QLANES, n, mask,
-                            first, bias != NULL ? bias + c0 + v0 * QLANES : NULL);
+                            whole, first, bias != NULL ? bias + c0 + v0 * QLANES : NULL);
         }
     }
 }
