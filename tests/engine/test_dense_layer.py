@@ -115,9 +115,9 @@ def test_steps_and_layers_the_one_call_cannot_take_run_the_per_op_path() -> None
     model = _float_model(torch.float32, False, None)
     layer = _dense(model.layers[0])
     max_rows = cpu_kernels.library().dense_linear_max_rows(cpu_kernels.DTYPE_CODES[torch.float32], 64)
-    if max_rows == 0:  # a build without AVX-512: its products are oneDNN's, so no layer is one call
+    if max_rows == 0:  # a build without AVX2 + FMA: its products are oneDNN's, so no layer is one call
         assert layer is None
-        pytest.skip("dense_linear takes no float32 rows on this build (no AVX-512)")
+        pytest.skip("dense_linear takes no float32 rows on this build (no AVX2 + FMA)")
     assert layer is not None and layer.max_rows == max_rows
     assert _dense(model.layers[0]) is layer  # built once
     rng = random.Random(2)

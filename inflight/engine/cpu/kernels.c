@@ -2070,8 +2070,9 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * AVX512-BF16 dot product's order): lane l takes, for each 32 columns from c0, the product of column
  * c0 + 2l + 1 and then of column c0 + 2l, each exact in float32 and added with one rounding; values and
  * sums below float32's normal range (1.2e-38) count as zero there, as the instruction has them. Columns
- * past k count as 0 * 0. The AVX-512 path is bit-identical to the plain C one
- * (tests/engine/test_dense_linear.py); the engine runs only the AVX-512 one (dense_linear_max_rows). */
+ * past k count as 0 * 0. The AVX-512 path, and the float32 one for AVX2 without AVX-512 (dense_linear_avx2),
+ * are bit-identical to the plain C one (tests/engine/test_dense_linear.py); the engine runs only those
+ * (dense_linear_max_rows). */
 
 /* DENSE_MAX_ROWS (DENSE_PASS_ROWS in the wide loop) x rows times DENSE_TILE weight rows: the register tile.
  * Up to DENSE_WIDE_ROWS rows this runs most of llama-1b's products faster than oneDNN (float32 and
@@ -2179,6 +2180,10 @@ static ALWAYS_INLINE float dense_reduce(__m512 v) {
             else dense_tile16_wide(x, ROWS, k, w, 0, n0 + t, 1, sums + t);                     \
         }                                                                                      \
         return 1;
+#endif
+
+#if !defined(DENSE_FLOAT32_VECTOR) && defined(__AVX2__) && defined(__FMA__)
+#define DENSE_FLOAT32_AVX2 1 /* float32 on AVX2 + FMA without AVX-512: dense_linear_avx2, below */
 #endif
 
 /* The products of one tile of outputs, n0 .. n0 + outs - 1 (outs <= DENSE_TILE), for every row. */
@@ -2446,8 +2451,10 @@ static int amx_linear_takes(int dtype, int64_t rows, int64_t k) {
 
 /* How many rows dense_linear takes for weights of `dtype` with k columns on this build: AMX_LINEAR_MAX_ROWS
  * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512; AVX512-BF16 for
- * bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_WIDE_ROWS for bfloat16; else 0: the plain C version
- * is slower than oneDNN, so the engine keeps oneDNN there (tests still call dense_linear on such builds). */
+ * bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_WIDE_ROWS for bfloat16; DENSE_WIDE_ROWS for float32 on
+ * AVX2 without AVX-512 (dense_linear_avx2, which computes up to DENSE_FLOAT32_ROWS but is slower than oneDNN
+ * above eight); else 0: the plain C version is slower than oneDNN, so the engine keeps oneDNN there (tests
+ * still call dense_linear on such builds). */
 int dense_linear_max_rows(int dtype, int64_t k) {
 #if defined(AMX_TILES)
     if (amx_linear_takes(dtype, AMX_LINEAR_MAX_ROWS, k)) return AMX_LINEAR_MAX_ROWS;
@@ -2458,6 +2465,9 @@ int dense_linear_max_rows(int dtype, int64_t k) {
 #elif defined(DENSE_FLOAT32_VECTOR)
     (void)k;
     return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : 0;
+#elif defined(DENSE_FLOAT32_AVX2)
+    (void)k;
+    return dtype == DTYPE_FLOAT32 ? DENSE_WIDE_ROWS : 0;
 #else
     (void)dtype, (void)k;
     return 0;
@@ -2624,6 +2634,126 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
     }
 }
 
+#if defined(DENSE_FLOAT32_AVX2)
+/* ---- float32 products of a few rows on AVX2 + FMA without AVX-512 (AMD Zen 2 and 3, older Intel) --------
+ * On AMD Zen 3 (two cores that read 20 GB/s) oneDNN streamed llama-1b's weights at 9-18 GB/s for one row and
+ * 5-12 GB/s for eight (benchmarks/dense_rows.py). Here, as in the AVX-512 path, each weight row comes from
+ * memory once: a tile of DENSE_TILE weight rows (prefetched into L2 DENSE_PREFETCH_BYTES or more ahead) is
+ * multiplied into every x row, DENSE_AVX2_PASS_ROWS x rows by DENSE_AVX2_OUTS weight rows a pass (the tile
+ * from L1 or L2 after the first). The arithmetic is dense_tile_plain's: each of its 16 lanes is kept, lanes
+ * 0-7 and 8-15 of every 16 columns in two 8-lane sums (lo, hi), by fused multiply-add in column order, and
+ * dense_reduce2 adds them up in lanes_sum's tree: the same bits as the plain and AVX-512 paths. One x row
+ * takes the tile's four weight rows at once (8 sums, 4 weight vectors, x: 13 of the 16 registers), more
+ * rows pairs of weight rows three x rows at a time (12 sums, 2 weight vectors, x: 15; GCC reads the weight
+ * vectors as memory operands of the multiply-adds, and a pass runs at about half the FMA peak with its
+ * operands in cache). Against oneDNN on Zen 3, llama-1b's products from memory: one row 1.5-1.8x faster,
+ * four 1.3-1.5x, eight 1.0-1.4x, sixteen 0.8-0.9x and 24 0.5-0.7x: dense_linear_max_rows gives the engine
+ * DENSE_WIDE_ROWS (8) rows here. */
+enum { DENSE_AVX2_OUTS = 2, DENSE_AVX2_PASS_ROWS = 3, DENSE_AVX2_ROW_PAD = 16 };
+
+/* The sum of lo's and hi's 16 lanes in lanes_sum's tree (dense_reduce's, for a vector in two halves). */
+static ALWAYS_INLINE float dense_reduce2(__m256 lo, __m256 hi) {
+    const __m256 a = _mm256_add_ps(lo, hi);
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+/* The lanes of an 8-float load from column c0 that lie before k (all where c0 + 8 <= k). */
+static ALWAYS_INLINE __m256i dense_mask8(int64_t c0, int64_t k) {
+    const int64_t left = k - c0 < 0 ? 0 : k - c0;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* sums[r * DENSE_TILE + t] = x row r . W row n0 + t, for r < ROWS (<= DENSE_AVX2_PASS_ROWS) and t < OUTS
+ * (<= DENSE_TILE; ROWS * OUTS <= 6), constants after inlining. `ahead`: floats to the prefetched column. */
+static ALWAYS_INLINE void dense_tile8(const float *x, int64_t xs, const int rows, int64_t k, const float *w,
+                                      int64_t n0, const int outs, int64_t ahead, float *sums) {
+    __m256 lo[DENSE_AVX2_PASS_ROWS][DENSE_TILE], hi[DENSE_AVX2_PASS_ROWS][DENSE_TILE];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) lo[r][t] = hi[r][t] = _mm256_setzero_ps();
+    const float *wr[DENSE_TILE];
+    for (int t = 0; t < outs; t++) wr[t] = w + (n0 + t) * k;
+    const int64_t whole = k / 16 * 16;
+    for (int64_t i = 0; i < k; i += 16) {
+        for (int t = 0; t < outs; t++) _mm_prefetch((const char *)(wr[t] + i + ahead), _MM_HINT_T1);
+        if (i < whole) {
+            __m256 wv[DENSE_TILE];
+            for (int t = 0; t < outs; t++) wv[t] = _mm256_loadu_ps(wr[t] + i);
+            for (int r = 0; r < rows; r++) {
+                const __m256 xv = _mm256_loadu_ps(x + r * xs + i);
+                for (int t = 0; t < outs; t++) lo[r][t] = _mm256_fmadd_ps(xv, wv[t], lo[r][t]);
+            }
+            for (int t = 0; t < outs; t++) wv[t] = _mm256_loadu_ps(wr[t] + i + 8);
+            for (int r = 0; r < rows; r++) {
+                const __m256 xv = _mm256_loadu_ps(x + r * xs + i + 8);
+                for (int t = 0; t < outs; t++) hi[r][t] = _mm256_fmadd_ps(xv, wv[t], hi[r][t]);
+            }
+        } else {
+            const __m256i mlo = dense_mask8(i, k), mhi = dense_mask8(i + 8, k);
+            for (int t = 0; t < outs; t++) {
+                const __m256 wlo = _mm256_maskload_ps(wr[t] + i, mlo), whi = _mm256_maskload_ps(wr[t] + i + 8, mhi);
+                for (int r = 0; r < rows; r++) {
+                    lo[r][t] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * xs + i, mlo), wlo, lo[r][t]);
+                    hi[r][t] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * xs + i + 8, mhi), whi, hi[r][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce2(lo[r][t], hi[r][t]);
+}
+
+/* dense_tile8 with its row and output counts made constants. */
+static void dense_tile8_pass(const float *x, int64_t xs, int rows, int64_t k, const float *w, int64_t n0, int outs,
+                             int64_t ahead, float *sums) {
+    if (rows == 1 && outs == DENSE_TILE) dense_tile8(x, xs, 1, k, w, n0, DENSE_TILE, ahead, sums);
+    else if (outs == DENSE_AVX2_OUTS && rows == 3) dense_tile8(x, xs, 3, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
+    else if (outs == DENSE_AVX2_OUTS && rows == 2) dense_tile8(x, xs, 2, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
+    else if (outs == DENSE_AVX2_OUTS) dense_tile8(x, xs, 1, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
+    else if (rows == 3) dense_tile8(x, xs, 3, k, w, n0, 1, ahead, sums);
+    else if (rows == 2) dense_tile8(x, xs, 2, k, w, n0, 1, ahead, sums);
+    else dense_tile8(x, xs, 1, k, w, n0, 1, ahead, sums);
+}
+
+/* dense_linear (float32) on these builds, 1 <= rows <= DENSE_FLOAT32_ROWS: -1 where x's copy could not be
+ * allocated. More than one row are first copied DENSE_AVX2_ROW_PAD floats further apart than k: rows k floats
+ * apart (8 KB for llama-1b) put the same column of every row, and of the tile's weight rows, in the same L1
+ * sets, more lines than a set holds. */
+static int dense_linear_avx2(const float *x, int64_t rows, int64_t k, const float *w, int64_t n, const float *bias,
+                             float *out, int num_threads) {
+    const int bf16 = 0, out_bf16 = 0; /* for DENSE_STORE */
+    const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE, tile_floats = DENSE_TILE * k;
+    const int64_t ahead = (DENSE_PREFETCH_BYTES / 4 + tile_floats - 1) / tile_floats * tile_floats;
+    const int64_t xs = rows > 1 ? k + DENSE_AVX2_ROW_PAD : k;
+    float *xp = (float *)x;
+    if (rows > 1) {
+        xp = aligned_alloc(64, (size_t)((rows * xs * 4 + 63) / 64 * 64));
+        if (xp == NULL) return -1;
+        for (int64_t r = 0; r < rows; r++) memcpy(xp + r * xs, x + r * k, (size_t)k * sizeof(float));
+    }
+#pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
+        float sums[DENSE_FLOAT32_ROWS * DENSE_TILE];
+        if (rows == 1 && outs == DENSE_TILE) {
+            dense_tile8_pass(xp, xs, 1, k, w, n0, DENSE_TILE, ahead, sums);
+        } else {
+            for (int64_t t = 0; t < outs; t += DENSE_AVX2_OUTS) {
+                const int part = outs - t < DENSE_AVX2_OUTS ? (int)(outs - t) : DENSE_AVX2_OUTS;
+                for (int64_t r = 0; r < rows; r += DENSE_AVX2_PASS_ROWS) {
+                    const int pass = rows - r < DENSE_AVX2_PASS_ROWS ? (int)(rows - r) : DENSE_AVX2_PASS_ROWS;
+                    dense_tile8_pass(xp + r * xs, xs, pass, k, w, n0 + t, part, ahead, sums + r * DENSE_TILE + t);
+                }
+            }
+        }
+        DENSE_STORE(sums)
+    }
+    if (xp != x) free(xp);
+    return 0;
+}
+#endif
+
 /* out [rows, n] = x [rows, k] W^T (+ bias [n]), x, W and bias of `dtype` (float32 or bfloat16), 1 <= rows <=
  * dense_linear_max_rows(dtype, k) (see the top of this section, and the AMX tiles' above). `out` is of
  * `out_dtype`: `dtype`, or float32 holding the result rounded to `dtype` (for bfloat16, what widening the
@@ -2642,6 +2772,12 @@ int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t 
     if (rows > DENSE_MAX_ROWS && !bf16 && k >= DENSE_BLOCKED_K) {
         return dense_linear_blocked((const float *)x, rows, k, (const float *)w, n, (const float *)bias,
                                     (float *)out, num_threads);
+    }
+#endif
+#if defined(DENSE_FLOAT32_AVX2)
+    if (!bf16) {
+        return dense_linear_avx2((const float *)x, rows, k, (const float *)w, n, (const float *)bias, (float *)out,
+                                 num_threads);
     }
 #endif
     if (rows > DENSE_MAX_ROWS) {
