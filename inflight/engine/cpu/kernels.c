@@ -2644,9 +2644,8 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
  * 0-7 and 8-15 of every 16 columns in two 8-lane sums (lo, hi), by fused multiply-add in column order, and
  * dense_reduce2 adds them up in lanes_sum's tree: the same bits as the plain and AVX-512 paths. One x row
  * takes the tile's four weight rows at once (8 sums, 4 weight vectors, x: 13 of the 16 registers), more
- * rows pairs of weight rows three x rows at a time (12 sums, 2 weight vectors, x: 15; GCC reads the weight
- * vectors as memory operands of the multiply-adds, and a pass runs at about half the FMA peak with its
- * operands in cache). Against oneDNN on Zen 3, llama-1b's products from memory: one row 1.3-1.5x the speed,
+ * rows pairs of weight rows three x rows at a time (12 sums, 2 weight vectors, x: 15; a pass runs at about
+ * a third of the FMA peak with its weights in L2). Against oneDNN on Zen 3, llama-1b's products from memory: one row 1.3-1.5x the speed,
  * four 1.1-1.4x, eight 0.95-1.15x, sixteen 0.7-0.9x and 24 0.6-0.7x: dense_linear_max_rows gives the engine
  * DENSE_WIDE_ROWS (8) rows here, where a decode step's layers then run in one C call. */
 enum { DENSE_AVX2_OUTS = 2, DENSE_AVX2_PASS_ROWS = 3, DENSE_AVX2_ROW_PAD = 16 };
@@ -2665,6 +2664,14 @@ static ALWAYS_INLINE __m256i dense_mask8(int64_t c0, int64_t k) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+/* v, loaded into a register where it stands: GCC would otherwise read a vector that two or three
+ * multiply-adds use as a memory operand of each (18 loads for the 3 x 2 pass's 12 multiply-adds, not 10;
+ * held in registers, llama-1b's products of 8-16 rows took 0-16 % less time on AMD Zen 3). */
+static ALWAYS_INLINE __m256 dense_in_register(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 /* sums[r * DENSE_TILE + t] = x row r . W row n0 + t, for r < ROWS (<= DENSE_AVX2_PASS_ROWS) and t < OUTS
  * (<= DENSE_TILE; ROWS * OUTS <= 6), constants after inlining. `ahead`: floats to the prefetched column. */
 static ALWAYS_INLINE void dense_tile8(const float *x, int64_t xs, const int rows, int64_t k, const float *w,
@@ -2679,14 +2686,14 @@ static ALWAYS_INLINE void dense_tile8(const float *x, int64_t xs, const int rows
         for (int t = 0; t < outs; t++) _mm_prefetch((const char *)(wr[t] + i + ahead), _MM_HINT_T1);
         if (i < whole) {
             __m256 wv[DENSE_TILE];
-            for (int t = 0; t < outs; t++) wv[t] = _mm256_loadu_ps(wr[t] + i);
+            for (int t = 0; t < outs; t++) wv[t] = dense_in_register(_mm256_loadu_ps(wr[t] + i));
             for (int r = 0; r < rows; r++) {
-                const __m256 xv = _mm256_loadu_ps(x + r * xs + i);
+                const __m256 xv = dense_in_register(_mm256_loadu_ps(x + r * xs + i));
                 for (int t = 0; t < outs; t++) lo[r][t] = _mm256_fmadd_ps(xv, wv[t], lo[r][t]);
             }
-            for (int t = 0; t < outs; t++) wv[t] = _mm256_loadu_ps(wr[t] + i + 8);
+            for (int t = 0; t < outs; t++) wv[t] = dense_in_register(_mm256_loadu_ps(wr[t] + i + 8));
             for (int r = 0; r < rows; r++) {
-                const __m256 xv = _mm256_loadu_ps(x + r * xs + i + 8);
+                const __m256 xv = dense_in_register(_mm256_loadu_ps(x + r * xs + i + 8));
                 for (int t = 0; t < outs; t++) hi[r][t] = _mm256_fmadd_ps(xv, wv[t], hi[r][t]);
             }
         } else {
