@@ -2637,17 +2637,18 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
 #if defined(DENSE_FLOAT32_AVX2)
 /* ---- float32 products of a few rows on AVX2 + FMA without AVX-512 (AMD Zen 2 and 3, older Intel) --------
  * On AMD Zen 3 (two cores that read 20 GB/s) oneDNN streamed llama-1b's weights at 15-18 GB/s for one row
- * and 10-12 GB/s for eight (benchmarks/dense_rows.py). Here, as in the AVX-512 path, each weight row comes from
- * memory once: a tile of DENSE_TILE weight rows (prefetched into L2 DENSE_PREFETCH_BYTES or more ahead) is
+ * and 10-12 GB/s for eight (benchmarks/dense_rows.py). Here, as in the AVX-512 path, each weight row comes
+ * from memory once: a tile of DENSE_TILE weight rows (prefetched into L2 DENSE_PREFETCH_BYTES or more ahead) is
  * multiplied into every x row, DENSE_AVX2_PASS_ROWS x rows by DENSE_AVX2_OUTS weight rows a pass (the tile
  * from L1 or L2 after the first). The arithmetic is dense_tile_plain's: each of its 16 lanes is kept, lanes
  * 0-7 and 8-15 of every 16 columns in two 8-lane sums (lo, hi), by fused multiply-add in column order, and
  * dense_reduce2 adds them up in lanes_sum's tree: the same bits as the plain and AVX-512 paths. One x row
  * takes the tile's four weight rows at once (8 sums, 4 weight vectors, x: 13 of the 16 registers), more
  * rows pairs of weight rows three x rows at a time (12 sums, 2 weight vectors, x: 15; a pass runs at about
- * a third of the FMA peak with its weights in L2). Against oneDNN on Zen 3, llama-1b's products from memory: one row 1.3-1.5x the speed,
- * four 1.1-1.4x, eight 0.95-1.15x, sixteen 0.7-0.9x and 24 0.6-0.7x: dense_linear_max_rows gives the engine
- * DENSE_WIDE_ROWS (8) rows here, where a decode step's layers then run in one C call. */
+ * a third of the FMA peak with its weights in L2). Against oneDNN on Zen 3, llama-1b's products from
+ * memory: one row 1.3-1.5x the speed, four 1.1-1.4x, eight 0.95-1.15x, sixteen 0.7-0.9x and 24 0.6-0.7x:
+ * dense_linear_max_rows gives the engine DENSE_WIDE_ROWS (8) rows here, where a decode step's layers then
+ * run in one C call. The prefetches past the weight's last rows are harmless: a prefetch never faults. */
 enum { DENSE_AVX2_OUTS = 2, DENSE_AVX2_PASS_ROWS = 3, DENSE_AVX2_ROW_PAD = 16 };
 
 /* The sum of lo's and hi's 16 lanes in lanes_sum's tree (dense_reduce's, for a vector in two halves). */
