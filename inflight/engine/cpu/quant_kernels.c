@@ -606,6 +606,17 @@ enum {
     QGROUP_VECS = QGROUP / QLANES
 };
 _Static_assert(QPANEL_VECS % QPANEL_TILE_VECS == 0, "a panel is a whole number of tiles wide");
+
+/* The interleaved layout's values, per int32 lane of a chunk (one row's 4 consecutive bytes): chunk j of a
+ * block's lanes lies QGROUP * 4 * j bytes in. s8: byte t is value 4j + t, stored with QS8_OFFSET added;
+ * u4: byte t holds value 4j + t in its low nibble and value QBLOCK / 2 + 4j + t in its high one. */
+static Q_INLINE qint qs8_chunk(const uint8_t *block_lanes, int j) {
+    return qi_xor(qi_load(block_lanes + QGROUP * 4 * j), qi_bytes((char)QS8_OFFSET));
+}
+static Q_INLINE qint qs8_value(qint chunk, int t) { return qi_sar(qi_shl(chunk, 24 - 8 * t), 24); }
+static Q_INLINE qint qu4_chunk(const uint8_t *block_lanes, int j) { return qi_load(block_lanes + QGROUP * 4 * j); }
+static Q_INLINE qint qu4_low(qint chunk, int t) { return qi_and(qi_shr(chunk, 8 * t), qi_words(0x0F)); }
+static Q_INLINE qint qu4_high(qint chunk, int t) { return qi_and(qi_shr(chunk, 8 * t + 4), qi_words(0x0F)); }
 /* Blocks of k per dequantized chunk: 128 values x 48 outputs (24 KB, in L1) of the panel; 8 and 16 blocks
  * measured level or up to 5 % slower (benchmarks/quantized_matmul.py, 100 and 1024 rows). */
 #define QPANEL_BLOCKS 4
@@ -628,25 +639,21 @@ static Q_INLINE void dequantize_group_blocks(const uint8_t *qweight, const void 
             if (kind == QFORMAT_S8) {
 #pragma GCC unroll 8
                 for (int j = 0; j < QBLOCK / 4; j++) {
-                    const qint raw = qi_xor(qi_load(qh + QGROUP * 4 * j), qi_bytes((char)QS8_OFFSET));
+                    const qint raw = qs8_chunk(qh, j);
 #pragma GCC unroll 4
-                    for (int t = 0; t < 4; t++) {
-                        const qint q = qi_sar(qi_shl(raw, 24 - 8 * t), 24);
-                        qv_store(o + (4 * j + t) * QPANEL_WIDTH, qv_mul(dv, qv_from_int(q)));
-                    }
+                    for (int t = 0; t < 4; t++)
+                        qv_store(o + (4 * j + t) * QPANEL_WIDTH, qv_mul(dv, qv_from_int(qs8_value(raw, t))));
                 }
             } else {
                 const qvec mv = qv_scales(mins, si + h * QLANES, half);
-                const qint low4 = qi_words(0x0F);
 #pragma GCC unroll 4
                 for (int j = 0; j < QBLOCK / 8; j++) {
-                    const qint raw = qi_load(qh + QGROUP * 4 * j);
+                    const qint raw = qu4_chunk(qh, j);
 #pragma GCC unroll 4
                     for (int t = 0; t < 4; t++) {
-                        const qint lo = qi_and(qi_shr(raw, 8 * t), low4);
-                        const qint hi = qi_and(qi_shr(raw, 8 * t + 4), low4);
-                        qv_store(o + (4 * j + t) * QPANEL_WIDTH, qv_add(qv_mul(dv, qv_from_int(lo)), mv));
-                        qv_store(o + (QBLOCK / 2 + 4 * j + t) * QPANEL_WIDTH, qv_add(qv_mul(dv, qv_from_int(hi)), mv));
+                        const qvec lo = qv_from_int(qu4_low(raw, t)), hi = qv_from_int(qu4_high(raw, t));
+                        qv_store(o + (4 * j + t) * QPANEL_WIDTH, qv_add(qv_mul(dv, lo), mv));
+                        qv_store(o + (QBLOCK / 2 + 4 * j + t) * QPANEL_WIDTH, qv_add(qv_mul(dv, hi), mv));
                     }
                 }
             }
@@ -782,23 +789,21 @@ static Q_INLINE void few_rows_tile(const float *x, int64_t k, int mt, const floa
         if (kind == QFORMAT_S8) {
 #pragma GCC unroll 8
             for (int j = 0; j < QBLOCK / 4; j++) {
-                const qint raw = qi_xor(qi_load(qb + QGROUP * 4 * j), qi_bytes((char)QS8_OFFSET));
+                const qint raw = qs8_chunk(qb, j);
 #pragma GCC unroll 4
                 for (int t = 0; t < 4; t++) {
-                    const qvec q = qv_from_int(qi_sar(qi_shl(raw, 24 - 8 * t), 24));
+                    const qvec q = qv_from_int(qs8_value(raw, t));
 #pragma GCC unroll 4
                     for (int i = 0; i < mt; i++) s[i] = qv_fmadd(qv_set1(xb[i * k + 4 * j + t]), q, s[i]);
                 }
             }
         } else {
-            const qint low4 = qi_words(0x0F);
 #pragma GCC unroll 4
             for (int j = 0; j < QBLOCK / 8; j++) {
-                const qint raw = qi_load(qb + QGROUP * 4 * j);
+                const qint raw = qu4_chunk(qb, j);
 #pragma GCC unroll 4
                 for (int t = 0; t < 4; t++) {
-                    const qvec lo = qv_from_int(qi_and(qi_shr(raw, 8 * t), low4));
-                    const qvec hi = qv_from_int(qi_and(qi_shr(raw, 8 * t + 4), low4));
+                    const qvec lo = qv_from_int(qu4_low(raw, t)), hi = qv_from_int(qu4_high(raw, t));
 #pragma GCC unroll 4
                     for (int i = 0; i < mt; i++) {
                         s[i] = qv_fmadd(qv_set1(xb[i * k + 4 * j + t]), lo, s[i]);
