@@ -2450,11 +2450,10 @@ static int amx_linear_takes(int dtype, int64_t rows, int64_t k) {
 }
 
 /* How many rows dense_linear takes for weights of `dtype` with k columns on this build: AMX_LINEAR_MAX_ROWS
- * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512; AVX512-BF16 for
- * bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_WIDE_ROWS for bfloat16; DENSE_WIDE_ROWS for float32 on
- * AVX2 without AVX-512 (dense_linear_avx2, which computes up to DENSE_FLOAT32_ROWS but is slower than oneDNN
- * above eight); else 0: the plain C version is slower than oneDNN, so the engine keeps oneDNN there (tests
- * still call dense_linear on such builds). */
+ * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512 or AVX2 + FMA for
+ * float32, AVX512-BF16 for bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_WIDE_ROWS for bfloat16; else
+ * 0: the plain C version is slower than oneDNN, so the engine keeps oneDNN there (tests still call
+ * dense_linear on such builds). */
 int dense_linear_max_rows(int dtype, int64_t k) {
 #if defined(AMX_TILES)
     if (amx_linear_takes(dtype, AMX_LINEAR_MAX_ROWS, k)) return AMX_LINEAR_MAX_ROWS;
@@ -2462,12 +2461,9 @@ int dense_linear_max_rows(int dtype, int64_t k) {
 #if defined(DENSE_BFLOAT16_VECTOR)
     (void)k;
     return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : DENSE_WIDE_ROWS;
-#elif defined(DENSE_FLOAT32_VECTOR)
+#elif defined(DENSE_FLOAT32_VECTOR) || defined(DENSE_FLOAT32_AVX2)
     (void)k;
     return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : 0;
-#elif defined(DENSE_FLOAT32_AVX2)
-    (void)k;
-    return dtype == DTYPE_FLOAT32 ? DENSE_WIDE_ROWS : 0;
 #else
     (void)dtype, (void)k;
     return 0;
@@ -2487,18 +2483,19 @@ int dense_linear_max_rows(int dtype, int64_t k) {
             else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;                  \
         }
 
-#if defined(DENSE_FLOAT32_VECTOR)
-/* float32 dense_linear for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS and k >= DENSE_BLOCKED_K, in blocks
- * of DENSE_BLOCK_COLUMNS columns: x is first copied block by block into one buffer (a block's rows side by
- * side), then for each block every tile of a group of DENSE_GROUP_TILES tiles of weight rows is multiplied
- * into all the x rows, DENSE_PASS_ROWS at a time, the group's running sums kept in memory between blocks.
- * The weights are fetched into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's blocks are multiplied
- * (dense_block16), and whole steps load without a mask. The copy: in x itself a block's rows lie k floats
- * apart (8 KB for llama-1b), so the same columns of every row fall in the same L1 sets, more lines than a
- * set holds at 16 rows and more; copied, the block's rows are contiguous. On AMD Zen 4, with the weights in
- * L2, one thread (the FMA peak measured there: 117 GFLOP/s): 16 rows 79 -> 84 GFLOP/s, 24 rows 75 -> 86
- * (docs/benchmarks.md). Each lane sums its columns in the same order as dense_tile16's, and the lanes add
- * up in the same tree: the same bits. */
+#if defined(DENSE_FLOAT32_VECTOR) || defined(DENSE_FLOAT32_AVX2)
+/* float32 dense_linear for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS (on AVX2 without AVX-512:
+ * DENSE_AVX2_DIRECT_ROWS < rows) and k >= DENSE_BLOCKED_K, in blocks of DENSE_BLOCK_COLUMNS columns: x is first
+ * copied block by block into one buffer (a block's rows side by side), then for each block every tile of a group of
+ * DENSE_GROUP_TILES tiles of weight rows is multiplied into all the x rows, DENSE_PASS_ROWS at a time
+ * (dense_block_pass), the group's running sums (dense_acc) kept in memory between blocks. The weights are fetched
+ * into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's blocks are multiplied (dense_block16, dense_block8), and
+ * whole steps load without a mask. The copy: in x itself a block's rows lie k floats apart (8 KB for llama-1b), so
+ * the same columns of every row fall in the same L1 sets, more lines than a set holds at 16 rows and more; copied,
+ * the block's rows are contiguous. On AMD Zen 4, with the weights in L2, one thread (the FMA peak measured there:
+ * 117 GFLOP/s): 16 rows 79 -> 84 GFLOP/s, 24 rows 75 -> 86 (docs/benchmarks.md). On AMD Zen 2 (AVX2), llama-1b's
+ * products of 8-24 rows 1.23-1.4x faster than dense_linear_avx2's passes straight from x. Each lane sums its columns
+ * in the same order as dense_tile16's, and the lanes add up in the same tree: the same bits. */
 /* DENSE_BLOCKED_K: from this many inputs (two blocks); SmolLM2's 576-input products measured 1.05-1.35x
  * slower in blocks (a short last block, the running sums stored per block for little work), its 1536-input
  * ones 1.08-1.13x faster. DENSE_BLOCK_COLUMNS: 512 rather than 256 (the running sums loaded and stored half
@@ -2509,7 +2506,28 @@ int dense_linear_max_rows(int dtype, int64_t k) {
  * DENSE_BLOCKS_AHEAD: the prefetch distance (dense_block16). One block, without going on into the next
  * group, left the next group's first blocks unfetched when it began; four, across into the next group, made
  * the same products another 1.02-1.16x faster (two measured about the same, eight a little slower). */
-enum { DENSE_BLOCK_COLUMNS = 512, DENSE_GROUP_TILES = 2, DENSE_BLOCKED_K = 1024, DENSE_BLOCKS_AHEAD = 4 };
+enum { DENSE_GROUP_TILES = 2, DENSE_BLOCKED_K = 1024, DENSE_BLOCKS_AHEAD = 4 };
+/* On AVX2 (three x rows a pass, not six), 256 columns: llama-1b's products of 4-24 rows on AMD Zen 2 up to
+ * 1.1x faster than in 512 (8 rows the same). */
+#if defined(DENSE_FLOAT32_AVX2)
+enum { DENSE_BLOCK_COLUMNS = 256 };
+#else
+enum { DENSE_BLOCK_COLUMNS = 512 };
+#endif
+/* Floats from a weight row's column c0 to the line the blocked passes prefetch there: DENSE_BLOCKS_AHEAD
+ * blocks further in the order a group reads its rows (see dense_block16). */
+static ALWAYS_INLINE int64_t dense_block_ahead(int64_t c0, int64_t k) {
+    return c0 + DENSE_BLOCKS_AHEAD * DENSE_BLOCK_COLUMNS < k
+               ? DENSE_BLOCKS_AHEAD * DENSE_BLOCK_COLUMNS
+               : DENSE_BLOCKS_AHEAD * DENSE_BLOCK_COLUMNS - k + DENSE_GROUP_TILES * DENSE_TILE * k;
+}
+#endif
+
+#if defined(DENSE_FLOAT32_VECTOR)
+/* The running sums of one row and output between blocks: one vector of 16 lanes. */
+typedef __m512 dense_acc;
+static ALWAYS_INLINE dense_acc dense_acc_zero(void) { return _mm512_setzero_ps(); }
+static ALWAYS_INLINE float dense_acc_sum(dense_acc a) { return dense_reduce(a); }
 
 /* acc[r * DENSE_TILE + t] += x row r . W row n0 + t over columns [c0, c1), for ROWS (<= DENSE_PASS_ROWS)
  * rows and OUTS (DENSE_TILE or 1) outputs, constants after inlining; columns past k count as 0 * 0. x: the
@@ -2530,9 +2548,7 @@ static ALWAYS_INLINE void dense_block16(const float *x, const int rows, int64_t 
         for (int t = 0; t < outs; t++) a[r][t] = acc[r * DENSE_TILE + t];
     const float *wr[DENSE_TILE];
     for (int t = 0; t < outs; t++) wr[t] = w + (n0 + t) * k;
-    const int64_t ahead = c0 + DENSE_BLOCKS_AHEAD * DENSE_BLOCK_COLUMNS < k
-                              ? DENSE_BLOCKS_AHEAD * DENSE_BLOCK_COLUMNS
-                              : DENSE_BLOCKS_AHEAD * DENSE_BLOCK_COLUMNS - k + DENSE_GROUP_TILES * DENSE_TILE * k;
+    const int64_t ahead = dense_block_ahead(c0, k);
     const int64_t whole = c0 + (c1 - c0) / 16 * 16;
     for (int64_t i = c0; i < c1; i += 16) {
         const __mmask16 mask = i < whole ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1u);
@@ -2563,7 +2579,7 @@ static ALWAYS_INLINE void dense_block16(const float *x, const int rows, int64_t 
 
 /* One pass of `rows` (<= DENSE_PASS_ROWS) x rows over one tile's block of columns. */
 static void dense_block_pass(const float *x, int64_t rows, int64_t k, const float *w, int64_t n0, int64_t outs,
-                             int64_t c0, int64_t c1, __m512 *acc) {
+                             int64_t c0, int64_t c1, dense_acc *acc) {
     switch (rows) {
         DENSE_BLOCK_CASE(1)
         DENSE_BLOCK_CASE(2)
@@ -2574,6 +2590,161 @@ static void dense_block_pass(const float *x, int64_t rows, int64_t k, const floa
     }
 }
 
+#endif
+
+#if defined(DENSE_FLOAT32_AVX2)
+/* ---- float32 products of a few rows on AVX2 + FMA without AVX-512 (AMD Zen 2 and 3, older Intel) -------- On AMD
+ * Zen 3 (two cores that read 20 GB/s) oneDNN streamed llama-1b's weights at 15-18 GB/s for one row and 10-12 GB/s
+ * for eight (benchmarks/dense_rows.py). Here, as in the AVX-512 path, each weight row comes from memory once: a tile
+ * of DENSE_TILE weight rows (prefetched into L2 DENSE_PREFETCH_BYTES or more ahead) is multiplied into every x row,
+ * DENSE_AVX2_PASS_ROWS x rows by DENSE_AVX2_OUTS weight rows a pass. The arithmetic is dense_tile_plain's: each of
+ * its 16 lanes is kept, lanes 0-7 and 8-15 of every 16 columns in two 8-lane sums (lo, hi), by fused multiply-add in
+ * column order (dense_step8), and dense_reduce2 adds them up in lanes_sum's tree: the same bits as the plain and
+ * AVX-512 paths. One x row takes the tile's four weight rows at once (8 sums, 4 weight vectors, x: 13 of the 16
+ * registers), more rows pairs of weight rows three x rows at a time (12 sums, 2 weight vectors, x: 15). Up to
+ * DENSE_AVX2_DIRECT_ROWS rows the passes read x where it is (dense_linear_avx2); more rows with k >= DENSE_BLOCKED_K
+ * go in dense_linear_blocked's blocks (dense_block8), where each pass reads its x rows and weight rows from L1.
+ * Straight from x they read them from L2 (the tile's rows and three x rows are more than L1 holds), and ran at about
+ * a third of the FMA peak: on AMD Zen 2 the blocks made llama-1b's products of 8-24 rows 1.23-1.4x faster, 4 rows
+ * 1.09-1.23x, while 2-3 rows were 1.1-1.2x slower in blocks (the copy and the sums' loads and stores for little
+ * work). Against oneDNN there, llama-1b's products from memory: 1-8 rows 1.2-1.5x the speed, 12 rows 1.18-1.25x, 16
+ * rows 1.08-1.13x, 24 about the same (0.99-1.03x); with a decode step's layers in one C call, llama-1b's float32
+ * steps of 16 rows took 10 % less time than with oneDNN's products above eight rows, 24 rows 1 % less:
+ * dense_linear_max_rows gives the engine DENSE_FLOAT32_ROWS here as with AVX-512. The prefetches past the weight's
+ * last rows are harmless: a prefetch never faults. */
+enum { DENSE_AVX2_OUTS = 2, DENSE_AVX2_PASS_ROWS = 3, DENSE_AVX2_ROW_PAD = 16, DENSE_AVX2_DIRECT_ROWS = 3 };
+
+/* The sum of lo's and hi's 16 lanes in lanes_sum's tree (dense_reduce's, for a vector in two halves). */
+static ALWAYS_INLINE float dense_reduce2(__m256 lo, __m256 hi) {
+    const __m256 a = _mm256_add_ps(lo, hi);
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+/* The lanes of an 8-float load from column c0 that lie before k (all where c0 + 8 <= k). */
+static ALWAYS_INLINE __m256i dense_mask8(int64_t c0, int64_t k) {
+    const int64_t left = k - c0 < 0 ? 0 : k - c0;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* v, loaded into a register where it stands: GCC would otherwise read a vector that two or three
+ * multiply-adds use as a memory operand of each (18 loads for the 3 x 2 pass's 12 multiply-adds, not 10;
+ * held in registers, llama-1b's products of 8-16 rows took 0-16 % less time on AMD Zen 3). */
+static ALWAYS_INLINE __m256 dense_in_register(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* One step of 16 columns from column i: lo[r][t] (lanes 0-7) and hi[r][t] (lanes 8-15) += x row r's columns
+ * times W row t's (from wr[t] + i), for r < ROWS and t < OUTS, constants after inlining (ROWS * OUTS <= 6);
+ * x row r's column i at x[r * xs]. `whole`: all 16 columns lie before k; else those past k count as 0 * 0. */
+static ALWAYS_INLINE void dense_step8(const float *x, int64_t xs, const int rows, const float *const *wr, int64_t i,
+                                      int64_t k, int whole, const int outs, __m256 lo[][DENSE_TILE],
+                                      __m256 hi[][DENSE_TILE]) {
+    if (whole) {
+        __m256 wv[DENSE_TILE];
+        for (int t = 0; t < outs; t++) wv[t] = dense_in_register(_mm256_loadu_ps(wr[t] + i));
+        for (int r = 0; r < rows; r++) {
+            const __m256 xv = dense_in_register(_mm256_loadu_ps(x + r * xs));
+            for (int t = 0; t < outs; t++) lo[r][t] = _mm256_fmadd_ps(xv, wv[t], lo[r][t]);
+        }
+        for (int t = 0; t < outs; t++) wv[t] = dense_in_register(_mm256_loadu_ps(wr[t] + i + 8));
+        for (int r = 0; r < rows; r++) {
+            const __m256 xv = dense_in_register(_mm256_loadu_ps(x + r * xs + 8));
+            for (int t = 0; t < outs; t++) hi[r][t] = _mm256_fmadd_ps(xv, wv[t], hi[r][t]);
+        }
+    } else {
+        const __m256i mlo = dense_mask8(i, k), mhi = dense_mask8(i + 8, k);
+        for (int t = 0; t < outs; t++) {
+            const __m256 wlo = _mm256_maskload_ps(wr[t] + i, mlo), whi = _mm256_maskload_ps(wr[t] + i + 8, mhi);
+            for (int r = 0; r < rows; r++) {
+                lo[r][t] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * xs, mlo), wlo, lo[r][t]);
+                hi[r][t] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * xs + 8, mhi), whi, hi[r][t]);
+            }
+        }
+    }
+}
+
+/* sums[r * DENSE_TILE + t] = x row r . W row n0 + t, for r < ROWS (<= DENSE_AVX2_PASS_ROWS) and t < OUTS
+ * (<= DENSE_TILE; ROWS * OUTS <= 6), constants after inlining. `ahead`: floats to the prefetched column. */
+static ALWAYS_INLINE void dense_tile8(const float *x, int64_t xs, const int rows, int64_t k, const float *w,
+                                      int64_t n0, const int outs, int64_t ahead, float *sums) {
+    __m256 lo[DENSE_AVX2_PASS_ROWS][DENSE_TILE], hi[DENSE_AVX2_PASS_ROWS][DENSE_TILE];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) lo[r][t] = hi[r][t] = _mm256_setzero_ps();
+    const float *wr[DENSE_TILE];
+    for (int t = 0; t < outs; t++) wr[t] = w + (n0 + t) * k;
+    const int64_t whole = k / 16 * 16;
+    for (int64_t i = 0; i < k; i += 16) {
+        for (int t = 0; t < outs; t++) _mm_prefetch((const char *)(wr[t] + i + ahead), _MM_HINT_T1);
+        dense_step8(x + i, xs, rows, wr, i, k, i < whole, outs, lo, hi);
+    }
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce2(lo[r][t], hi[r][t]);
+}
+
+/* dense_tile8 with its row and output counts made constants. */
+static void dense_tile8_pass(const float *x, int64_t xs, int rows, int64_t k, const float *w, int64_t n0, int outs,
+                             int64_t ahead, float *sums) {
+    if (rows == 1 && outs == DENSE_TILE) dense_tile8(x, xs, 1, k, w, n0, DENSE_TILE, ahead, sums);
+    else if (outs == DENSE_AVX2_OUTS && rows == 3) dense_tile8(x, xs, 3, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
+    else if (outs == DENSE_AVX2_OUTS && rows == 2) dense_tile8(x, xs, 2, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
+    else if (outs == DENSE_AVX2_OUTS) dense_tile8(x, xs, 1, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
+    else if (rows == 3) dense_tile8(x, xs, 3, k, w, n0, 1, ahead, sums);
+    else if (rows == 2) dense_tile8(x, xs, 2, k, w, n0, 1, ahead, sums);
+    else dense_tile8(x, xs, 1, k, w, n0, 1, ahead, sums);
+}
+
+/* The running sums of one row and output between blocks: lanes 0-7 and 8-15 of 16 (see dense_step8). */
+typedef struct {
+    __m256 lo, hi;
+} dense_acc;
+static ALWAYS_INLINE dense_acc dense_acc_zero(void) { return (dense_acc){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static ALWAYS_INLINE float dense_acc_sum(dense_acc a) { return dense_reduce2(a.lo, a.hi); }
+
+/* dense_block16 on these builds: acc[r * DENSE_TILE + t] += x row r . W row n0 + t over columns [c0, c1), for
+ * r < ROWS (<= DENSE_AVX2_PASS_ROWS) and t < OUTS (<= DENSE_AVX2_OUTS), constants after inlining; x: the
+ * block's copy. Each step prefetches as dense_block16's. Measured and not kept: each pass in two sweeps,
+ * lanes 0-7 and then 8-15, six x rows at a time (12 sums in registers, 8 loads per 12 multiply-adds, not
+ * 10): 2-7 % slower on AMD Zen 2. */
+static ALWAYS_INLINE void dense_block8(const float *x, const int rows, int64_t k, const float *w, int64_t n0,
+                                       const int outs, int64_t c0, int64_t c1, dense_acc *acc) {
+    __m256 lo[DENSE_AVX2_PASS_ROWS][DENSE_TILE], hi[DENSE_AVX2_PASS_ROWS][DENSE_TILE];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) lo[r][t] = acc[r * DENSE_TILE + t].lo, hi[r][t] = acc[r * DENSE_TILE + t].hi;
+    const float *wr[DENSE_TILE];
+    for (int t = 0; t < outs; t++) wr[t] = w + (n0 + t) * k;
+    const int64_t ahead = dense_block_ahead(c0, k), whole = c0 + (c1 - c0) / 16 * 16;
+    for (int64_t i = c0; i < c1; i += 16) {
+        for (int t = 0; t < outs; t++) _mm_prefetch((const char *)(wr[t] + i + ahead), _MM_HINT_T1);
+        dense_step8(x + i - c0, DENSE_BLOCK_COLUMNS, rows, wr, i, k, i < whole, outs, lo, hi);
+    }
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < outs; t++) acc[r * DENSE_TILE + t] = (dense_acc){lo[r][t], hi[r][t]};
+}
+
+/* One pass of `rows` (<= DENSE_PASS_ROWS) x rows over one tile's block of columns: DENSE_AVX2_OUTS weight
+ * rows by up to DENSE_AVX2_PASS_ROWS x rows at a time, the counts made constants. */
+static void dense_block_pass(const float *x, int64_t rows, int64_t k, const float *w, int64_t n0, int64_t outs,
+                             int64_t c0, int64_t c1, dense_acc *acc) {
+    for (int64_t t = 0; t < outs; t += DENSE_AVX2_OUTS)
+        for (int64_t r = 0; r < rows; r += DENSE_AVX2_PASS_ROWS) {
+            const float *xr = x + r * DENSE_BLOCK_COLUMNS;
+            dense_acc *a = acc + r * DENSE_TILE + t;
+            const int64_t part = outs - t < DENSE_AVX2_OUTS ? outs - t : DENSE_AVX2_OUTS;
+            const int64_t pass = rows - r < DENSE_AVX2_PASS_ROWS ? rows - r : DENSE_AVX2_PASS_ROWS;
+            if (part == 2 && pass == 3) dense_block8(xr, 3, k, w, n0 + t, 2, c0, c1, a);
+            else if (part == 2 && pass == 2) dense_block8(xr, 2, k, w, n0 + t, 2, c0, c1, a);
+            else if (part == 2) dense_block8(xr, 1, k, w, n0 + t, 2, c0, c1, a);
+            else if (pass == 3) dense_block8(xr, 3, k, w, n0 + t, 1, c0, c1, a);
+            else if (pass == 2) dense_block8(xr, 2, k, w, n0 + t, 1, c0, c1, a);
+            else dense_block8(xr, 1, k, w, n0 + t, 1, c0, c1, a);
+        }
+}
+#endif
+
+#if defined(DENSE_FLOAT32_VECTOR) || defined(DENSE_FLOAT32_AVX2)
 static int dense_linear_blocked(const float *x, int64_t rows, int64_t k, const float *w, int64_t n,
                                 const float *bias, float *out, int num_threads) {
     const int bf16 = 0, out_bf16 = 0; /* for DENSE_STORE */
@@ -2590,7 +2761,7 @@ static int dense_linear_blocked(const float *x, int64_t rows, int64_t k, const f
         }
 #pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        __m512 acc[DENSE_GROUP_TILES][DENSE_FLOAT32_ROWS * DENSE_TILE];
+        dense_acc acc[DENSE_GROUP_TILES][DENSE_FLOAT32_ROWS * DENSE_TILE];
         const int64_t first = g * DENSE_GROUP_TILES;
         const int64_t count = tiles - first < DENSE_GROUP_TILES ? tiles - first : DENSE_GROUP_TILES;
         for (int64_t c0 = 0; c0 < k; c0 += DENSE_BLOCK_COLUMNS) {
@@ -2598,7 +2769,7 @@ static int dense_linear_blocked(const float *x, int64_t rows, int64_t k, const f
             for (int64_t i = 0; i < count; i++) {
                 const int64_t n0 = (first + i) * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
                 if (c0 == 0)
-                    for (int64_t j = 0; j < rows * DENSE_TILE; j++) acc[i][j] = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < rows * DENSE_TILE; j++) acc[i][j] = dense_acc_zero();
                 for (int64_t done = 0; done < rows; done += DENSE_PASS_ROWS)
                     dense_block_pass(xp + (c0 / DENSE_BLOCK_COLUMNS * rows + done) * DENSE_BLOCK_COLUMNS,
                                      rows - done < DENSE_PASS_ROWS ? rows - done : DENSE_PASS_ROWS, k, w,
@@ -2609,7 +2780,7 @@ static int dense_linear_blocked(const float *x, int64_t rows, int64_t k, const f
             const int64_t n0 = (first + i) * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
             float sums[DENSE_FLOAT32_ROWS * DENSE_TILE];
             for (int64_t r = 0; r < rows; r++)
-                for (int64_t t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce(acc[i][r * DENSE_TILE + t]);
+                for (int64_t t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_acc_sum(acc[i][r * DENSE_TILE + t]);
             DENSE_STORE(sums)
         }
     }
@@ -2634,96 +2805,8 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
     }
 }
 
+
 #if defined(DENSE_FLOAT32_AVX2)
-/* ---- float32 products of a few rows on AVX2 + FMA without AVX-512 (AMD Zen 2 and 3, older Intel) --------
- * On AMD Zen 3 (two cores that read 20 GB/s) oneDNN streamed llama-1b's weights at 15-18 GB/s for one row
- * and 10-12 GB/s for eight (benchmarks/dense_rows.py). Here, as in the AVX-512 path, each weight row comes
- * from memory once: a tile of DENSE_TILE weight rows (prefetched into L2 DENSE_PREFETCH_BYTES or more ahead) is
- * multiplied into every x row, DENSE_AVX2_PASS_ROWS x rows by DENSE_AVX2_OUTS weight rows a pass (the tile
- * from L1 or L2 after the first). The arithmetic is dense_tile_plain's: each of its 16 lanes is kept, lanes
- * 0-7 and 8-15 of every 16 columns in two 8-lane sums (lo, hi), by fused multiply-add in column order, and
- * dense_reduce2 adds them up in lanes_sum's tree: the same bits as the plain and AVX-512 paths. One x row
- * takes the tile's four weight rows at once (8 sums, 4 weight vectors, x: 13 of the 16 registers), more
- * rows pairs of weight rows three x rows at a time (12 sums, 2 weight vectors, x: 15; a pass runs at about
- * a third of the FMA peak with its weights in L2). Against oneDNN on Zen 3, llama-1b's products from
- * memory: one row 1.3-1.5x the speed, four 1.1-1.4x, eight 0.95-1.15x, sixteen 0.7-0.9x and 24 0.6-0.7x:
- * dense_linear_max_rows gives the engine DENSE_WIDE_ROWS (8) rows here, where a decode step's layers then
- * run in one C call. The prefetches past the weight's last rows are harmless: a prefetch never faults. */
-enum { DENSE_AVX2_OUTS = 2, DENSE_AVX2_PASS_ROWS = 3, DENSE_AVX2_ROW_PAD = 16 };
-
-/* The sum of lo's and hi's 16 lanes in lanes_sum's tree (dense_reduce's, for a vector in two halves). */
-static ALWAYS_INLINE float dense_reduce2(__m256 lo, __m256 hi) {
-    const __m256 a = _mm256_add_ps(lo, hi);
-    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
-
-/* The lanes of an 8-float load from column c0 that lie before k (all where c0 + 8 <= k). */
-static ALWAYS_INLINE __m256i dense_mask8(int64_t c0, int64_t k) {
-    const int64_t left = k - c0 < 0 ? 0 : k - c0;
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-/* v, loaded into a register where it stands: GCC would otherwise read a vector that two or three
- * multiply-adds use as a memory operand of each (18 loads for the 3 x 2 pass's 12 multiply-adds, not 10;
- * held in registers, llama-1b's products of 8-16 rows took 0-16 % less time on AMD Zen 3). */
-static ALWAYS_INLINE __m256 dense_in_register(__m256 v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
-
-/* sums[r * DENSE_TILE + t] = x row r . W row n0 + t, for r < ROWS (<= DENSE_AVX2_PASS_ROWS) and t < OUTS
- * (<= DENSE_TILE; ROWS * OUTS <= 6), constants after inlining. `ahead`: floats to the prefetched column. */
-static ALWAYS_INLINE void dense_tile8(const float *x, int64_t xs, const int rows, int64_t k, const float *w,
-                                      int64_t n0, const int outs, int64_t ahead, float *sums) {
-    __m256 lo[DENSE_AVX2_PASS_ROWS][DENSE_TILE], hi[DENSE_AVX2_PASS_ROWS][DENSE_TILE];
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < outs; t++) lo[r][t] = hi[r][t] = _mm256_setzero_ps();
-    const float *wr[DENSE_TILE];
-    for (int t = 0; t < outs; t++) wr[t] = w + (n0 + t) * k;
-    const int64_t whole = k / 16 * 16;
-    for (int64_t i = 0; i < k; i += 16) {
-        for (int t = 0; t < outs; t++) _mm_prefetch((const char *)(wr[t] + i + ahead), _MM_HINT_T1);
-        if (i < whole) {
-            __m256 wv[DENSE_TILE];
-            for (int t = 0; t < outs; t++) wv[t] = dense_in_register(_mm256_loadu_ps(wr[t] + i));
-            for (int r = 0; r < rows; r++) {
-                const __m256 xv = dense_in_register(_mm256_loadu_ps(x + r * xs + i));
-                for (int t = 0; t < outs; t++) lo[r][t] = _mm256_fmadd_ps(xv, wv[t], lo[r][t]);
-            }
-            for (int t = 0; t < outs; t++) wv[t] = dense_in_register(_mm256_loadu_ps(wr[t] + i + 8));
-            for (int r = 0; r < rows; r++) {
-                const __m256 xv = dense_in_register(_mm256_loadu_ps(x + r * xs + i + 8));
-                for (int t = 0; t < outs; t++) hi[r][t] = _mm256_fmadd_ps(xv, wv[t], hi[r][t]);
-            }
-        } else {
-            const __m256i mlo = dense_mask8(i, k), mhi = dense_mask8(i + 8, k);
-            for (int t = 0; t < outs; t++) {
-                const __m256 wlo = _mm256_maskload_ps(wr[t] + i, mlo), whi = _mm256_maskload_ps(wr[t] + i + 8, mhi);
-                for (int r = 0; r < rows; r++) {
-                    lo[r][t] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * xs + i, mlo), wlo, lo[r][t]);
-                    hi[r][t] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * xs + i + 8, mhi), whi, hi[r][t]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce2(lo[r][t], hi[r][t]);
-}
-
-/* dense_tile8 with its row and output counts made constants. */
-static void dense_tile8_pass(const float *x, int64_t xs, int rows, int64_t k, const float *w, int64_t n0, int outs,
-                             int64_t ahead, float *sums) {
-    if (rows == 1 && outs == DENSE_TILE) dense_tile8(x, xs, 1, k, w, n0, DENSE_TILE, ahead, sums);
-    else if (outs == DENSE_AVX2_OUTS && rows == 3) dense_tile8(x, xs, 3, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
-    else if (outs == DENSE_AVX2_OUTS && rows == 2) dense_tile8(x, xs, 2, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
-    else if (outs == DENSE_AVX2_OUTS) dense_tile8(x, xs, 1, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
-    else if (rows == 3) dense_tile8(x, xs, 3, k, w, n0, 1, ahead, sums);
-    else if (rows == 2) dense_tile8(x, xs, 2, k, w, n0, 1, ahead, sums);
-    else dense_tile8(x, xs, 1, k, w, n0, 1, ahead, sums);
-}
-
 /* dense_linear (float32) on these builds, 1 <= rows <= DENSE_FLOAT32_ROWS: -1 where x's copy could not be
  * allocated. More than one row are first copied DENSE_AVX2_ROW_PAD floats further apart than k: rows k floats
  * apart (8 KB for llama-1b) put the same column of every row, and of the tile's weight rows, in the same L1
@@ -2733,6 +2816,8 @@ static int dense_linear_avx2(const float *x, int64_t rows, int64_t k, const floa
     const int bf16 = 0, out_bf16 = 0; /* for DENSE_STORE */
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE, tile_floats = DENSE_TILE * k;
     const int64_t ahead = (DENSE_PREFETCH_BYTES / 4 + tile_floats - 1) / tile_floats * tile_floats;
+    if (rows > DENSE_AVX2_DIRECT_ROWS && k >= DENSE_BLOCKED_K)
+        return dense_linear_blocked(x, rows, k, w, n, bias, out, num_threads);
     const int64_t xs = rows > 1 ? k + DENSE_AVX2_ROW_PAD : k;
     float *xp = (float *)x;
     if (rows > 1) {
