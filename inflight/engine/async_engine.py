@@ -1,8 +1,11 @@
 """The server's engine loop: the blocking engine runs in its own thread; asyncio never waits on it.
 
 - One thread owns the `LLMEngine`: it loads it, runs a warm-up request, then loops: apply queued
-  adds/aborts -> `step()` -> hand the step's outputs to the event loop (one `call_soon_threadsafe`
-  per step). Nothing else touches the engine, so it needs no locks.
+  adds/aborts -> `step()` -> hand the step's outputs to the event loop. They wait in an outbox, each
+  request's deltas merged into one, with one delivery (`call_soon_threadsafe`) posted at a time: while
+  the event loop is busy, a fast engine's steps cost it at most one output per request, not a callback
+  per step (a backlog that could outgrow what the loop runs, so that a drain's timeout never came).
+  Nothing else touches the engine, so it needs no locks.
 - `submit()` registers one HTTP request's engine requests and returns a `Generation`. Outputs are
   deltas (the engine runs every request with `output_kind="delta"`): each holds only the tokens, text
   and logprobs that are new since the previous one. What the consumer has not read yet is merged into
@@ -183,6 +186,11 @@ class AsyncEngine:
         self._stopping = False
         # Set (from another thread) when a part of the engine outside this process died.
         self._dead: BaseException | None = None
+        # Engine-thread results the event loop has not taken yet (see _hand_over).
+        self._outbox_lock = threading.Lock()
+        self._outbox: dict[str, RequestOutput] = {}
+        self._outbox_failures: list[tuple[str, BaseException]] = []
+        self._delivery_posted = False
         # Event-loop side bookkeeping.
         self._generations: dict[str, tuple[Generation, int]] = {}
         self._seqs_in_flight = 0
@@ -340,8 +348,12 @@ class AsyncEngine:
             self._commands.extend(commands)
             self._wakeup.notify()
 
-    def _deliver(self, outputs: list[RequestOutput], failures: list[tuple[str, BaseException]]) -> None:
+    def _deliver(self) -> None:
         """Runs on the event loop: route the engine thread's results to their generations."""
+        with self._outbox_lock:
+            outputs, self._outbox = list(self._outbox.values()), {}
+            failures, self._outbox_failures = self._outbox_failures, []
+            self._delivery_posted = False
         for output in outputs:
             entry = self._generations.get(output.request_id)
             if entry is None:
@@ -374,6 +386,22 @@ class AsyncEngine:
             self.on_fatal(error)
 
     # ------------------------------------------------------------------ engine thread
+
+    def _hand_over(self, outputs: list[RequestOutput], failures: list[tuple[str, BaseException]]) -> None:
+        """Engine thread: put a step's results in the outbox, each output merged into its request's one
+        there, and post a delivery unless one is posted and not yet run."""
+        with self._outbox_lock:
+            for output in outputs:
+                waiting = self._outbox.get(output.request_id)
+                if waiting is None:
+                    self._outbox[output.request_id] = output
+                else:
+                    waiting.merge(output)
+            self._outbox_failures.extend(failures)
+            if self._delivery_posted:
+                return
+            self._delivery_posted = True
+        self._post(self._deliver)
 
     def _post(self, callback: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
@@ -473,4 +501,4 @@ class AsyncEngine:
                 live.difference_update(output.request_id for output in outputs if output.finished)
             self._stats = engine.stats()
             if outputs or failures:
-                self._post(self._deliver, outputs, failures)
+                self._hand_over(outputs, failures)

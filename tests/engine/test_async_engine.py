@@ -178,6 +178,36 @@ async def test_unread_deltas_merge_into_one_pending_output_per_request(scripted:
     assert p0.outputs[0].text == "x" * 50 and p0.outputs[0].logprobs == [{7: Logprob(-0.5, 1)}] * 50
 
 
+async def test_a_busy_event_loop_gets_one_merged_delivery_not_a_callback_per_step(scripted: tuple) -> None:
+    """The engine thread posts one delivery until the loop runs it; later steps' deltas merge into it. A
+    callback per step let a fast engine queue them faster than a busy loop ran them: a drain's timeout
+    then never came (test_drain_cuts_what_is_left_at_the_timeout hung in the whole suite)."""
+    engine, async_engine = scripted
+    loop = asyncio.get_running_loop()
+    posted: list[object] = []
+    post = loop.call_soon_threadsafe
+
+    def counted(callback: Callable[..., object], *args: object, context: object = None) -> asyncio.Handle:
+        posted.append(callback)
+        return post(callback, *args, context=context)  # type: ignore[arg-type]
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    try:
+        generation = async_engine.submit([request("p0", max_tokens=50), request("p1", max_tokens=30)])
+        deadline = time.monotonic() + 60
+        while engine.requests or engine.steps < 52:  # the loop blocked here: the engine runs every step
+            assert time.monotonic() < deadline, "timed out waiting for the engine to finish both requests"
+            time.sleep(0.001)
+    finally:
+        del loop.call_soon_threadsafe
+    assert len(posted) == 1
+    outputs = await collect(generation)
+    assert [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in outputs] == [
+        ("p0", 50, True),
+        ("p1", 30, True),
+    ]
+
+
 def finished_ids(generation: object) -> set[str]:
     return {rid for rid, (_, o) in generation.pending.items() if o.finished}  # type: ignore[attr-defined]
 
