@@ -190,7 +190,6 @@ class AsyncEngine:
         self._outbox_lock = threading.Lock()
         self._outbox: dict[str, RequestOutput] = {}
         self._outbox_failures: list[tuple[str, BaseException]] = []
-        self._delivery_posted = False
         # Event-loop side bookkeeping.
         self._generations: dict[str, tuple[Generation, int]] = {}
         self._seqs_in_flight = 0
@@ -353,7 +352,6 @@ class AsyncEngine:
         with self._outbox_lock:
             outputs, self._outbox = list(self._outbox.values()), {}
             failures, self._outbox_failures = self._outbox_failures, []
-            self._delivery_posted = False
         for output in outputs:
             entry = self._generations.get(output.request_id)
             if entry is None:
@@ -389,8 +387,9 @@ class AsyncEngine:
 
     def _hand_over(self, outputs: list[RequestOutput], failures: list[tuple[str, BaseException]]) -> None:
         """Engine thread: put a step's results in the outbox, each output merged into its request's one
-        there, and post a delivery unless one is posted and not yet run."""
+        there, and post a delivery unless one is posted and not yet run (the outbox is not empty)."""
         with self._outbox_lock:
+            posted = bool(self._outbox or self._outbox_failures)
             for output in outputs:
                 waiting = self._outbox.get(output.request_id)
                 if waiting is None:
@@ -398,10 +397,8 @@ class AsyncEngine:
                 else:
                     waiting.merge(output)
             self._outbox_failures.extend(failures)
-            if self._delivery_posted:
-                return
-            self._delivery_posted = True
-        self._post(self._deliver)
+        if not posted:
+            self._post(self._deliver)
 
     def _post(self, callback: Callable[..., None], *args: object) -> None:
         assert self._loop is not None

@@ -2484,18 +2484,18 @@ int dense_linear_max_rows(int dtype, int64_t k) {
         }
 
 #if defined(DENSE_FLOAT32_VECTOR) || defined(DENSE_FLOAT32_AVX2)
-/* float32 dense_linear for DENSE_MAX_ROWS < rows <= DENSE_FLOAT32_ROWS (on AVX2 without AVX-512:
- * DENSE_AVX2_DIRECT_ROWS < rows) and k >= DENSE_BLOCKED_K, in blocks of DENSE_BLOCK_COLUMNS columns: x is first
- * copied block by block into one buffer (a block's rows side by side), then for each block every tile of a group of
- * DENSE_GROUP_TILES tiles of weight rows is multiplied into all the x rows, DENSE_PASS_ROWS at a time
- * (dense_block_pass), the group's running sums (dense_acc) kept in memory between blocks. The weights are fetched
- * into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's blocks are multiplied (dense_block16, dense_block8), and
- * whole steps load without a mask. The copy: in x itself a block's rows lie k floats apart (8 KB for llama-1b), so
- * the same columns of every row fall in the same L1 sets, more lines than a set holds at 16 rows and more; copied,
- * the block's rows are contiguous. On AMD Zen 4, with the weights in L2, one thread (the FMA peak measured there:
- * 117 GFLOP/s): 16 rows 79 -> 84 GFLOP/s, 24 rows 75 -> 86 (docs/benchmarks.md). On AMD Zen 2 (AVX2), llama-1b's
- * products of 8-24 rows 1.23-1.4x faster than dense_linear_avx2's passes straight from x. Each lane sums its columns
- * in the same order as dense_tile16's, and the lanes add up in the same tree: the same bits. */
+/* float32 dense_linear for DENSE_DIRECT_ROWS < rows <= DENSE_FLOAT32_ROWS and k >= DENSE_BLOCKED_K, in blocks of
+ * DENSE_BLOCK_COLUMNS columns (both per instruction set, below): x is first copied block by block into one buffer (a
+ * block's rows side by side), then for each block every tile of a group of DENSE_GROUP_TILES tiles of weight rows is
+ * multiplied into all the x rows, DENSE_PASS_ROWS at a time (dense_block_pass), the group's running sums (dense_acc)
+ * kept in memory between blocks. The weights are fetched into L2 DENSE_BLOCKS_AHEAD blocks ahead while the group's
+ * blocks are multiplied (dense_block16, dense_block8), and whole steps load without a mask. The copy: in x itself a
+ * block's rows lie k floats apart (8 KB for llama-1b), so the same columns of every row fall in the same L1 sets,
+ * more lines than a set holds at 16 rows and more; copied, the block's rows are contiguous. On AMD Zen 4, with the
+ * weights in L2, one thread (the FMA peak measured there: 117 GFLOP/s): 16 rows 79 -> 84 GFLOP/s, 24 rows 75 -> 86
+ * (docs/benchmarks.md). On AMD Zen 2 (AVX2), llama-1b's products of 8-24 rows 1.23-1.4x faster than
+ * dense_linear_avx2's passes straight from x. Each lane sums its columns in the same order as dense_tile16's, and
+ * the lanes add up in the same tree: the same bits. */
 /* DENSE_BLOCKED_K: from this many inputs (two blocks); SmolLM2's 576-input products measured 1.05-1.35x
  * slower in blocks (a short last block, the running sums stored per block for little work), its 1536-input
  * ones 1.08-1.13x faster. DENSE_BLOCK_COLUMNS: 512 rather than 256 (the running sums loaded and stored half
@@ -2508,11 +2508,13 @@ int dense_linear_max_rows(int dtype, int64_t k) {
  * the same products another 1.02-1.16x faster (two measured about the same, eight a little slower). */
 enum { DENSE_GROUP_TILES = 2, DENSE_BLOCKED_K = 1024, DENSE_BLOCKS_AHEAD = 4 };
 /* On AVX2 (three x rows a pass, not six), 256 columns: llama-1b's products of 4-24 rows on AMD Zen 2 up to
- * 1.1x faster than in 512 (8 rows the same). */
+ * 1.1x faster than in 512 (8 rows the same). DENSE_DIRECT_ROWS: up to this many rows the products read x where
+ * it is (dense_tile's register tile, dense_linear_avx2's passes); on AVX2 four rows were 1.09-1.23x faster in
+ * blocks and two or three 1.1-1.2x slower (the copy and the sums' loads and stores for little work). */
 #if defined(DENSE_FLOAT32_AVX2)
-enum { DENSE_BLOCK_COLUMNS = 256 };
+enum { DENSE_BLOCK_COLUMNS = 256, DENSE_DIRECT_ROWS = 3 };
 #else
-enum { DENSE_BLOCK_COLUMNS = 512 };
+enum { DENSE_BLOCK_COLUMNS = 512, DENSE_DIRECT_ROWS = DENSE_MAX_ROWS };
 #endif
 /* Floats from a weight row's column c0 to the line the blocked passes prefetch there: DENSE_BLOCKS_AHEAD
  * blocks further in the order a group reads its rows (see dense_block16). */
@@ -2593,17 +2595,17 @@ static void dense_block_pass(const float *x, int64_t rows, int64_t k, const floa
 #endif
 
 #if defined(DENSE_FLOAT32_AVX2)
-/* ---- float32 products of a few rows on AVX2 + FMA without AVX-512 (AMD Zen 2 and 3, older Intel) -------- On AMD
- * Zen 3 (two cores that read 20 GB/s) oneDNN streamed llama-1b's weights at 15-18 GB/s for one row and 10-12 GB/s
- * for eight (benchmarks/dense_rows.py). Here, as in the AVX-512 path, each weight row comes from memory once: a tile
- * of DENSE_TILE weight rows (prefetched into L2 DENSE_PREFETCH_BYTES or more ahead) is multiplied into every x row,
- * DENSE_AVX2_PASS_ROWS x rows by DENSE_AVX2_OUTS weight rows a pass. The arithmetic is dense_tile_plain's: each of
- * its 16 lanes is kept, lanes 0-7 and 8-15 of every 16 columns in two 8-lane sums (lo, hi), by fused multiply-add in
- * column order (dense_step8), and dense_reduce2 adds them up in lanes_sum's tree: the same bits as the plain and
+/* ---- float32 products of a few rows on AVX2 + FMA without AVX-512 (AMD Zen 2 and 3, older Intel) --------
+ * On AMD Zen 3 (two cores that read 20 GB/s) oneDNN streamed llama-1b's weights at 15-18 GB/s for one row and 10-12
+ * GB/s for eight (benchmarks/dense_rows.py). Here, as in the AVX-512 path, each weight row comes from memory once: a
+ * tile of DENSE_TILE weight rows (prefetched into L2 DENSE_PREFETCH_BYTES or more ahead) is multiplied into every x
+ * row, DENSE_AVX2_PASS_ROWS x rows by DENSE_AVX2_OUTS weight rows a pass. The arithmetic is dense_tile_plain's: each
+ * of its 16 lanes is kept, lanes 0-7 and 8-15 of every 16 columns in two 8-lane sums (lo, hi), by fused multiply-add
+ * in column order (dense_step8), and dense_reduce2 adds them up in lanes_sum's tree: the same bits as the plain and
  * AVX-512 paths. One x row takes the tile's four weight rows at once (8 sums, 4 weight vectors, x: 13 of the 16
  * registers), more rows pairs of weight rows three x rows at a time (12 sums, 2 weight vectors, x: 15). Up to
- * DENSE_AVX2_DIRECT_ROWS rows the passes read x where it is (dense_linear_avx2); more rows with k >= DENSE_BLOCKED_K
- * go in dense_linear_blocked's blocks (dense_block8), where each pass reads its x rows and weight rows from L1.
+ * DENSE_DIRECT_ROWS rows the passes read x where it is (dense_linear_avx2); more rows with k >= DENSE_BLOCKED_K go
+ * in dense_linear_blocked's blocks (dense_block8), where each pass reads its x rows and weight rows from L1.
  * Straight from x they read them from L2 (the tile's rows and three x rows are more than L1 holds), and ran at about
  * a third of the FMA peak: on AMD Zen 2 the blocks made llama-1b's products of 8-24 rows 1.23-1.4x faster, 4 rows
  * 1.09-1.23x, while 2-3 rows were 1.1-1.2x slower in blocks (the copy and the sums' loads and stores for little
@@ -2612,7 +2614,7 @@ static void dense_block_pass(const float *x, int64_t rows, int64_t k, const floa
  * steps of 16 rows took 10 % less time than with oneDNN's products above eight rows, 24 rows 1 % less:
  * dense_linear_max_rows gives the engine DENSE_FLOAT32_ROWS here as with AVX-512. The prefetches past the weight's
  * last rows are harmless: a prefetch never faults. */
-enum { DENSE_AVX2_OUTS = 2, DENSE_AVX2_PASS_ROWS = 3, DENSE_AVX2_ROW_PAD = 16, DENSE_AVX2_DIRECT_ROWS = 3 };
+enum { DENSE_AVX2_OUTS = 2, DENSE_AVX2_PASS_ROWS = 3, DENSE_AVX2_ROW_PAD = 16 };
 
 /* The sum of lo's and hi's 16 lanes in lanes_sum's tree (dense_reduce's, for a vector in two halves). */
 static ALWAYS_INLINE float dense_reduce2(__m256 lo, __m256 hi) {
@@ -2734,12 +2736,13 @@ static void dense_block_pass(const float *x, int64_t rows, int64_t k, const floa
             dense_acc *a = acc + r * DENSE_TILE + t;
             const int64_t part = outs - t < DENSE_AVX2_OUTS ? outs - t : DENSE_AVX2_OUTS;
             const int64_t pass = rows - r < DENSE_AVX2_PASS_ROWS ? rows - r : DENSE_AVX2_PASS_ROWS;
-            if (part == 2 && pass == 3) dense_block8(xr, 3, k, w, n0 + t, 2, c0, c1, a);
-            else if (part == 2 && pass == 2) dense_block8(xr, 2, k, w, n0 + t, 2, c0, c1, a);
-            else if (part == 2) dense_block8(xr, 1, k, w, n0 + t, 2, c0, c1, a);
-            else if (pass == 3) dense_block8(xr, 3, k, w, n0 + t, 1, c0, c1, a);
-            else if (pass == 2) dense_block8(xr, 2, k, w, n0 + t, 1, c0, c1, a);
-            else dense_block8(xr, 1, k, w, n0 + t, 1, c0, c1, a);
+            const int64_t n1 = n0 + t;
+            if (part == DENSE_AVX2_OUTS && pass == 3) dense_block8(xr, 3, k, w, n1, DENSE_AVX2_OUTS, c0, c1, a);
+            else if (part == DENSE_AVX2_OUTS && pass == 2) dense_block8(xr, 2, k, w, n1, DENSE_AVX2_OUTS, c0, c1, a);
+            else if (part == DENSE_AVX2_OUTS) dense_block8(xr, 1, k, w, n1, DENSE_AVX2_OUTS, c0, c1, a);
+            else if (pass == 3) dense_block8(xr, 3, k, w, n1, 1, c0, c1, a);
+            else if (pass == 2) dense_block8(xr, 2, k, w, n1, 1, c0, c1, a);
+            else dense_block8(xr, 1, k, w, n1, 1, c0, c1, a);
         }
 }
 #endif
@@ -2807,17 +2810,15 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
 
 
 #if defined(DENSE_FLOAT32_AVX2)
-/* dense_linear (float32) on these builds, 1 <= rows <= DENSE_FLOAT32_ROWS: -1 where x's copy could not be
- * allocated. More than one row are first copied DENSE_AVX2_ROW_PAD floats further apart than k: rows k floats
- * apart (8 KB for llama-1b) put the same column of every row, and of the tile's weight rows, in the same L1
- * sets, more lines than a set holds. */
+/* dense_linear (float32) on these builds where it does not go in blocks (up to DENSE_DIRECT_ROWS rows, or k <
+ * DENSE_BLOCKED_K), 1 <= rows <= DENSE_FLOAT32_ROWS: -1 where x's copy could not be allocated. More than one row are
+ * first copied DENSE_AVX2_ROW_PAD floats further apart than k: rows k floats apart (8 KB for llama-1b) put the same
+ * column of every row, and of the tile's weight rows, in the same L1 sets, more lines than a set holds. */
 static int dense_linear_avx2(const float *x, int64_t rows, int64_t k, const float *w, int64_t n, const float *bias,
                              float *out, int num_threads) {
     const int bf16 = 0, out_bf16 = 0; /* for DENSE_STORE */
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE, tile_floats = DENSE_TILE * k;
     const int64_t ahead = (DENSE_PREFETCH_BYTES / 4 + tile_floats - 1) / tile_floats * tile_floats;
-    if (rows > DENSE_AVX2_DIRECT_ROWS && k >= DENSE_BLOCKED_K)
-        return dense_linear_blocked(x, rows, k, w, n, bias, out, num_threads);
     const int64_t xs = rows > 1 ? k + DENSE_AVX2_ROW_PAD : k;
     float *xp = (float *)x;
     if (rows > 1) {
@@ -2861,8 +2862,8 @@ int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t 
     if (amx_linear_takes(dtype, rows, k)) return amx_linear(x, rows, k, w, n, bias, out, out_bf16, num_threads);
 #endif
     if (rows < 1 || rows > (bf16 ? DENSE_WIDE_ROWS : DENSE_FLOAT32_ROWS)) return -1;
-#if defined(DENSE_FLOAT32_VECTOR)
-    if (rows > DENSE_MAX_ROWS && !bf16 && k >= DENSE_BLOCKED_K) {
+#if defined(DENSE_FLOAT32_VECTOR) || defined(DENSE_FLOAT32_AVX2)
+    if (rows > DENSE_DIRECT_ROWS && !bf16 && k >= DENSE_BLOCKED_K) {
         return dense_linear_blocked((const float *)x, rows, k, (const float *)w, n, (const float *)bias,
                                     (float *)out, num_threads);
     }
