@@ -19,9 +19,11 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.prepack_hint import SHAPES
+from inflight.engine.config import EngineConfig
 
 WEIGHT_BYTES = 400_000_000  # more than any L3 of the machines measured: the weights come from memory
-PACKING_HINT = 64  # the engine's default slot count, the batch-size hint it reorders its weights for
+# The batch-size hint the engine reorders its weights for: its slot count (prepare_linears), by default.
+PACKING_HINT: int = EngineConfig.model_fields["max_num_seqs"].default
 
 
 def pass_seconds(product: Callable[[int], object], copies: int) -> float:
