@@ -91,6 +91,16 @@ class _Abort:
     request_id: str
 
 
+def keep_unread(unread: dict[str, RequestOutput], output: RequestOutput) -> None:
+    """Keep a delta output until its consumer reads it: merged into its request's unread one in `unread`
+    if there is one, else added after the requests already waiting."""
+    waiting = unread.get(output.request_id)
+    if waiting is None:
+        unread[output.request_id] = output
+    else:
+        waiting.merge(output)
+
+
 @dataclass(eq=False)
 class Generation:
     """The delta outputs of one HTTP request's engine requests (one per prompt), in the order they come;
@@ -101,21 +111,20 @@ class Generation:
     num_seqs: int
     arrival_time: float = field(default_factory=time.monotonic)
     unfinished: set[str] = field(default_factory=set)
-    # request id -> (prompt index, the deltas not read yet, merged), oldest first.
-    pending: dict[str, tuple[int, RequestOutput]] = field(default_factory=dict)
+    # request id -> the deltas not read yet, merged, oldest first.
+    pending: dict[str, RequestOutput] = field(default_factory=dict)
     failure: BaseException | None = None
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    # request id -> its prompt's index in the HTTP request.
+    _prompt_index: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.request_ids)
+        self._prompt_index = {request_id: index for index, request_id in enumerate(self.request_ids)}
 
-    def put(self, index: int, output: RequestOutput) -> None:
+    def put(self, output: RequestOutput) -> None:
         """Queue a delta output, merged into the request's unread one if there is one."""
-        waiting = self.pending.get(output.request_id)
-        if waiting is None:
-            self.pending[output.request_id] = (index, output)
-        else:
-            waiting[1].merge(output)
+        keep_unread(self.pending, output)
         self._arrived.set()
 
     def fail(self, error: BaseException) -> None:
@@ -129,10 +138,10 @@ class Generation:
         while True:
             if self.pending:
                 request_id = next(iter(self.pending))
-                index, output = self.pending.pop(request_id)
+                output = self.pending.pop(request_id)
                 if output.finished:
                     self.unfinished.discard(request_id)
-                yield index, output
+                yield self._prompt_index[request_id], output
             elif self.failure is not None:
                 raise self.failure
             elif not self.unfinished:
@@ -191,7 +200,7 @@ class AsyncEngine:
         self._outbox: dict[str, RequestOutput] = {}
         self._outbox_failures: list[tuple[str, BaseException]] = []
         # Event-loop side bookkeeping.
-        self._generations: dict[str, tuple[Generation, int]] = {}
+        self._generations: dict[str, Generation] = {}
         self._seqs_in_flight = 0
         self._recent_finishes: deque[float] = deque(maxlen=32)
         # Written by the engine thread, read anywhere (one attribute assignment is atomic).
@@ -256,7 +265,7 @@ class AsyncEngine:
         finally:
             for task in tasks:
                 task.cancel()
-        leftover = {generation for generation, _ in self._generations.values()}
+        leftover = set(self._generations.values())
         for generation in leftover:
             generation.fail(RequestAbortedError("the server is shutting down"))
             generation.close()
@@ -294,8 +303,8 @@ class AsyncEngine:
                 self._retry_after(self._seqs_in_flight + num_seqs - capacity),
             )
         generation = Generation(self, [r.request_id for r in requests], num_seqs)
-        for index, request in enumerate(requests):
-            self._generations[request.request_id] = (generation, index)
+        for request in requests:
+            self._generations[request.request_id] = generation
         self._seqs_in_flight += num_seqs
         self._idle.clear()
         self._send([_Add(request) for request in requests])
@@ -332,10 +341,9 @@ class AsyncEngine:
         return max(1, min(60, math.ceil(excess / rate)))
 
     def _forget(self, request_id: str) -> None:
-        entry = self._generations.pop(request_id, None)
-        if entry is None:
+        generation = self._generations.pop(request_id, None)
+        if generation is None:
             return
-        generation, _ = entry
         if not any(rid in self._generations for rid in generation.request_ids):
             self._seqs_in_flight -= generation.num_seqs
             self._recent_finishes.append(time.monotonic())
@@ -353,17 +361,16 @@ class AsyncEngine:
             outputs, self._outbox = list(self._outbox.values()), {}
             failures, self._outbox_failures = self._outbox_failures, []
         for output in outputs:
-            entry = self._generations.get(output.request_id)
-            if entry is None:
+            generation = self._generations.get(output.request_id)
+            if generation is None:
                 continue  # aborted meanwhile
-            generation, index = entry
-            generation.put(index, output)
+            generation.put(output)
             if output.finished:
                 self._forget(output.request_id)
         for request_id, error in failures:
-            entry = self._generations.get(request_id)
-            if entry is not None:
-                entry[0].fail(error)
+            failed = self._generations.get(request_id)
+            if failed is not None:
+                failed.fail(error)
                 self._forget(request_id)
 
     def _set_ready(self) -> None:
@@ -376,7 +383,7 @@ class AsyncEngine:
         self.state = "failed"
         self.error = error
         self._ready.set()
-        for generation, _ in list(self._generations.values()):
+        for generation in list(self._generations.values()):
             generation.fail(RequestFailedError(f"the engine stopped: {error}"))
         self._generations.clear()
         self._idle.set()
@@ -391,11 +398,7 @@ class AsyncEngine:
         with self._outbox_lock:
             posted = bool(self._outbox or self._outbox_failures)
             for output in outputs:
-                waiting = self._outbox.get(output.request_id)
-                if waiting is None:
-                    self._outbox[output.request_id] = output
-                else:
-                    waiting.merge(output)
+                keep_unread(self._outbox, output)
             self._outbox_failures.extend(failures)
         if not posted:
             self._post(self._deliver)

@@ -16,6 +16,7 @@ import torch
 from inflight.engine.async_engine import (
     AsyncEngine,
     EngineUnavailableError,
+    Generation,
     GenerationRequest,
     QueueFullError,
     RequestAbortedError,
@@ -208,8 +209,8 @@ async def test_a_busy_event_loop_gets_one_merged_delivery_not_a_callback_per_ste
     ]
 
 
-def finished_ids(generation: object) -> set[str]:
-    return {rid for rid, (_, o) in generation.pending.items() if o.finished}  # type: ignore[attr-defined]
+def finished_ids(generation: Generation) -> set[str]:
+    return {rid for rid, output in generation.pending.items() if output.finished}
 
 
 async def test_requests_of_one_submission_share_a_generation(scripted: tuple) -> None:

@@ -19,19 +19,12 @@
 
 #include "float_bits.h"
 #include "kernels.h"
+#include "simd_common.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2 };
-
-/* Forced inlining: for the micro-kernels, so constant arguments specialize them; and for the prefetching
- * functions, which gcc otherwise judges pure (they only prefetch) and drops. */
-#if defined(__GNUC__) || defined(__clang__)
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define ALWAYS_INLINE inline
-#endif
 
 /* Work is split over threads only where there is enough to pay for waking them: from 16384 elements (a
  * decode step's RMSNorm of 64 rows of 576 took 8.8 us on one thread, 5.8 on two), or query-key products
@@ -2624,12 +2617,6 @@ static ALWAYS_INLINE float dense_reduce2(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-/* The lanes of an 8-float load from column c0 that lie before k (all where c0 + 8 <= k). */
-static ALWAYS_INLINE __m256i dense_mask8(int64_t c0, int64_t k) {
-    const int64_t left = k - c0 < 0 ? 0 : k - c0;
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 /* v, loaded into a register where it stands: GCC would otherwise read a vector that two or three
  * multiply-adds use as a memory operand of each (18 loads for the 3 x 2 pass's 12 multiply-adds, not 10;
  * held in registers, llama-1b's products of 8-16 rows took 0-16 % less time on AMD Zen 3). */
@@ -2657,7 +2644,7 @@ static ALWAYS_INLINE void dense_step8(const float *x, int64_t xs, const int rows
             for (int t = 0; t < outs; t++) hi[r][t] = _mm256_fmadd_ps(xv, wv[t], hi[r][t]);
         }
     } else {
-        const __m256i mlo = dense_mask8(i, k), mhi = dense_mask8(i + 8, k);
+        const __m256i mlo = avx2_first_lanes(k - i), mhi = avx2_first_lanes(k - i - 8);
         for (int t = 0; t < outs; t++) {
             const __m256 wlo = _mm256_maskload_ps(wr[t] + i, mlo), whi = _mm256_maskload_ps(wr[t] + i + 8, mhi);
             for (int r = 0; r < rows; r++) {
@@ -2686,16 +2673,29 @@ static ALWAYS_INLINE void dense_tile8(const float *x, int64_t xs, const int rows
         for (int t = 0; t < outs; t++) sums[r * DENSE_TILE + t] = dense_reduce2(lo[r][t], hi[r][t]);
 }
 
-/* dense_tile8 with its row and output counts made constants. */
+/* CALL(ROWS, OUTS) for `rows` (1 to DENSE_AVX2_PASS_ROWS) x rows by `outs` (1 or DENSE_AVX2_OUTS) weight rows,
+ * the counts made constants: the one ladder of dense_tile8_pass and dense_block_pass. */
+#define DENSE_AVX2_CONSTANTS(rows, outs, CALL)                 \
+    if ((outs) == DENSE_AVX2_OUTS && (rows) == 3)              \
+        CALL(3, DENSE_AVX2_OUTS);                              \
+    else if ((outs) == DENSE_AVX2_OUTS && (rows) == 2)         \
+        CALL(2, DENSE_AVX2_OUTS);                              \
+    else if ((outs) == DENSE_AVX2_OUTS)                        \
+        CALL(1, DENSE_AVX2_OUTS);                              \
+    else if ((rows) == 3)                                      \
+        CALL(3, 1);                                            \
+    else if ((rows) == 2)                                      \
+        CALL(2, 1);                                            \
+    else                                                       \
+        CALL(1, 1)
+
+/* dense_tile8 with its row and output counts made constants (one row by DENSE_TILE weight rows too). */
 static void dense_tile8_pass(const float *x, int64_t xs, int rows, int64_t k, const float *w, int64_t n0, int outs,
                              int64_t ahead, float *sums) {
-    if (rows == 1 && outs == DENSE_TILE) dense_tile8(x, xs, 1, k, w, n0, DENSE_TILE, ahead, sums);
-    else if (outs == DENSE_AVX2_OUTS && rows == 3) dense_tile8(x, xs, 3, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
-    else if (outs == DENSE_AVX2_OUTS && rows == 2) dense_tile8(x, xs, 2, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
-    else if (outs == DENSE_AVX2_OUTS) dense_tile8(x, xs, 1, k, w, n0, DENSE_AVX2_OUTS, ahead, sums);
-    else if (rows == 3) dense_tile8(x, xs, 3, k, w, n0, 1, ahead, sums);
-    else if (rows == 2) dense_tile8(x, xs, 2, k, w, n0, 1, ahead, sums);
-    else dense_tile8(x, xs, 1, k, w, n0, 1, ahead, sums);
+#define DENSE_TILE8(ROWS, OUTS) dense_tile8(x, xs, ROWS, k, w, n0, OUTS, ahead, sums)
+    if (rows == 1 && outs == DENSE_TILE) DENSE_TILE8(1, DENSE_TILE);
+    else DENSE_AVX2_CONSTANTS(rows, outs, DENSE_TILE8);
+#undef DENSE_TILE8
 }
 
 /* The running sums of one row and output between blocks: lanes 0-7 and 8-15 of 16 (see dense_step8). */
@@ -2737,14 +2737,12 @@ static void dense_block_pass(const float *x, int64_t rows, int64_t k, const floa
             const int64_t part = outs - t < DENSE_AVX2_OUTS ? outs - t : DENSE_AVX2_OUTS;
             const int64_t pass = rows - r < DENSE_AVX2_PASS_ROWS ? rows - r : DENSE_AVX2_PASS_ROWS;
             const int64_t n1 = n0 + t;
-            if (part == DENSE_AVX2_OUTS && pass == 3) dense_block8(xr, 3, k, w, n1, DENSE_AVX2_OUTS, c0, c1, a);
-            else if (part == DENSE_AVX2_OUTS && pass == 2) dense_block8(xr, 2, k, w, n1, DENSE_AVX2_OUTS, c0, c1, a);
-            else if (part == DENSE_AVX2_OUTS) dense_block8(xr, 1, k, w, n1, DENSE_AVX2_OUTS, c0, c1, a);
-            else if (pass == 3) dense_block8(xr, 3, k, w, n1, 1, c0, c1, a);
-            else if (pass == 2) dense_block8(xr, 2, k, w, n1, 1, c0, c1, a);
-            else dense_block8(xr, 1, k, w, n1, 1, c0, c1, a);
+#define DENSE_BLOCK8(ROWS, OUTS) dense_block8(xr, ROWS, k, w, n1, OUTS, c0, c1, a)
+            DENSE_AVX2_CONSTANTS(pass, part, DENSE_BLOCK8);
+#undef DENSE_BLOCK8
         }
 }
+#undef DENSE_AVX2_CONSTANTS
 #endif
 
 #if defined(DENSE_FLOAT32_VECTOR) || defined(DENSE_FLOAT32_AVX2)

@@ -45,6 +45,7 @@
 
 #include "float_bits.h"
 #include "kernels.h"
+#include "simd_common.h"
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -90,12 +91,6 @@ static inline int qkind(int format) { return format & ~QSCALES_F16; }
 static inline int qhalf(int format) { return (format & QSCALES_F16) != 0; }
 static inline int64_t qblock_bytes(int format) { return qkind(format) == QFORMAT_S8 ? QBLOCK : QBLOCK / 2; }
 
-#if defined(__GNUC__) || defined(__clang__)
-#define Q_INLINE inline __attribute__((always_inline))
-#else
-#define Q_INLINE inline
-#endif
-
 /* IEEE float16 bits as a float (exact). */
 static inline float q_half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -115,18 +110,18 @@ static inline float q_half_to_float(uint16_t h) {
 }
 
 /* Element i of a matrix's scales (or offsets), float16 (`half`) or float32, as a float. */
-static Q_INLINE float scale_at(const void *scales, int64_t i, int half) {
+static ALWAYS_INLINE float scale_at(const void *scales, int64_t i, int half) {
     return half ? q_half_to_float(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
 }
 
 /* The scales from element i on. */
-static Q_INLINE const void *scales_from(const void *scales, int64_t i, int half) {
+static ALWAYS_INLINE const void *scales_from(const void *scales, int64_t i, int half) {
     return half ? (const void *)((const uint16_t *)scales + i) : (const void *)((const float *)scales + i);
 }
 
 #if defined(__AVX512F__)
 /* Elements i..i+15 of a matrix's scales (or offsets) as floats: one load (and vcvtph2ps for float16). */
-static Q_INLINE __m512 scales16(const void *scales, int64_t i, int half) {
+static ALWAYS_INLINE __m512 scales16(const void *scales, int64_t i, int half) {
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + i)))
                 : _mm512_loadu_ps((const float *)scales + i);
 }
@@ -134,8 +129,8 @@ static Q_INLINE __m512 scales16(const void *scales, int64_t i, int half) {
 
 /* Row n of W (k values, interleaved: see the top of the file) as floats; `kind` and `half` split from
  * the format (constants in each inlined copy). */
-static Q_INLINE void dequantize_row_as(const uint8_t *qweight, const void *scales, const void *mins, int kind,
-                                      int half, int64_t n, int64_t k, float *out) {
+static ALWAYS_INLINE void dequantize_row_as(const uint8_t *qweight, const void *scales, const void *mins, int kind,
+                                           int half, int64_t n, int64_t k, float *out) {
     const int64_t blocks = k / QBLOCK, g = n / QGROUP, r = n % QGROUP;
     const int64_t group_block = QGROUP * qblock_bytes(kind);
     const uint8_t *q = qweight + g * blocks * group_block + r * 4;
@@ -200,8 +195,8 @@ static void dequantize_row(const uint8_t *qweight, const void *scales, const voi
 #if !defined(QUANT_FEW_ROWS)
 /* out[i][j] = dot(x[i], w[j]) over k values, for `mt` (1..4) rows of x and 4 rows of w (k a multiple of
  * 32). Inlined with constant `mt`, so the accumulators stay in registers. */
-static Q_INLINE void dot_tile(const float *const x[QTILE_M], int mt, const float *w, int64_t k,
-                              float out[QTILE_M][QTILE_N]) {
+static ALWAYS_INLINE void dot_tile(const float *const x[QTILE_M], int mt, const float *w, int64_t k,
+                                   float out[QTILE_M][QTILE_N]) {
 #if defined(__AVX512F__)
     __m512 acc[QTILE_M][QTILE_N];
 #pragma GCC unroll 4
@@ -280,7 +275,7 @@ static void quantize_activations(const float *x, int64_t rows, int64_t k, int8_t
 }
 
 /* The 4 bytes of qx at `p` in every int32 lane. */
-static Q_INLINE __m512i broadcast4(const int8_t *p) {
+static ALWAYS_INLINE __m512i broadcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return _mm512_set1_epi32(v);
@@ -289,10 +284,10 @@ static Q_INLINE __m512i broadcast4(const int8_t *p) {
 /* out[i] (16 lanes: the group's rows) = dot(x row i, W's group) for `mt` (1..8) quantized rows of x; with
  * `prefetch`, each block's weight lines also prefetched into L2 QPREFETCH_BYTES ahead (for the first tile
  * of x's rows: the later ones find the group in cache). */
-static Q_INLINE void vnni_group(const int8_t *const qx[QVNNI_ROWS], const float *const dx[QVNNI_ROWS],
-                                const int32_t *const sq[QVNNI_ROWS], const float *const dsq[QVNNI_ROWS], int mt,
-                                const uint8_t *q, const void *dw, const void *mw, int kind, int half,
-                                int64_t blocks, int prefetch, __m512 out[QVNNI_ROWS]) {
+static ALWAYS_INLINE void vnni_group(const int8_t *const qx[QVNNI_ROWS], const float *const dx[QVNNI_ROWS],
+                                     const int32_t *const sq[QVNNI_ROWS], const float *const dsq[QVNNI_ROWS], int mt,
+                                     const uint8_t *q, const void *dw, const void *mw, int kind, int half,
+                                     int64_t blocks, int prefetch, __m512 out[QVNNI_ROWS]) {
     const int64_t group_block = QGROUP * qblock_bytes(kind);
     __m512 acc[QVNNI_ROWS];
 #pragma GCC unroll 8
@@ -384,8 +379,8 @@ int quant_linear_int8_activations(void) {
 }
 
 /* out[row, col] = value (+ bias[col], in `dtype`) in `out_dtype`. */
-static Q_INLINE void store_output(void *out, const void *bias, int dtype, int out_dtype, int64_t n, int64_t row,
-                                  int64_t col, float value) {
+static ALWAYS_INLINE void store_output(void *out, const void *bias, int dtype, int out_dtype, int64_t n, int64_t row,
+                                       int64_t col, float value) {
     if (bias != NULL)
         value += dtype == QDTYPE_BFLOAT16 ? bf16_to_float(((const uint16_t *)bias)[col]) : ((const float *)bias)[col];
     if (out_dtype == QDTYPE_BFLOAT16)
@@ -534,30 +529,30 @@ enum { QLANES = 16, QPANEL_TILE_VECS = 3 };
 typedef __m512 qvec;
 typedef __m512i qint;
 typedef __mmask16 qmask;
-static Q_INLINE qvec qv_zero(void) { return _mm512_setzero_ps(); }
-static Q_INLINE qvec qv_set1(float v) { return _mm512_set1_ps(v); }
-static Q_INLINE qvec qv_load(const float *p) { return _mm512_loadu_ps(p); }
-static Q_INLINE void qv_store(float *p, qvec v) { _mm512_storeu_ps(p, v); }
-static Q_INLINE qvec qv_fmadd(qvec a, qvec b, qvec c) { return _mm512_fmadd_ps(a, b, c); }
-static Q_INLINE qvec qv_add(qvec a, qvec b) { return _mm512_add_ps(a, b); }
-static Q_INLINE qvec qv_mul(qvec a, qvec b) { return _mm512_mul_ps(a, b); }
-static Q_INLINE qvec qv_from_int(qint v) { return _mm512_cvtepi32_ps(v); }
-static Q_INLINE qint qi_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
-static Q_INLINE qint qi_xor(qint a, qint b) { return _mm512_xor_si512(a, b); }
-static Q_INLINE qint qi_and(qint a, qint b) { return _mm512_and_si512(a, b); }
-static Q_INLINE qint qi_bytes(char v) { return _mm512_set1_epi8(v); }
-static Q_INLINE qint qi_words(int v) { return _mm512_set1_epi32(v); }
+static ALWAYS_INLINE qvec qv_zero(void) { return _mm512_setzero_ps(); }
+static ALWAYS_INLINE qvec qv_set1(float v) { return _mm512_set1_ps(v); }
+static ALWAYS_INLINE qvec qv_load(const float *p) { return _mm512_loadu_ps(p); }
+static ALWAYS_INLINE void qv_store(float *p, qvec v) { _mm512_storeu_ps(p, v); }
+static ALWAYS_INLINE qvec qv_fmadd(qvec a, qvec b, qvec c) { return _mm512_fmadd_ps(a, b, c); }
+static ALWAYS_INLINE qvec qv_add(qvec a, qvec b) { return _mm512_add_ps(a, b); }
+static ALWAYS_INLINE qvec qv_mul(qvec a, qvec b) { return _mm512_mul_ps(a, b); }
+static ALWAYS_INLINE qvec qv_from_int(qint v) { return _mm512_cvtepi32_ps(v); }
+static ALWAYS_INLINE qint qi_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static ALWAYS_INLINE qint qi_xor(qint a, qint b) { return _mm512_xor_si512(a, b); }
+static ALWAYS_INLINE qint qi_and(qint a, qint b) { return _mm512_and_si512(a, b); }
+static ALWAYS_INLINE qint qi_bytes(char v) { return _mm512_set1_epi8(v); }
+static ALWAYS_INLINE qint qi_words(int v) { return _mm512_set1_epi32(v); }
 #define qi_shl(v, bits) _mm512_slli_epi32(v, bits)
 #define qi_shr(v, bits) _mm512_srli_epi32(v, bits)
 #define qi_sar(v, bits) _mm512_srai_epi32(v, bits)
 /* Elements i..i+15 of a matrix's scales (or offsets) as floats: one load (and vcvtph2ps for float16). */
-static Q_INLINE qvec qv_scales(const void *scales, int64_t i, int half) { return scales16(scales, i, half); }
+static ALWAYS_INLINE qvec qv_scales(const void *scales, int64_t i, int half) { return scales16(scales, i, half); }
 /* The first `valid` lanes (all from QLANES on, none from 0 down). */
-static Q_INLINE qmask qmask_first(int64_t valid) {
+static ALWAYS_INLINE qmask qmask_first(int64_t valid) {
     return valid >= QLANES ? (qmask)0xFFFF : valid <= 0 ? (qmask)0 : (qmask)((1u << valid) - 1);
 }
-static Q_INLINE qvec qv_load_masked(qmask m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
-static Q_INLINE void qv_store_masked(float *p, qmask m, qvec v) { _mm512_mask_storeu_ps(p, m, v); }
+static ALWAYS_INLINE qvec qv_load_masked(qmask m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+static ALWAYS_INLINE void qv_store_masked(float *p, qmask m, qvec v) { _mm512_mask_storeu_ps(p, m, v); }
 #elif defined(QUANT_FEW_ROWS)
 #define QUANT_PANELS 1
 enum { QLANES = 8, QPANEL_TILE_VECS = 2 };
@@ -568,34 +563,31 @@ enum { QLANES = 8, QPANEL_TILE_VECS = 2 };
 typedef __m256 qvec;
 typedef __m256i qint;
 typedef __m256i qmask;
-static Q_INLINE qvec qv_zero(void) { return _mm256_setzero_ps(); }
-static Q_INLINE qvec qv_set1(float v) { return _mm256_set1_ps(v); }
-static Q_INLINE qvec qv_load(const float *p) { return _mm256_loadu_ps(p); }
-static Q_INLINE void qv_store(float *p, qvec v) { _mm256_storeu_ps(p, v); }
-static Q_INLINE qvec qv_fmadd(qvec a, qvec b, qvec c) { return _mm256_fmadd_ps(a, b, c); }
-static Q_INLINE qvec qv_add(qvec a, qvec b) { return _mm256_add_ps(a, b); }
-static Q_INLINE qvec qv_mul(qvec a, qvec b) { return _mm256_mul_ps(a, b); }
-static Q_INLINE qvec qv_from_int(qint v) { return _mm256_cvtepi32_ps(v); }
-static Q_INLINE qint qi_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static Q_INLINE qint qi_xor(qint a, qint b) { return _mm256_xor_si256(a, b); }
-static Q_INLINE qint qi_and(qint a, qint b) { return _mm256_and_si256(a, b); }
-static Q_INLINE qint qi_bytes(char v) { return _mm256_set1_epi8(v); }
-static Q_INLINE qint qi_words(int v) { return _mm256_set1_epi32(v); }
+static ALWAYS_INLINE qvec qv_zero(void) { return _mm256_setzero_ps(); }
+static ALWAYS_INLINE qvec qv_set1(float v) { return _mm256_set1_ps(v); }
+static ALWAYS_INLINE qvec qv_load(const float *p) { return _mm256_loadu_ps(p); }
+static ALWAYS_INLINE void qv_store(float *p, qvec v) { _mm256_storeu_ps(p, v); }
+static ALWAYS_INLINE qvec qv_fmadd(qvec a, qvec b, qvec c) { return _mm256_fmadd_ps(a, b, c); }
+static ALWAYS_INLINE qvec qv_add(qvec a, qvec b) { return _mm256_add_ps(a, b); }
+static ALWAYS_INLINE qvec qv_mul(qvec a, qvec b) { return _mm256_mul_ps(a, b); }
+static ALWAYS_INLINE qvec qv_from_int(qint v) { return _mm256_cvtepi32_ps(v); }
+static ALWAYS_INLINE qint qi_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static ALWAYS_INLINE qint qi_xor(qint a, qint b) { return _mm256_xor_si256(a, b); }
+static ALWAYS_INLINE qint qi_and(qint a, qint b) { return _mm256_and_si256(a, b); }
+static ALWAYS_INLINE qint qi_bytes(char v) { return _mm256_set1_epi8(v); }
+static ALWAYS_INLINE qint qi_words(int v) { return _mm256_set1_epi32(v); }
 #define qi_shl(v, bits) _mm256_slli_epi32(v, bits)
 #define qi_shr(v, bits) _mm256_srli_epi32(v, bits)
 #define qi_sar(v, bits) _mm256_srai_epi32(v, bits)
 /* Elements i..i+7 of a matrix's scales (or offsets) as floats: one load (and vcvtph2ps for float16). */
-static Q_INLINE qvec qv_scales(const void *scales, int64_t i, int half) {
+static ALWAYS_INLINE qvec qv_scales(const void *scales, int64_t i, int half) {
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)scales + i)))
                 : _mm256_loadu_ps((const float *)scales + i);
 }
-/* The first `valid` lanes (all from QLANES on, none from 0 down): lane l set where l < valid. */
-static Q_INLINE qmask qmask_first(int64_t valid) {
-    const int v = valid >= QLANES ? QLANES : valid <= 0 ? 0 : (int)valid;
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-static Q_INLINE qvec qv_load_masked(qmask m, const float *p) { return _mm256_maskload_ps(p, m); }
-static Q_INLINE void qv_store_masked(float *p, qmask m, qvec v) { _mm256_maskstore_ps(p, m, v); }
+/* The first `valid` lanes (all from QLANES on, none from 0 down). */
+static ALWAYS_INLINE qmask qmask_first(int64_t valid) { return avx2_first_lanes(valid); }
+static ALWAYS_INLINE qvec qv_load_masked(qmask m, const float *p) { return _mm256_maskload_ps(p, m); }
+static ALWAYS_INLINE void qv_store_masked(float *p, qmask m, qvec v) { _mm256_maskstore_ps(p, m, v); }
 #endif
 
 #if defined(QUANT_PANELS)
@@ -610,13 +602,13 @@ _Static_assert(QPANEL_VECS % QPANEL_TILE_VECS == 0, "a panel is a whole number o
 /* The interleaved layout's values, per int32 lane of a chunk (one row's 4 consecutive bytes): chunk j of a
  * block's lanes lies QGROUP * 4 * j bytes in. s8: byte t is value 4j + t, stored with QS8_OFFSET added;
  * u4: byte t holds value 4j + t in its low nibble and value QBLOCK / 2 + 4j + t in its high one. */
-static Q_INLINE qint qs8_chunk(const uint8_t *block_lanes, int j) {
+static ALWAYS_INLINE qint qs8_chunk(const uint8_t *block_lanes, int j) {
     return qi_xor(qi_load(block_lanes + QGROUP * 4 * j), qi_bytes((char)QS8_OFFSET));
 }
-static Q_INLINE qint qs8_value(qint chunk, int t) { return qi_sar(qi_shl(chunk, 24 - 8 * t), 24); }
-static Q_INLINE qint qu4_chunk(const uint8_t *block_lanes, int j) { return qi_load(block_lanes + QGROUP * 4 * j); }
-static Q_INLINE qint qu4_low(qint chunk, int t) { return qi_and(qi_shr(chunk, 8 * t), qi_words(0x0F)); }
-static Q_INLINE qint qu4_high(qint chunk, int t) { return qi_and(qi_shr(chunk, 8 * t + 4), qi_words(0x0F)); }
+static ALWAYS_INLINE qint qs8_value(qint chunk, int t) { return qi_sar(qi_shl(chunk, 24 - 8 * t), 24); }
+static ALWAYS_INLINE qint qu4_chunk(const uint8_t *block_lanes, int j) { return qi_load(block_lanes + QGROUP * 4 * j); }
+static ALWAYS_INLINE qint qu4_low(qint chunk, int t) { return qi_and(qi_shr(chunk, 8 * t), qi_words(0x0F)); }
+static ALWAYS_INLINE qint qu4_high(qint chunk, int t) { return qi_and(qi_shr(chunk, 8 * t + 4), qi_words(0x0F)); }
 /* Blocks of k per dequantized chunk: 128 values x 48 outputs (24 KB, in L1) of the panel; 8 and 16 blocks
  * measured level or up to 5 % slower (benchmarks/quantized_matmul.py, 100 and 1024 rows). */
 #define QPANEL_BLOCKS 4
@@ -624,9 +616,9 @@ static Q_INLINE qint qu4_high(qint chunk, int t) { return qi_and(qi_shr(chunk, 8
 /* Blocks b0..b0 + nb of group g (rows 16g..16g+15) as floats into column gi's 16 outputs of `panel`
  * (k-major, QPANEL_WIDTH floats a row): the values of dequantize_row_as, QLANES rows at a time (a chunk's
  * 64 bytes hold 4 bytes of each of the 16 rows; QLANES rows' are QLANES * 4 of them). */
-static Q_INLINE void dequantize_group_blocks(const uint8_t *qweight, const void *scales, const void *mins, int kind,
-                                             int half, int64_t g, int64_t blocks, int64_t b0, int64_t nb, int gi,
-                                             float *panel) {
+static ALWAYS_INLINE void dequantize_group_blocks(const uint8_t *qweight, const void *scales, const void *mins,
+                                                  int kind, int half, int64_t g, int64_t blocks, int64_t b0,
+                                                  int64_t nb, int gi, float *panel) {
     const int64_t group_block = QGROUP * qblock_bytes(kind);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *qb = qweight + (g * blocks + b0 + b) * group_block;
@@ -691,9 +683,9 @@ static void dequantize_panel(const uint8_t *qweight, const void *scales, const v
  * mask, the tiles of all but a matrix's last panel), the sums load and store without the mask: AVX2's masked
  * store (vmaskmovps) is microcoded on AMD Zen 3, and without it a SmolLM2 layer's four Q4_1 products of 64,
  * 256 and 1024 rows took 8-12 % less time there. */
-static Q_INLINE void panel_tile(const float *x, int64_t k, int mt, const float *panel, int64_t kc, float *out,
-                                int64_t n, const qmask mask[QPANEL_TILE_VECS], int whole, int first,
-                                const float *bias) {
+static ALWAYS_INLINE void panel_tile(const float *x, int64_t k, int mt, const float *panel, int64_t kc, float *out,
+                                     int64_t n, const qmask mask[QPANEL_TILE_VECS], int whole, int first,
+                                     const float *bias) {
     qvec acc[QPANEL_TILE_ROWS][QPANEL_TILE_VECS];
 #pragma GCC unroll 8
     for (int i = 0; i < mt; i++)
@@ -773,9 +765,9 @@ enum { QFEW_TILE_ROWS = 4 };
 
 /* sums[i] (the half's 8 outputs) = x row i (stride k) . the half's rows, for `mt` rows; `xsum` [rows of the
  * tile][blocks] the rows' block sums (u4); qg, sg, mg: the group's first block, scales and offsets. */
-static Q_INLINE void few_rows_tile(const float *x, int64_t k, int mt, const float *xsum, const uint8_t *qg,
-                                   const void *sg, const void *mg, int kind, int half, int64_t blocks, int h,
-                                   qvec sums[QFEW_TILE_ROWS]) {
+static ALWAYS_INLINE void few_rows_tile(const float *x, int64_t k, int mt, const float *xsum, const uint8_t *qg,
+                                        const void *sg, const void *mg, int kind, int half, int64_t blocks, int h,
+                                        qvec sums[QFEW_TILE_ROWS]) {
     const int64_t group_block = QGROUP * qblock_bytes(kind);
     qvec acc[QFEW_TILE_ROWS];
 #pragma GCC unroll 4
