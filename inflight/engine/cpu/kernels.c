@@ -1344,7 +1344,7 @@ static ALWAYS_INLINE void transpose16x16(__m512 r[16]) {
 static void prefill_load_keys(const void *k_cache, const void *v_cache, const int32_t *table, int64_t klo, int64_t kb,
                               int64_t count, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim,
                               int64_t block_size, int kv_dtype, int pairs, int value_pairs, struct prefill_tiles *t) {
-    uint32_t *kt2 = (uint32_t *)t->kt, *v2 = (uint32_t *)t->v;
+    uint32_t *kt2 = (uint32_t *)t->kt;
     const int64_t first = klo + kb;
     int64_t j = 0;
 #if defined(__AVX512F__)
@@ -1378,6 +1378,7 @@ static void prefill_load_keys(const void *k_cache, const void *v_cache, const in
 #if defined(__AVX512BF16__)
     if (value_pairs) {
         /* Key 2jp's dimensions in the low halves, key 2jp + 1's in the high halves (zero past the last). */
+        uint32_t *v2 = (uint32_t *)t->v;
         for (int64_t jp = 0; 2 * jp < count; jp++) {
             const uint16_t *v0 = (const uint16_t *)v_cache +
                                  key_offset(table, first + 2 * jp, block_size, num_kv_heads, kv_head, head_dim);
@@ -2429,18 +2430,13 @@ static int amx_linear(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
     free(xt);
     return failed ? -1 : 0;
 }
-#endif
 
 /* Whether dense_linear multiplies `rows` rows of bfloat16 on the AMX tiles, by k columns. */
 static int amx_linear_takes(int dtype, int64_t rows, int64_t k) {
-#if defined(AMX_TILES)
     return dtype == DTYPE_BFLOAT16 && rows > DENSE_MAX_ROWS && rows <= AMX_LINEAR_MAX_ROWS && k % 32 == 0 &&
            amx_tiles_permitted();
-#else
-    (void)dtype, (void)rows, (void)k;
-    return 0;
-#endif
 }
+#endif
 
 /* How many rows dense_linear takes for weights of `dtype` with k columns on this build: AMX_LINEAR_MAX_ROWS
  * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512 or AVX2 + FMA for

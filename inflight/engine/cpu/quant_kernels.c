@@ -410,7 +410,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
         for (int64_t i = 0; i < rows * k; i++) converted[i] = bf16_to_float(xb[i]);
         xf = converted;
     }
-    const int64_t groups = (n + QGROUP - 1) / QGROUP, blocks = k / QBLOCK;
+    const int64_t groups = (n + QGROUP - 1) / QGROUP;
     /* A thread per QWORK_PER_THREAD products (at least one), at most num_threads and never more than
      * groups. Each group's sums are the same whichever thread computes them: the outputs do not depend on
      * the thread count. */
@@ -418,6 +418,7 @@ int quant_linear(const void *x, int64_t rows, int64_t k, const uint8_t *qweight,
     int failed = 0;
 #if defined(QUANT_VNNI)
     {
+        const int64_t blocks = k / QBLOCK;
         int8_t *qx = malloc((size_t)(rows * k));
         float *dx = malloc((size_t)(rows * blocks) * sizeof(float));
         int32_t *sq = malloc((size_t)(rows * blocks) * sizeof(int32_t));

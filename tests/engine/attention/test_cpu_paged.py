@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import platform
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 from inflight.engine.attention import cpu_paged, torch_paged
 from inflight.engine.attention.backend import get_attention_backend
 from inflight.engine.cpu import kernels as cpu_kernels
+from inflight.engine.cpu import quant_layout
 from inflight.engine.cpu.isa import cpu_isa, proc_cpuinfo
 
 from support.paged_cases import PagedCase, dense_reference, make_case
@@ -344,6 +348,40 @@ BUILDS: dict[str, tuple[tuple[str, ...], set[str]]] = {
     "avx2": (("-march=x86-64-v3",), {"avx2", "fma"}),
     "avx512-without-bf16": (("-march=x86-64-v4",), AVX512_FLAGS),
 }
+
+
+# Compiler targets for every instruction set the C files have code for: the portable C, AVX2 + FMA, AVX-512,
+# AVX-512 with AVX512-BF16, VNNI and the AMX tiles.
+WARNING_TARGETS = ("", "-march=x86-64-v3", "-march=x86-64-v4", "-march=sapphirerapids")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the -march targets are x86-64's")
+@pytest.mark.parametrize("target", WARNING_TARGETS)
+def test_every_builds_c_compiles_without_warnings(target: str) -> None:
+    """-Wall -Wextra on each build's code (compiled for the target, not run, so any x86-64 machine checks
+    them all): a variable or function that only another build's code reads is dead code in this one."""
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    if compiler is None or "Free Software Foundation" not in subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout:
+        pytest.skip("the warning flags are checked with GCC")
+    sources = (cpu_kernels.SOURCE, cpu_kernels.QUANT_SOURCE, cpu_kernels.DECODE_LAYER_SOURCE)
+    command = [
+        compiler,
+        *PORTABLE_FLAGS,
+        *([target] if target else []),
+        "-O0",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        *quant_layout.compile_definitions(),
+        f"-I{cpu_kernels.SOURCE.parent}",
+        *map(str, sources),
+        "-o",
+        os.devnull,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
 
 
 def _build(name: str, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
