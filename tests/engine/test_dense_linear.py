@@ -29,10 +29,11 @@ pytestmark = pytest.mark.skipif(
 SHAPES = [(7, 5), (37, 70), (130, 96), (33, 1537), (960, 576), (576, 1536)]
 # float32 sums of up to 1537 products against float64; bfloat16 adds one rounding of the result.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2**-8}
-# The most rows dense_linear takes (DENSE_WIDE_ROWS in kernels.c): six in one pass, two more from L1/L2;
-# float32 (DENSE_FLOAT32_ROWS) in passes of six over the same weight rows.
-MAX_ROWS = 8
+# The most rows dense_linear takes with AVX-512 (DENSE_BFLOAT16_ROWS and DENSE_FLOAT32_ROWS in kernels.c), in
+# passes of six over the same weight rows; ONE_PASS_ROWS: one pass of six and the rest in a second.
+BFLOAT16_ROWS = 16
 FLOAT32_ROWS = 24
+ONE_PASS_ROWS = 8
 # On the AMX tiles (bfloat16, inputs a multiple of 32): from 5 rows (more than DENSE_MAX_ROWS) to 64.
 TILE_ROWS = (5, 64)
 BFLOAT16 = cpu_kernels.DTYPE_CODES[torch.bfloat16]
@@ -66,8 +67,8 @@ def on_tiles(library: ctypes.CDLL, dtype: torch.dtype, rows: int, k: int) -> boo
 
 @pytest.mark.parametrize(
     ("dtype", "rows"),
-    [(torch.float32, rows) for rows in (*range(1, MAX_ROWS + 1), 13, FLOAT32_ROWS)]
-    + [(torch.bfloat16, rows) for rows in range(1, MAX_ROWS + 1)],
+    [(torch.float32, rows) for rows in (*range(1, ONE_PASS_ROWS + 1), 13, FLOAT32_ROWS)]
+    + [(torch.bfloat16, rows) for rows in (*range(1, ONE_PASS_ROWS + 1), 13, BFLOAT16_ROWS)],
 )
 def test_every_build_and_thread_count_gives_the_plain_c_bits(
     any_library: ctypes.CDLL, plain_library: ctypes.CDLL, dtype: torch.dtype, rows: int, torch_threads: int
@@ -93,15 +94,15 @@ def test_every_build_and_thread_count_gives_the_plain_c_bits(
 def test_a_rows_result_does_not_depend_on_the_other_rows(
     any_library: ctypes.CDLL, dtype: torch.dtype
 ) -> None:
-    most = FLOAT32_ROWS if dtype == torch.float32 else MAX_ROWS
+    most = FLOAT32_ROWS if dtype == torch.float32 else BFLOAT16_ROWS
     for shape in SHAPES:
-        if on_tiles(any_library, dtype, MAX_ROWS, shape[1]):
+        if on_tiles(any_library, dtype, most, shape[1]):
             continue  # test_tile_products_do_not_depend_on_the_other_rows_or_the_threads
         x, weight, bias = case(dtype, most, shape)
         together = dense_linear(x, weight, bias, any_library)
         for r in range(most):
             assert torch.equal(together[r : r + 1], dense_linear(x[r : r + 1], weight, bias, any_library))
-        for first, end in [(1, 3), (3, 7), (5, 8)] + ([(0, 17)] if most > 17 else []):
+        for first, end in [(1, 3), (3, 7), (5, 8), (8, 16)] + ([(0, 17)] if most > 17 else []):
             part = dense_linear(x[first:end].contiguous(), weight, bias, any_library)
             assert torch.equal(together[first:end], part)
 
@@ -167,18 +168,18 @@ def test_tile_products_do_not_depend_on_the_other_rows_or_the_threads(
 
 def test_tiles_take_inputs_in_whole_steps_of_32_and_at_most_64_rows(any_library: ctypes.CDLL) -> None:
     library = tile_library(any_library)
-    assert library.dense_linear_max_rows(BFLOAT16, 70) == MAX_ROWS  # 70 inputs: the AVX-512 rows only
+    assert library.dense_linear_max_rows(BFLOAT16, 70) == BFLOAT16_ROWS  # 70 inputs: the AVX-512 rows only
     x, weight, _ = case(torch.bfloat16, TILE_ROWS[1] + 1, (8, 64))
     out = torch.empty(TILE_ROWS[1] + 1, 8, dtype=torch.bfloat16)
     args = (weight.data_ptr(), 8, None, BFLOAT16, out.data_ptr(), BFLOAT16, 1)
     assert library.dense_linear(x.data_ptr(), TILE_ROWS[1] + 1, 64, *args) == -1
     assert library.dense_linear(x.data_ptr(), TILE_ROWS[1], 64, *args) == 0
-    assert library.dense_linear(x[:, :48].contiguous().data_ptr(), MAX_ROWS + 1, 48, *args) == -1
+    assert library.dense_linear(x[:, :48].contiguous().data_ptr(), BFLOAT16_ROWS + 1, 48, *args) == -1
 
 
-@pytest.mark.parametrize(("dtype", "most"), [(torch.float32, FLOAT32_ROWS), (torch.bfloat16, MAX_ROWS)])
+@pytest.mark.parametrize(("dtype", "most"), [(torch.float32, FLOAT32_ROWS), (torch.bfloat16, BFLOAT16_ROWS)])
 def test_more_rows_than_it_takes_are_refused(any_library: ctypes.CDLL, dtype: torch.dtype, most: int) -> None:
-    """16 inputs: not the AMX tiles' (whole steps of 32), so bfloat16 takes AVX-512's eight rows at most."""
+    """16 inputs: not the AMX tiles' (whole steps of 32), so bfloat16 takes AVX-512's 16 rows at most."""
     x, weight, bias = case(dtype, most + 1, (8, 16))
     out = torch.empty(most + 1, 8, dtype=dtype)
     code = cpu_kernels.DTYPE_CODES[dtype]
@@ -208,10 +209,10 @@ def test_prepacked_linear_multiplies_a_few_rows_in_c_and_more_with_onednn(
     linear = nn.Linear(96, 80, bias=bias).to(dtype)
     packed = PrepackedLinear(linear, batch_size_hint=64)
     assert packed.dense_rows == dense_rows(linear.weight, linear.bias)
-    assert packed.dense_rows in (0, MAX_ROWS, FLOAT32_ROWS, TILE_ROWS[1])
+    assert packed.dense_rows in (0, BFLOAT16_ROWS, FLOAT32_ROWS, TILE_ROWS[1])
     x = torch.randn(packed.dense_rows + 1, 96).to(dtype)
     with torch.inference_mode():
-        for rows in sorted({*range(1, MAX_ROWS + 2), packed.dense_rows, packed.dense_rows + 1} - {0}):
+        for rows in sorted({*range(1, ONE_PASS_ROWS + 2), packed.dense_rows, packed.dense_rows + 1} - {0}):
             actual = packed(x[:rows])
             widened = packed.widened(x[:rows])
             assert widened.dtype == torch.float32 and torch.equal(widened, actual.float())

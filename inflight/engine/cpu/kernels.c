@@ -2048,8 +2048,8 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
 }
 
 /* ---- products of a few rows with float weights -------------------------------------------------------
- * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_WIDE_ROWS (a decode step of one to a few sequences;
- * float32 up to DENSE_FLOAT32_ROWS),
+ * out = x W^T (+ bias) for x [rows, k], rows <= DENSE_BFLOAT16_ROWS for bfloat16 and DENSE_FLOAT32_ROWS for
+ * float32 (a decode step of one to a few dozen sequences),
  * W [n, k] float32 or bfloat16 as the checkpoint holds it (row-major, one row per output). oneDNN's GEMM
  * runs these shapes at about half of the memory's speed (docs/benchmarks.md); here each weight row is read
  * from memory once, four rows at a time, and multiplied into up to DENSE_MAX_ROWS x rows while it is in
@@ -2069,16 +2069,17 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * (dense_linear_max_rows). */
 
 /* DENSE_MAX_ROWS (DENSE_PASS_ROWS in the wide loop) x rows times DENSE_TILE weight rows: the register tile.
- * Up to DENSE_WIDE_ROWS rows this runs most of llama-1b's products faster than oneDNN (float32 and
- * bfloat16); from 10 rows it is level or behind (docs/benchmarks.md, "Decode steps of 5-8 rows in C"). */
-/* DENSE_FLOAT32_ROWS: float32 takes up to 24 rows, DENSE_PASS_ROWS at a time over each tile of weight rows:
+ * DENSE_FLOAT32_ROWS: float32 takes up to 24 rows, DENSE_PASS_ROWS at a time over each tile of weight rows:
  * with a decode step's layers in one C call, SmolLM2's float32 steps of 12-24 rows took 12-28 % less time
- * than with oneDNN's products (32 rows level, 64 rows 15 % more; bfloat16 on the AVX512-BF16 path 30 % and
- * more at 16 rows and up, so it keeps DENSE_WIDE_ROWS). */
+ * than with oneDNN's products (32 rows level, 64 rows 15 % more). DENSE_BFLOAT16_ROWS: bfloat16 (on the
+ * AVX512-BF16 path) up to 16 rows the same way. On AMD Zen 4, with the layers in one C call, llama-1b's decode
+ * steps of 10-16 rows took 6-24 % less time than with oneDNN's products and SmolLM2's of 12-16 rows 20-36 %
+ * less; at 24 rows llama-1b's took 3-6 % more (SmolLM2's still 10-25 % less). Until 7 December the limit was
+ * 8, measured before the layers ran in one call (docs/benchmarks.md). */
 enum {
     DENSE_MAX_ROWS = 4,
     DENSE_PASS_ROWS = 6,
-    DENSE_WIDE_ROWS = 8,
+    DENSE_BFLOAT16_ROWS = 16,
     DENSE_FLOAT32_ROWS = 24,
     DENSE_TILE = 4,
     DENSE_PREFETCH_BYTES = 8192
@@ -2255,7 +2256,7 @@ static void dense_tile_wide(const void *x, int64_t rows, int64_t k, const void *
  * pairs' products, denormals as zero): a row's result does not depend on the other rows or the thread
  * count. It is not the AVX-512 arithmetic (16 lanes, then a tree), so a row's output moves in the last bits
  * between a step of four rows and one of five, as it did with oneDNN above eight. k must be a multiple of
- * 32 (dense_linear_max_rows says eight rows otherwise). */
+ * 32 (dense_linear_max_rows says DENSE_BFLOAT16_ROWS otherwise). */
 /* AMX_AHEAD: how many steps (64 bytes of each weight row) ahead the weights are prefetched into L1: 4, 8 and
  * 16 measured, 4 the fastest. AMX_SHORT: below this many inputs, 33-64 rows of x go in two passes of 32
  * over each 32 weight rows (the rows from L1 the second time) instead of one pass over each 16 (x's tiles
@@ -2440,7 +2441,7 @@ static int amx_linear_takes(int dtype, int64_t rows, int64_t k) {
 
 /* How many rows dense_linear takes for weights of `dtype` with k columns on this build: AMX_LINEAR_MAX_ROWS
  * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512 or AVX2 + FMA for
- * float32, AVX512-BF16 for bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_WIDE_ROWS for bfloat16; else
+ * float32, AVX512-BF16 for bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_BFLOAT16_ROWS for bfloat16; else
  * 0: the plain C version is slower than oneDNN, so the engine keeps oneDNN there (tests still call
  * dense_linear on such builds). */
 int dense_linear_max_rows(int dtype, int64_t k) {
@@ -2449,7 +2450,7 @@ int dense_linear_max_rows(int dtype, int64_t k) {
 #endif
 #if defined(DENSE_BFLOAT16_VECTOR)
     (void)k;
-    return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : DENSE_WIDE_ROWS;
+    return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : DENSE_BFLOAT16_ROWS;
 #elif defined(DENSE_FLOAT32_VECTOR) || defined(DENSE_FLOAT32_AVX2)
     (void)k;
     return dtype == DTYPE_FLOAT32 ? DENSE_FLOAT32_ROWS : 0;
@@ -2855,7 +2856,7 @@ int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t 
 #if defined(AMX_TILES)
     if (amx_linear_takes(dtype, rows, k)) return amx_linear(x, rows, k, w, n, bias, out, out_bf16, num_threads);
 #endif
-    if (rows < 1 || rows > (bf16 ? DENSE_WIDE_ROWS : DENSE_FLOAT32_ROWS)) return -1;
+    if (rows < 1 || rows > (bf16 ? DENSE_BFLOAT16_ROWS : DENSE_FLOAT32_ROWS)) return -1;
 #if defined(DENSE_FLOAT32_VECTOR) || defined(DENSE_FLOAT32_AVX2)
     if (rows > DENSE_DIRECT_ROWS && !bf16 && k >= DENSE_BLOCKED_K) {
         return dense_linear_blocked((const float *)x, rows, k, (const float *)w, n, (const float *)bias,

@@ -6,13 +6,13 @@ machine's speed; oneDNN with the weight reordered once into its blocked layout i
 (AVX512-BF16 / AMX, cpu/isa.py): oneDNN's bf16 kernels there are about 2x its float32 ones. The engine
 swaps the decoder layers' projections after loading; CUDA and other dtypes are left alone.
 
-At one to eight rows (a decode step of that many sequences) oneDNN streams the weights well below the
+At a few rows (a decode step of that many sequences) oneDNN streams the weights well below the
 memory's speed, while a step of a small model is nearly all weight reads: there the product runs in
 C instead (`dense_linear` in cpu/kernels.c) on the plain weight, which the module keeps anyway; each row's
-result is then the same whatever the other rows of the batch. float32 products take up to 24 rows there
-with AVX-512 or AVX2 + FMA (more passes over each weight row in cache; without AVX-512 bfloat16 stays
-oneDNN's), and on CPUs with AMX-BF16 bfloat16 products of five to 64
-rows run in C on the tiles (`dense_rows` says how many rows a weight's products take).
+result is then the same whatever the other rows of the batch. bfloat16 products take up to 16 rows there
+with AVX512-BF16 and float32 ones up to 24 with AVX-512 or AVX2 + FMA (more passes over each weight row in
+cache; without AVX512-BF16 bfloat16 stays oneDNN's), and on CPUs with AMX-BF16 bfloat16 products of five to
+64 rows run in C on the tiles (`dense_rows` says how many rows a weight's products take).
 So the float weights are held twice, plain and packed (prompts' longer chunks still multiply in oneDNN):
 sizing.packed_weight_bytes plans that copy (the operator's CPU plans).
 """
