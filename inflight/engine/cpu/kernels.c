@@ -2075,7 +2075,7 @@ void rotary(void *x, int64_t row_stride, const float *cos, const float *sin, int
  * AVX512-BF16 path) up to 16 rows the same way. On AMD Zen 4, with the layers in one C call, llama-1b's decode
  * steps of 10-16 rows took 6-24 % less time than with oneDNN's products and SmolLM2's of 12-16 rows 20-36 %
  * less; at 24 rows llama-1b's took 3-6 % more (SmolLM2's still 10-25 % less). Until 7 December the limit was
- * 8, measured before the layers ran in one call (docs/benchmarks.md). */
+ * 8, from a measurement of 5 December that did not name its CPU (docs/benchmarks.md). */
 enum {
     DENSE_MAX_ROWS = 4,
     DENSE_PASS_ROWS = 6,
@@ -2441,8 +2441,8 @@ static int amx_linear_takes(int dtype, int64_t rows, int64_t k) {
 
 /* How many rows dense_linear takes for weights of `dtype` with k columns on this build: AMX_LINEAR_MAX_ROWS
  * for bfloat16 where it multiplies on the AMX tiles; where it runs vectorized (AVX-512 or AVX2 + FMA for
- * float32, AVX512-BF16 for bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_BFLOAT16_ROWS for bfloat16; else
- * 0: the plain C version is slower than oneDNN, so the engine keeps oneDNN there (tests still call
+ * float32, AVX512-BF16 for bfloat16), DENSE_FLOAT32_ROWS for float32 and DENSE_BFLOAT16_ROWS for bfloat16;
+ * else 0: the plain C version is slower than oneDNN, so the engine keeps oneDNN there (tests still call
  * dense_linear on such builds). */
 int dense_linear_max_rows(int dtype, int64_t k) {
 #if defined(AMX_TILES)
