@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 
 from inflight.bench.system import BenchSettings, System, SystemRun, resident_mib
-from inflight.bench.workload import BenchRequest
+from inflight.bench.workload import BLOCK_SIZE, BenchRequest, kv_blocks_for
 from inflight.engine.config import SchedulerPolicy
 from inflight.engine.sequence import GuidedDecoding
-
-BLOCK_SIZE = 16
 
 
 def _available(settings: BenchSettings) -> str | None:
@@ -24,9 +21,7 @@ def _runner(scheduler: SchedulerPolicy) -> Callable[[BenchSettings], SystemRun]:
         from inflight import LLM, SamplingParams
         from inflight.engine.warmup import warm_up
 
-        longest = max(len(r.prompt_token_ids) + r.output_len for r in settings.requests)
-        # Enough blocks for every slot's longest request: the comparison is of batching, not of preemption.
-        num_kv_blocks = settings.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
+        num_kv_blocks = kv_blocks_for(settings.requests, settings.max_slots)
         start = time.perf_counter()
         llm = LLM(
             str(settings.inflight_model or settings.model_dir),

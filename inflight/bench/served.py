@@ -42,9 +42,18 @@ import httpx
 
 from inflight.bench import vllm_cpu
 from inflight.bench.servers_mode import MEMORY_MARGIN, ONE_AT_A_TIME, TOGETHER
-from inflight.bench.workload import BenchRequest, load_workload, sampling_name, warmup_prompt, with_sampling
+from inflight.bench.workload import (
+    BLOCK_SIZE,
+    BenchRequest,
+    kv_blocks_for,
+    load_workload,
+    sampling_name,
+    warmup_prompt,
+    with_sampling,
+)
 from inflight.engine.cpu import openmp
 from inflight.engine.cpu.isa import cpu_isa
+from inflight.engine.cpu.memory_limit import available_memory_bytes
 from inflight.engine.dtypes import resolve_dtype_name
 from inflight.engine.model.config import ModelConfig
 from inflight.engine.model.errors import ModelLoadError
@@ -58,7 +67,6 @@ from inflight.sizing import (
     shape_of_config,
 )
 
-BLOCK_SIZE = 16
 READY_TIMEOUT_S = 600.0
 # A server that has not ended this long after SIGTERM is killed.
 STOP_TIMEOUT_S = 60.0
@@ -538,18 +546,6 @@ def memory_needs(
     return needs
 
 
-def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """The kernel's estimate of the memory new processes can have without swapping (MemAvailable); None
-    where /proc/meminfo has no answer."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def choose_servers(requested: str, needs: dict[str, int], available: int | None) -> tuple[str, str]:
     """`--servers` as `together` or `one-at-a-time`, and why, in words with the figures. `auto`: together
     when everything that would hold memory at once (`needs`: each server's estimate and the offline
@@ -826,7 +822,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
         args.top_p,
     )
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
-    num_kv_blocks = args.num_kv_blocks or args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1
+    num_kv_blocks = args.num_kv_blocks or kv_blocks_for(requests, args.max_slots)
     if args.url:
         needs: dict[str, int] = {}
         available = None

@@ -242,11 +242,12 @@ class LLMEngine:
 
         On a GPU the budget is re-measured (free memory x gpu_memory_utilization); a requested pool larger
         than that (a plan made from node labels, say) is cut to what fits, and the log says so. On CPU a
-        pool that the container's memory limit has no room for, beside the resident memory and a step's
-        activations, is cut the same way (cpu/memory_limit.py); with tensor parallelism every rank lives
-        in that container, so the resident memory and step activations are all ranks' and a block costs
-        every rank's share of it. With a draft model, a block's bytes are the target's and the draft's (its
-        pool has as many blocks): the draft takes its share of the budget by its bytes per token.
+        pool that the container's memory limit (less the resident memory) or the machine's available memory
+        has no room for, beside a step's activations, is cut the same way (cpu/memory_limit.py); with tensor
+        parallelism every rank lives in that container and on that machine, so the resident memory and step
+        activations are all ranks' and a block costs every rank's share of it. With a draft model, a block's
+        bytes are the target's and the draft's (its pool has as many blocks): the draft takes its share of the
+        budget by its bytes per token.
         """
         mc = self.model_config
         bytes_per_block = kv_block_bytes(
@@ -297,8 +298,8 @@ class LLMEngine:
                 if within[0] < 1:
                     raise ValueError(
                         f"no memory left for the KV cache within {within[1]} (one block needs "
-                        f"{pool_block_bytes} bytes): raise the container's memory limit, or use a smaller "
-                        "model, dtype or --quantization"
+                        f"{pool_block_bytes} bytes): raise the container's memory limit or free memory on "
+                        "the machine, or use a smaller model, dtype or --quantization"
                     )
                 logger.warning("%d KV blocks do not fit %s: using %d", blocks, within[1], within[0])
                 return within[0]

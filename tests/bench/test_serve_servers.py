@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from inflight.bench import served, vllm_cpu
-from inflight.bench.served import ServedSystem, available_memory_bytes, choose_servers, memory_needs
+from inflight.bench.served import ServedSystem, choose_servers, memory_needs
 from inflight.cli import build_parser
 from inflight.engine.model.config import ModelConfig
 from inflight.sizing import GIB, MODEL_CATALOG, shape_of_config
@@ -39,13 +39,6 @@ def test_auto_runs_the_servers_one_at_a_time_when_together_they_pass_the_memory_
     assert choose_servers("together", needs, 1 * GIB)[0] == "together"
     assert choose_servers("one-at-a-time", needs, 100 * GIB)[0] == "one-at-a-time"
     assert choose_servers("auto", {"inflight": 12 * GIB}, 1 * GIB)[0] == "together"
-
-
-def test_the_memory_available_is_the_kernels_memavailable(tmp_path: Path) -> None:
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24683792 kB\nMemFree: 100 kB\nMemAvailable:   20855052 kB\n")
-    assert available_memory_bytes(meminfo) == 20855052 * 1024
-    assert available_memory_bytes(tmp_path / "missing") is None
 
 
 def test_the_vllm_estimate_covers_what_its_server_was_measured_to_hold() -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from inflight.bench.workload import (
     BENCH_SCHEMA,
+    BLOCK_SIZE,
     BenchRequest,
+    kv_blocks_for,
     load_workload,
     make_workload,
     sampling_name,
@@ -102,3 +105,13 @@ def test_sampling_outside_the_apis_ranges_is_refused(temperature: float, top_p: 
     requests = make_workload(vocab=100, excluded_ids=set(), num_requests=1, seed=0)
     with pytest.raises(ValueError, match=message):
         with_sampling(requests, temperature, top_p)
+
+
+def test_the_kv_pool_holds_the_longest_request_in_every_slot_that_can_be_busy() -> None:
+    """As many slots as can run at once (the requests, at most max_slots) times the longest request's
+    blocks, and one more: 8 long requests get 8 slots' worth, not 64 (15 GiB of float32 KV on llama-1b)."""
+    requests = [BenchRequest([1] * prompt, output) for prompt, output in ((4096, 64), (1024, 32), (100, 8))]
+    longest_blocks = math.ceil((4096 + 64) / BLOCK_SIZE)
+    assert kv_blocks_for(requests, max_slots=64) == 3 * longest_blocks + 1
+    assert kv_blocks_for(requests, max_slots=2) == 2 * longest_blocks + 1
+    assert kv_blocks_for(requests[2:], max_slots=64) == math.ceil(108 / BLOCK_SIZE) + 1

@@ -1,5 +1,6 @@
 """The cgroup memory limit read as Linux writes it (v2 memory.max, v1 memory.limit_in_bytes, an ancestor's
-limit, none), and a CPU engine's KV pool cut to the room that limit leaves (cpu/memory_limit.py)."""
+limit, none), the machine's available memory (MemAvailable), and a CPU engine's KV pool cut to the room
+the smaller of the two leaves (cpu/memory_limit.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.cpu import memory_limit
-from inflight.engine.cpu.memory_limit import cgroup_memory_limit, resident_bytes
+from inflight.engine.cpu.memory_limit import available_memory_bytes, cgroup_memory_limit, resident_bytes
 from inflight.engine.engine import LLMEngine
 from inflight.engine.kv_budget import kv_block_bytes, step_activation_bytes
 
@@ -60,6 +61,15 @@ def test_no_cgroup_information(tmp_path: Path) -> None:
     assert cgroup_memory_limit(tmp_path / "absent", tmp_path) is None
 
 
+def test_the_memory_available_is_the_kernels_memavailable(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683792 kB\nMemFree: 100 kB\nMemAvailable:   20855052 kB\n")
+    assert available_memory_bytes(meminfo) == 20855052 * 1024
+    assert available_memory_bytes(tmp_path / "missing") is None
+    (tmp_path / "old").write_text("MemTotal:       24683792 kB\nMemFree: 100 kB\n")  # before Linux 3.14
+    assert available_memory_bytes(tmp_path / "old") is None
+
+
 def test_resident_bytes_are_statm_pages(tmp_path: Path) -> None:
     (tmp_path / "statm").write_text("5000 1234 300 10 0 900 0\n")
     assert resident_bytes(tmp_path / "statm") == 1234 * os.sysconf("SC_PAGE_SIZE")
@@ -76,6 +86,7 @@ def test_a_cpu_engine_cuts_its_kv_pool_to_the_container_limit(
     """Without a limit the requested pool; with a limit, the blocks that fit beside the resident memory and
     a step's activations (logged); with none left, an error that says what to change."""
     monkeypatch.setattr(memory_limit, "cgroup_memory_limit", lambda: None)
+    monkeypatch.setattr(memory_limit, "available_memory_bytes", lambda: None)
     engine = _engine(tiny_llama_dir, 64)
     assert engine.num_kv_blocks == 64
     config, block_size = engine.model_config, engine.config.block_size
@@ -102,4 +113,51 @@ def test_a_cpu_engine_cuts_its_kv_pool_to_the_container_limit(
 
     monkeypatch.setattr(memory_limit, "cgroup_memory_limit", lambda: resident + step)
     with pytest.raises(ValueError, match="raise the container's memory limit"):
+        _engine(tiny_llama_dir, 64)
+
+
+def test_a_cpu_engine_cuts_its_kv_pool_to_the_machines_available_memory(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where no container limit binds (a VM, bare metal, a benchmark run), a pool past the machine's
+    available memory is cut to what fits beside a step's activations (logged), as a container's limit cuts
+    it; with both, the smaller room binds; with no room, an error that says what to change. The pool itself
+    is allocated after the plan, so MemAvailable, read then, already leaves out the loaded weights."""
+    monkeypatch.setattr(memory_limit, "cgroup_memory_limit", lambda: None)
+    monkeypatch.setattr(memory_limit, "available_memory_bytes", lambda: None)
+    engine = _engine(tiny_llama_dir, 8)
+    config = engine.model_config
+    block = kv_block_bytes(config, engine.model.layout.kv_heads, engine.config.block_size, engine.kv_dtype)
+    step = step_activation_bytes(
+        config.hidden_size,
+        config.intermediate_size,
+        config.vocab_size,
+        engine.config.max_num_batched_tokens,
+        4,
+        str(engine.dtype).removeprefix("torch."),
+    )
+    engine.close()
+
+    monkeypatch.setattr(memory_limit, "available_memory_bytes", lambda: step + 6 * block + block // 2)
+    with caplog.at_level(logging.WARNING, logger="inflight.engine"):
+        engine = _engine(tiny_llama_dir, 64)
+    assert engine.num_kv_blocks == 6
+    assert "64 KV blocks do not fit the machine's available memory of" in caplog.text
+    assert "(MemAvailable)" in caplog.text
+    engine.close()
+
+    resident = 1 * GIB
+    monkeypatch.setattr(memory_limit, "resident_bytes", lambda: resident)
+    monkeypatch.setattr(memory_limit, "cgroup_memory_limit", lambda: resident + step + 10 * block)
+    engine = _engine(tiny_llama_dir, 64)
+    assert engine.num_kv_blocks == 6  # the machine's room (6.5 blocks) is the smaller
+    engine.close()
+    monkeypatch.setattr(memory_limit, "cgroup_memory_limit", lambda: resident + step + 3 * block)
+    engine = _engine(tiny_llama_dir, 64)
+    assert engine.num_kv_blocks == 3  # the container's (3 blocks)
+    engine.close()
+
+    monkeypatch.setattr(memory_limit, "cgroup_memory_limit", lambda: None)
+    monkeypatch.setattr(memory_limit, "available_memory_bytes", lambda: step + block - 1)
+    with pytest.raises(ValueError, match=r"machine's available memory.*free memory on the machine"):
         _engine(tiny_llama_dir, 64)
