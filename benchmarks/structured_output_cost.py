@@ -30,9 +30,9 @@ openmp.configure(os.environ)
 
 from inflight.bench.checkpoint import bench_checkpoint  # noqa: E402
 from inflight.bench.inflight_engine import CONTINUOUS  # noqa: E402
-from inflight.bench.served import BLOCK_SIZE, inflight_system, run_clients, wait_until_ready  # noqa: E402
+from inflight.bench.served import inflight_system, run_clients, wait_until_ready  # noqa: E402
 from inflight.bench.system import BenchSettings  # noqa: E402
-from inflight.bench.workload import BenchRequest, load_workload  # noqa: E402
+from inflight.bench.workload import BenchRequest, kv_blocks_for, load_workload  # noqa: E402
 from inflight.engine.cli_args import add_batching_args  # noqa: E402
 from inflight.engine.cpu.isa import cpu_isa  # noqa: E402
 from inflight.engine.dtypes import resolve_dtype_name  # noqa: E402
@@ -138,8 +138,7 @@ def main() -> int:
             kv_cache_dtype="auto",
             speculative=None,
         )
-        longest = max(len(r.prompt_token_ids) + r.output_len for r in plain)
-        server = inflight_system(serve_args, model_dir, args.max_slots * math.ceil(longest / BLOCK_SIZE) + 1)
+        server = inflight_system(serve_args, model_dir, kv_blocks_for(plain, args.max_slots))
         try:
             server.start()
             wait_until_ready(f"{server.url}{server.ready_path}", server.process, server.name)

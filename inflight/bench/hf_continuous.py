@@ -8,6 +8,7 @@ import time
 
 from inflight.bench.hf_common import NO_EOS, WARMUP_TOKENS, load_model, pad_token_id, transformers_missing
 from inflight.bench.system import BenchSettings, System, SystemRun
+from inflight.bench.workload import longest_request
 
 PAGE_SIZE = 256
 # transformers' loop did best here with at most 32 requests per step (more made its steps slower overall).
@@ -28,7 +29,7 @@ def run(settings: BenchSettings) -> SystemRun:
 
     start = time.perf_counter()
     model = load_model(settings)
-    longest = max(len(r.prompt_token_ids) + r.output_len for r in settings.requests)
+    longest = longest_request(settings.requests)
     max_requests = min(settings.max_slots, MAX_REQUESTS_PER_BATCH)
     # Sized explicitly: left to itself on CPU it reserves 60% of the machine's RAM for the cache.
     num_blocks = settings.max_slots * math.ceil(longest / PAGE_SIZE) + 1

@@ -47,6 +47,7 @@ from inflight.bench.workload import (
     BenchRequest,
     kv_blocks_for,
     load_workload,
+    longest_request,
     sampling_name,
     warmup_prompt,
     with_sampling,
@@ -821,7 +822,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
         args.temperature,
         args.top_p,
     )
-    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    longest = longest_request(requests)
     num_kv_blocks = args.num_kv_blocks or kv_blocks_for(requests, args.max_slots)
     if args.url:
         needs: dict[str, int] = {}

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from inflight.bench.system import BenchSettings, System, SystemRun
-from inflight.bench.workload import warmup_prompt
+from inflight.bench.workload import longest_request, warmup_prompt
 from inflight.engine.cpu import openmp
 from inflight.sizing import CPU_RUNTIME_BYTES, GIB, ModelShape, weight_bytes_per_gpu
 
@@ -67,7 +67,7 @@ def vllm_env(cache_dir: Path, threads: int | None) -> dict[str, str]:
 
 def run(settings: BenchSettings) -> SystemRun:
     assert settings.vllm_python is not None
-    longest = max(len(r.prompt_token_ids) + r.output_len for r in settings.requests)
+    longest = longest_request(settings.requests)
     spec = {
         "model_dir": str(settings.model_dir.resolve()),
         "dtype": settings.dtype,

@@ -127,14 +127,18 @@ def load_workload(
     return with_schemas(requests, schema_share)
 
 
+def longest_request(requests: Sequence[BenchRequest]) -> int:
+    """The tokens of the workload's longest request, prompt and output: what one slot must hold."""
+    return max(len(r.prompt_token_ids) + r.output_len for r in requests)
+
+
 def kv_blocks_for(requests: Sequence[BenchRequest], max_slots: int) -> int:
     """The KV blocks an inflight engine is given for `requests`: the longest request's (prompt and output)
     in every slot that can be busy at once (as many as there are requests, at most `max_slots`), and one
     more, so that no request is ever preempted (the comparison is of batching, not of preemption). A pool
     for every slot where fewer requests run would hold memory nothing uses: for 8 long-prompt requests
     (the longest 3,805 tokens) 64 slots are 15,233 blocks, 14.9 GiB of float32 KV cache on llama-1b."""
-    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
-    return min(max_slots, len(requests)) * math.ceil(longest / BLOCK_SIZE) + 1
+    return min(max_slots, len(requests)) * math.ceil(longest_request(requests) / BLOCK_SIZE) + 1
 
 
 def warmup_prompt(requests: Sequence[BenchRequest]) -> list[int]:
