@@ -2082,7 +2082,8 @@ enum {
     DENSE_BFLOAT16_ROWS = 16,
     DENSE_FLOAT32_ROWS = 24,
     DENSE_TILE = 4,
-    DENSE_PREFETCH_BYTES = 8192
+    DENSE_PREFETCH_BYTES = 8192,
+    DENSE_STREAM_PREFETCH_BYTES = 2048
 };
 
 /* s[0] + ... + s[15] in the tree the vector path adds them in: lanes i and i + 8, then i + 4, i + 2, i + 1. */
@@ -2460,58 +2461,62 @@ int dense_linear_max_rows(int dtype, int64_t k) {
 #endif
 }
 
-/* Rows r < rows, outputs n0 .. n0 + outs - 1 of out [rows, n]: sums[r * DENSE_TILE + t] plus the bias, in
- * out's dtype (see dense_linear). A macro, not a function: inlined as a function it changed the code
- * generated for the one-to-four-row loop. */
-#define DENSE_STORE(sums)                                                                                      \
+/* Rows r < rows, outputs n0 + t * row_step (t < outs) of out [rows, n]: sums[r * DENSE_TILE + t] plus the
+ * bias, in out's dtype (see dense_linear). A macro, not a function: inlined as a function it changed the code
+ * generated for the one-to-four-row loop. DENSE_STORE: a tile of adjacent outputs. */
+#define DENSE_STORE_STRIDED(sums, row_step)                                                                    \
     for (int64_t r = 0; r < rows; r++)                                                                         \
         for (int64_t t = 0; t < outs; t++) {                                                                   \
+            const int64_t c = n0 + t * (row_step);                                                             \
             float v = (sums)[r * DENSE_TILE + t];                                                              \
-            if (bias != NULL)                                                                                  \
-                v += bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + t]) : ((const float *)bias)[n0 + t];    \
-            if (out_bf16) ((uint16_t *)out)[r * n + n0 + t] = float_to_bf16(v);                                \
-            else ((float *)out)[r * n + n0 + t] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;                  \
+            if (bias != NULL) v += bf16 ? bf16_to_float(((const uint16_t *)bias)[c]) : ((const float *)bias)[c]; \
+            if (out_bf16) ((uint16_t *)out)[r * n + c] = float_to_bf16(v);                                     \
+            else ((float *)out)[r * n + c] = bf16 ? bf16_to_float(float_to_bf16(v)) : v;                       \
         }
+#define DENSE_STORE(sums) DENSE_STORE_STRIDED(sums, 1)
 
 #if defined(DENSE_FLOAT32_VECTOR)
-/* dense_tiles' loop over full tiles for ROWS rows of dtype BF16 (constants: dense_tile16 inlined once). */
-#define DENSE_TILES_CASE(ROWS, BF16)                                                                   \
+/* dense_share's streams for ROWS rows of dtype BF16 (constants: dense_tile16_rows inlined once). */
+#define DENSE_STREAMS_CASE(ROWS, BF16)                                                                 \
     case ROWS * 2 + BF16:                                                                              \
-        for (; tile < full; tile++) {                                                                  \
-            const int64_t n0 = tile * DENSE_TILE, outs = DENSE_TILE;                                   \
+        for (int64_t j = 0; j < part; j++) {                                                           \
+            const int64_t n0 = first + j, outs = DENSE_TILE;                                           \
             float sums[DENSE_MAX_ROWS * DENSE_TILE];                                                   \
-            dense_tile16(x, ROWS, k, w, BF16, n0, DENSE_TILE, sums);                                   \
-            DENSE_STORE(sums)                                                                          \
+            dense_tile16_rows(x, ROWS, k, w, BF16, n0, part, DENSE_TILE, DENSE_STREAM_PREFETCH_BYTES, sums); \
+            DENSE_STORE_STRIDED(sums, part)                                                            \
         }                                                                                              \
+        tiled = first + DENSE_TILE * part;                                                             \
         break;
 #endif
 
-/* dense_linear's tiles first .. last - 1 for 1 <= rows <= DENSE_MAX_ROWS, one thread's share, with their
- * outputs stored: dense_tile's products, tile after tile in one loop. At batch 1 a tile of SmolLM2's float32
- * weights is ~9 KB, read from memory in ~0.25 us, so a call of dense_tile for each (its setup and switch)
- * is not small beside it. With this loop and dense_tile16's unmasked steps, SmolLM2's float32 batch-1
- * products (30 layers and the LM head, alone in a loop) took 3-8 % less time on AMD Zen 4
- * (docs/benchmarks.md). */
-static void dense_tiles(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int bf16,
+/* dense_linear for 1 <= rows <= DENSE_MAX_ROWS: the outputs first .. last - 1 (one thread's share), stored.
+ * The share's weight rows are cut into DENSE_TILE parts of equal length, read side by side a row of each
+ * at a time (dense_tile16_rows' tile with its rows `part` apart), so that each part is one stream through
+ * memory, prefetched DENSE_STREAM_PREFETCH_BYTES ahead. The last count % DENSE_TILE rows (all of them in a
+ * build without the AVX-512 tile) go in tiles of adjacent rows (dense_tile). Each output's arithmetic is
+ * dense_tile's, whichever tile it is in. SmolLM2's float32 batch-1 products (30 layers and the LM head,
+ * alone in a loop on AMD Zen 4) took 8-23 % less time than with tiles of four adjacent rows, whose four
+ * streams lie one weight row apart (2.3-6 KB there) and were read more slowly (docs/benchmarks.md). */
+static void dense_share(const void *x, int64_t rows, int64_t k, const void *w, int64_t n, const void *bias, int bf16,
                         void *out, int out_bf16, int64_t first, int64_t last) {
-    int64_t tile = first;
+    int64_t tiled = first;
 #if defined(DENSE_FLOAT32_VECTOR)
-    const int64_t full = last < n / DENSE_TILE ? last : n / DENSE_TILE;
+    const int64_t part = (last - first) / DENSE_TILE;
     switch (rows * 2 + bf16) {
-        DENSE_TILES_CASE(1, 0)
-        DENSE_TILES_CASE(2, 0)
-        DENSE_TILES_CASE(3, 0)
-        DENSE_TILES_CASE(4, 0)
+        DENSE_STREAMS_CASE(1, 0)
+        DENSE_STREAMS_CASE(2, 0)
+        DENSE_STREAMS_CASE(3, 0)
+        DENSE_STREAMS_CASE(4, 0)
 #if defined(DENSE_BFLOAT16_VECTOR)
-        DENSE_TILES_CASE(1, 1)
-        DENSE_TILES_CASE(2, 1)
-        DENSE_TILES_CASE(3, 1)
-        DENSE_TILES_CASE(4, 1)
+        DENSE_STREAMS_CASE(1, 1)
+        DENSE_STREAMS_CASE(2, 1)
+        DENSE_STREAMS_CASE(3, 1)
+        DENSE_STREAMS_CASE(4, 1)
 #endif
     }
 #endif
-    for (; tile < last; tile++) {
-        const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
+    for (int64_t n0 = tiled; n0 < last; n0 += DENSE_TILE) {
+        const int64_t outs = last - n0 < DENSE_TILE ? last - n0 : DENSE_TILE;
         float sums[DENSE_MAX_ROWS * DENSE_TILE];
         dense_tile(x, rows, k, w, bf16, n0, outs, sums);
         DENSE_STORE(sums)
@@ -2918,10 +2923,10 @@ int dense_linear(const void *x, int64_t rows, int64_t k, const void *w, int64_t 
         dense_linear_wide(x, rows, k, w, n, bias, bf16, out, out_bf16, num_threads);
         return 0;
     }
-    const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE, parts = threads_for(n * k, num_threads);
-#pragma omp parallel for num_threads(parts) schedule(static)
-    for (int64_t part = 0; part < parts; part++)
-        dense_tiles(x, rows, k, w, n, bias, bf16, out, out_bf16, part * tiles / parts, (part + 1) * tiles / parts);
+    const int shares = threads_for(n * k, num_threads);
+#pragma omp parallel for num_threads(shares) schedule(static)
+    for (int share = 0; share < shares; share++)
+        dense_share(x, rows, k, w, n, bias, bf16, out, out_bf16, share * n / shares, (share + 1) * n / shares);
     return 0;
 }
 
