@@ -1,9 +1,10 @@
 /* dense_tile16 (kernels.c's products of a few rows with float weights), written once and included there
- * once per size of its accumulator array: DENSE_TILE16, the function's name, for at most DENSE_TILE16_ROWS
- * rows. The size is the instance's own because it changes the code generated: with an array for 8 rows
- * the one-to-four-row instance's (batch 1's) code was not the same. The unroll pragmas keep the wide
- * instance's accumulators in registers (without them the loops over 5-6 rows were not unrolled and the
- * accumulators went through memory every step); the 1-4 row code is the same with or without them. */
+ * once per size of its accumulator array: DENSE_TILE16, the function's name (its step and its form for
+ * weight rows `row_step` apart add _step and _rows to it), for at most DENSE_TILE16_ROWS rows. The size is
+ * the instance's own because it changes the code generated: with an array for 8 rows the one-to-four-row
+ * instance's (batch 1's) code was not the same. The unroll pragmas keep the wide instance's accumulators in
+ * registers (without them the loops over 5-6 rows were not unrolled and the accumulators went through
+ * memory every step); the 1-4 row code is the same with or without them. */
 
 #define DENSE_TILE16_NAMED(suffix) DENSE_TILE16_JOIN(DENSE_TILE16, suffix)
 #define DENSE_TILE16_JOIN(name, suffix) DENSE_TILE16_PASTE(name, suffix)
