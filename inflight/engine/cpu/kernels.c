@@ -2702,15 +2702,16 @@ static ALWAYS_INLINE void dense_step8(const float *x, int64_t xs, const int rows
     }
 }
 
-/* sums[r * DENSE_TILE + t] = x row r . W row n0 + t, for r < ROWS (<= DENSE_AVX2_PASS_ROWS) and t < OUTS
- * (<= DENSE_TILE; ROWS * OUTS <= 6), constants after inlining. `ahead`: floats to the prefetched column. */
+/* sums[r * DENSE_TILE + t] = x row r . W row n0 + t * row_step, for r < ROWS (<= DENSE_AVX2_PASS_ROWS) and
+ * t < OUTS (<= DENSE_TILE; ROWS * OUTS <= 6), constants after inlining. `ahead`: floats to the prefetched
+ * column. */
 static ALWAYS_INLINE void dense_tile8(const float *x, int64_t xs, const int rows, int64_t k, const float *w,
-                                      int64_t n0, const int outs, int64_t ahead, float *sums) {
+                                      int64_t n0, int64_t row_step, const int outs, int64_t ahead, float *sums) {
     __m256 lo[DENSE_AVX2_PASS_ROWS][DENSE_TILE], hi[DENSE_AVX2_PASS_ROWS][DENSE_TILE];
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < outs; t++) lo[r][t] = hi[r][t] = _mm256_setzero_ps();
     const float *wr[DENSE_TILE];
-    for (int t = 0; t < outs; t++) wr[t] = w + (n0 + t) * k;
+    for (int t = 0; t < outs; t++) wr[t] = w + (n0 + t * row_step) * k;
     const int64_t whole = k / 16 * 16;
     for (int64_t i = 0; i < k; i += 16) {
         for (int t = 0; t < outs; t++) _mm_prefetch((const char *)(wr[t] + i + ahead), _MM_HINT_T1);
@@ -2737,9 +2738,9 @@ static ALWAYS_INLINE void dense_tile8(const float *x, int64_t xs, const int rows
         CALL(1, 1)
 
 /* dense_tile8 with its row and output counts made constants (one row by DENSE_TILE weight rows too). */
-static void dense_tile8_pass(const float *x, int64_t xs, int rows, int64_t k, const float *w, int64_t n0, int outs,
-                             int64_t ahead, float *sums) {
-#define DENSE_TILE8(ROWS, OUTS) dense_tile8(x, xs, ROWS, k, w, n0, OUTS, ahead, sums)
+static void dense_tile8_pass(const float *x, int64_t xs, int rows, int64_t k, const float *w, int64_t n0,
+                             int64_t row_step, int outs, int64_t ahead, float *sums) {
+#define DENSE_TILE8(ROWS, OUTS) dense_tile8(x, xs, ROWS, k, w, n0, row_step, OUTS, ahead, sums)
     if (rows == 1 && outs == DENSE_TILE) DENSE_TILE8(1, DENSE_TILE);
     else DENSE_AVX2_CONSTANTS(rows, outs, DENSE_TILE8);
 #undef DENSE_TILE8
@@ -2855,40 +2856,63 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
 
 
 #if defined(DENSE_FLOAT32_AVX2)
+/* dense_linear_avx2 for one row: the outputs first .. last - 1 (one thread's share), stored, the share's
+ * weight rows read as four streams as dense_share reads them on AVX-512 builds (a tile is one row of each
+ * quarter of the share, prefetched DENSE_STREAM_PREFETCH_BYTES ahead); the last count % DENSE_TILE rows one
+ * at a time, prefetched `ahead` floats ahead. */
+static void dense_avx2_share(const float *x, int64_t k, const float *w, int64_t n, const float *bias, float *out,
+                             int64_t ahead, int64_t first, int64_t last) {
+    const int bf16 = 0, out_bf16 = 0, rows = 1; /* for DENSE_STORE */
+    const int64_t part = (last - first) / DENSE_TILE;
+    float sums[DENSE_TILE];
+    for (int64_t j = 0; j < part; j++) {
+        const int64_t n0 = first + j, outs = DENSE_TILE;
+        dense_tile8_pass(x, k, 1, k, w, n0, part, DENSE_TILE, DENSE_STREAM_PREFETCH_BYTES / 4, sums);
+        DENSE_STORE_STRIDED(sums, part)
+    }
+    for (int64_t n0 = first + DENSE_TILE * part; n0 < last; n0++) {
+        const int64_t outs = 1;
+        dense_tile8_pass(x, k, 1, k, w, n0, 1, 1, ahead, sums);
+        DENSE_STORE(sums)
+    }
+}
+
 /* dense_linear (float32) on these builds where it does not go in blocks (up to DENSE_DIRECT_ROWS rows, or k <
- * DENSE_BLOCKED_K), 1 <= rows <= DENSE_FLOAT32_ROWS: -1 where x's copy could not be allocated. More than one row are
- * first copied DENSE_AVX2_ROW_PAD floats further apart than k: rows k floats apart (8 KB for llama-1b) put the same
- * column of every row, and of the tile's weight rows, in the same L1 sets, more lines than a set holds. */
+ * DENSE_BLOCKED_K), 1 <= rows <= DENSE_FLOAT32_ROWS: -1 where x's copy could not be allocated. One row goes by four
+ * streams a thread (dense_avx2_share: SmolLM2's batch-1 products, alone in a loop, took 10-17 % less time than in tiles
+ * of adjacent rows, in this build on an AMD Zen 4). More than one row are first copied DENSE_AVX2_ROW_PAD floats further
+ * apart than k: rows k floats apart (8 KB for llama-1b) put the same column of every row, and of the tile's weight
+ * rows, in the same L1 sets, more lines than a set holds. */
 static int dense_linear_avx2(const float *x, int64_t rows, int64_t k, const float *w, int64_t n, const float *bias,
                              float *out, int num_threads) {
     const int bf16 = 0, out_bf16 = 0; /* for DENSE_STORE */
     const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE, tile_floats = DENSE_TILE * k;
     const int64_t ahead = (DENSE_PREFETCH_BYTES / 4 + tile_floats - 1) / tile_floats * tile_floats;
-    const int64_t xs = rows > 1 ? k + DENSE_AVX2_ROW_PAD : k;
-    float *xp = (float *)x;
-    if (rows > 1) {
-        xp = aligned_alloc(64, (size_t)((rows * xs * 4 + 63) / 64 * 64));
-        if (xp == NULL) return -1;
-        for (int64_t r = 0; r < rows; r++) memcpy(xp + r * xs, x + r * k, (size_t)k * sizeof(float));
+    if (rows == 1) {
+        const int shares = threads_for(n * k, num_threads);
+#pragma omp parallel for num_threads(shares) schedule(static)
+        for (int share = 0; share < shares; share++)
+            dense_avx2_share(x, k, w, n, bias, out, ahead, share * n / shares, (share + 1) * n / shares);
+        return 0;
     }
+    const int64_t xs = k + DENSE_AVX2_ROW_PAD;
+    float *xp = aligned_alloc(64, (size_t)((rows * xs * 4 + 63) / 64 * 64));
+    if (xp == NULL) return -1;
+    for (int64_t r = 0; r < rows; r++) memcpy(xp + r * xs, x + r * k, (size_t)k * sizeof(float));
 #pragma omp parallel for num_threads(threads_for(n * k, num_threads)) schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {
         const int64_t n0 = tile * DENSE_TILE, outs = n - n0 < DENSE_TILE ? n - n0 : DENSE_TILE;
         float sums[DENSE_FLOAT32_ROWS * DENSE_TILE];
-        if (rows == 1 && outs == DENSE_TILE) {
-            dense_tile8_pass(xp, xs, 1, k, w, n0, DENSE_TILE, ahead, sums);
-        } else {
-            for (int64_t t = 0; t < outs; t += DENSE_AVX2_OUTS) {
-                const int part = outs - t < DENSE_AVX2_OUTS ? (int)(outs - t) : DENSE_AVX2_OUTS;
-                for (int64_t r = 0; r < rows; r += DENSE_AVX2_PASS_ROWS) {
-                    const int pass = rows - r < DENSE_AVX2_PASS_ROWS ? (int)(rows - r) : DENSE_AVX2_PASS_ROWS;
-                    dense_tile8_pass(xp + r * xs, xs, pass, k, w, n0 + t, part, ahead, sums + r * DENSE_TILE + t);
-                }
+        for (int64_t t = 0; t < outs; t += DENSE_AVX2_OUTS) {
+            const int part = outs - t < DENSE_AVX2_OUTS ? (int)(outs - t) : DENSE_AVX2_OUTS;
+            for (int64_t r = 0; r < rows; r += DENSE_AVX2_PASS_ROWS) {
+                const int pass = rows - r < DENSE_AVX2_PASS_ROWS ? (int)(rows - r) : DENSE_AVX2_PASS_ROWS;
+                dense_tile8_pass(xp + r * xs, xs, pass, k, w, n0 + t, 1, part, ahead, sums + r * DENSE_TILE + t);
             }
         }
         DENSE_STORE(sums)
     }
-    if (xp != x) free(xp);
+    free(xp);
     return 0;
 }
 #endif
