@@ -2492,8 +2492,9 @@ int dense_linear_max_rows(int dtype, int64_t k) {
 /* dense_linear for 1 <= rows <= DENSE_MAX_ROWS: the outputs first .. last - 1 (one thread's share), stored.
  * The share's weight rows are cut into DENSE_TILE parts of equal length, read side by side a row of each
  * at a time (dense_tile16_rows' tile with its rows `part` apart), so that each part is one stream through
- * memory, prefetched DENSE_STREAM_PREFETCH_BYTES ahead. The last count % DENSE_TILE rows (all of them in a
- * build without the AVX-512 tile) go in tiles of adjacent rows (dense_tile). Each output's arithmetic is
+ * memory, prefetched DENSE_STREAM_PREFETCH_BYTES ahead. The last count % DENSE_TILE rows (all of them where
+ * the build has no vector tile for the dtype: plain C, or bfloat16 without AVX512-BF16) go in tiles of
+ * adjacent rows (dense_tile). Each output's arithmetic is
  * dense_tile's, whichever tile it is in. SmolLM2's float32 batch-1 products (30 layers and the LM head,
  * alone in a loop on AMD Zen 4) took 8-23 % less time than with tiles of four adjacent rows, whose four
  * streams lie one weight row apart (2.3-6 KB there) and were read more slowly (docs/benchmarks.md). */
@@ -2858,16 +2859,16 @@ static void dense_linear_wide(const void *x, int64_t rows, int64_t k, const void
 #if defined(DENSE_FLOAT32_AVX2)
 /* dense_linear_avx2 for one row: the outputs first .. last - 1 (one thread's share), stored, the share's
  * weight rows read as four streams as dense_share reads them on AVX-512 builds (a tile is one row of each
- * quarter of the share, prefetched DENSE_STREAM_PREFETCH_BYTES ahead); the last count % DENSE_TILE rows one
- * at a time, prefetched `ahead` floats ahead. */
+ * quarter of the share), then the last count % DENSE_TILE rows one at a time: each stream, and those consecutive
+ * rows, prefetched DENSE_STREAM_PREFETCH_BYTES ahead. */
 static void dense_avx2_share(const float *x, int64_t k, const float *w, int64_t n, const float *bias, float *out,
-                             int64_t ahead, int64_t first, int64_t last) {
+                             int64_t first, int64_t last) {
     const int bf16 = 0, out_bf16 = 0, rows = 1; /* for DENSE_STORE */
-    const int64_t part = (last - first) / DENSE_TILE;
+    const int64_t part = (last - first) / DENSE_TILE, ahead = DENSE_STREAM_PREFETCH_BYTES / 4;
     float sums[DENSE_TILE];
     for (int64_t j = 0; j < part; j++) {
         const int64_t n0 = first + j, outs = DENSE_TILE;
-        dense_tile8_pass(x, k, 1, k, w, n0, part, DENSE_TILE, DENSE_STREAM_PREFETCH_BYTES / 4, sums);
+        dense_tile8_pass(x, k, 1, k, w, n0, part, DENSE_TILE, ahead, sums);
         DENSE_STORE_STRIDED(sums, part)
     }
     for (int64_t n0 = first + DENSE_TILE * part; n0 < last; n0++) {
@@ -2885,16 +2886,16 @@ static void dense_avx2_share(const float *x, int64_t k, const float *w, int64_t 
  * rows, in the same L1 sets, more lines than a set holds. */
 static int dense_linear_avx2(const float *x, int64_t rows, int64_t k, const float *w, int64_t n, const float *bias,
                              float *out, int num_threads) {
-    const int bf16 = 0, out_bf16 = 0; /* for DENSE_STORE */
-    const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE, tile_floats = DENSE_TILE * k;
-    const int64_t ahead = (DENSE_PREFETCH_BYTES / 4 + tile_floats - 1) / tile_floats * tile_floats;
     if (rows == 1) {
         const int shares = threads_for(n * k, num_threads);
 #pragma omp parallel for num_threads(shares) schedule(static)
         for (int share = 0; share < shares; share++)
-            dense_avx2_share(x, k, w, n, bias, out, ahead, share * n / shares, (share + 1) * n / shares);
+            dense_avx2_share(x, k, w, n, bias, out, share * n / shares, (share + 1) * n / shares);
         return 0;
     }
+    const int bf16 = 0, out_bf16 = 0; /* for DENSE_STORE */
+    const int64_t tiles = (n + DENSE_TILE - 1) / DENSE_TILE, tile_floats = DENSE_TILE * k;
+    const int64_t ahead = (DENSE_PREFETCH_BYTES / 4 + tile_floats - 1) / tile_floats * tile_floats;
     const int64_t xs = k + DENSE_AVX2_ROW_PAD;
     float *xp = aligned_alloc(64, (size_t)((rows * xs * 4 + 63) / 64 * 64));
     if (xp == NULL) return -1;
