@@ -65,7 +65,9 @@ class EngineConfig(BaseModel):
         "for the whole step); default (None): on CPU "
         f"{CPU_PREFILL_TOKENS_WHILE_DECODING}, or fewer for a model whose layers are larger than "
         f"SmolLM2-135M's (the same work, at least {CPU_MIN_PREFILL_TOKENS_WHILE_DECODING}); on CUDA the "
-        "step's token budget",
+        "step's token budget. Set to the token budget (2048 by default) it makes vLLM's trade, for "
+        "traffic that reads whole answers: more tokens/s on long prompts, longer gaps between streamed "
+        "tokens (docs/engine.md)",
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="KV cache blocks; None = derive")
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
