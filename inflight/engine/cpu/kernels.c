@@ -2515,6 +2515,7 @@ static void dense_share(const void *x, int64_t rows, int64_t k, const void *w, i
         DENSE_STREAMS_CASE(4, 1)
 #endif
     }
+#undef DENSE_STREAMS_CASE
 #endif
     for (int64_t n0 = tiled; n0 < last; n0 += DENSE_TILE) {
         const int64_t outs = last - n0 < DENSE_TILE ? last - n0 : DENSE_TILE;
